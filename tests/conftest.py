@@ -1,0 +1,51 @@
+"""Shared test helpers: smoke-run a script in a subprocess, or import a script as a module."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # `import envs` from the tests
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: learning tests that take minutes (deselect with -m 'not slow')")
+
+
+def load_script(name: str):
+    """Import `algos/<name>.py` as a module (its `if __name__ == "__main__"` block does not run)."""
+    path = ROOT / "algos" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"algos_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(script: str, *args: str, runs_dir: Path, timeout: float = 300, expect_fail: bool = False):
+    """Run `python algos/<script>.py --runs-dir RUNS_DIR ARGS...` and return its summary.json as a dict.
+
+    With `expect_fail=True` the run must exit non-zero; the CompletedProcess is returned instead.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(ROOT / "algos" / f"{script}.py"), "--runs-dir", str(runs_dir), *args]
+    before = set(Path(runs_dir).glob("*")) if Path(runs_dir).exists() else set()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if expect_fail:
+        assert proc.returncode != 0, f"expected a failure, got exit 0:\n{proc.stdout[-2000:]}"
+        return proc
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    new_dirs = sorted(set(Path(runs_dir).glob("*")) - before)
+    assert len(new_dirs) == 1, f"expected one new run dir, got {new_dirs}"
+    summary = json.loads((new_dirs[0] / "summary.json").read_text())
+    assert summary["script"] == script
+    return summary
+
+
+@pytest.fixture
+def runs_dir(tmp_path):
+    return tmp_path / "runs"
