@@ -25,13 +25,18 @@ def vocab_words() -> list[str]:
     from envs.guess_image import WORDS as DIALOGUE_WORDS
     from envs.preference import WORDS as PREFERENCE_WORDS
 
-    words = set(PREFERENCE_WORDS) | set(DIALOGUE_WORDS) | set(PUNCTUATION) | set(DIGITS)
-    return sorted(w.lower() for w in words if w.lower() not in SPECIAL_TOKENS)
+    return _normalize_words([*PREFERENCE_WORDS, *DIALOGUE_WORDS])
+
+
+def _normalize_words(words) -> list[str]:
+    """Lower-case, add punctuation and digits, drop special tokens and duplicates, sort (a stable id order)."""
+    words = {w.lower() for w in words} | set(PUNCTUATION) | set(DIGITS)
+    return sorted(words - set(SPECIAL_TOKENS))
 
 
 def build_tokenizer(words: list[str] | None = None) -> PreTrainedTokenizerFast:
-    """The seqrl tokenizer. `words` overrides the vocabulary (tests); by default `vocab_words()`."""
-    words = vocab_words() if words is None else sorted(set(words))
+    """The seqrl tokenizer. `words` overrides the task words (punctuation and digits are always added)."""
+    words = vocab_words() if words is None else _normalize_words(words)
     vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *words])}
     backend = Tokenizer(WordLevel(vocab=vocab, unk_token=UNK))
     backend.normalizer = normalizers.Lowercase()
