@@ -1,0 +1,522 @@
+"""RLHF reward model: learn r_psi(s, a) from pairwise / K-wise human preferences (Bradley-Terry).
+
+Lecture part 2: a human cannot reliably emit "Paris = +1, 'I don't know' = -0.1", but can compare two answers.
+Model the comparison as p(a1 > a2 | s) = exp r(s,a1) / (exp r(s,a1) + exp r(s,a2)) = σ(r(s,a1) - r(s,a2)),
+the max-ent-IRL form, and fit r_psi by maximum likelihood of the labels. Here the "human" is the hidden gold
+utility of `envs/preference.py` behind a Bradley-Terry labeler, so we can measure what a reward model learns:
+its held-out preference accuracy against the labeler's Bayes-optimal ceiling, its rank correlation with the
+gold utility, and the calibration of σ(Δr) against the labeler's true preference probabilities.
+
+Key equations:
+  pairwise (Bradley-Terry NLL):   L = -log σ(r_c - r_r - m) + λ_c (r_c + r_r)^2      (m margin, λ_c centering)
+  K-wise, "pairs" (InstructGPT):  L = mean over the C(K,2) ordered pairs (i above j) of one ranking of the above
+  K-wise, "softmax" (lm-human-preferences): L = -log softmax(r_1..r_K)[best]          (= pairwise when K = 2)
+  normalization after training:   r <- (r - mean_SFT) / std_SFT, folded into the saved weights
+
+Implementation details:
+  1. Reward = a transformer backbone + linear head `score` read at the LAST NON-PAD token
+     (`AutoModelForSequenceClassification`, num_labels=1). The pad token (<pad>, id 0) is distinct from <eos>,
+     so the pooled token of a finished completion is its <eos>; a wrong pooled token is the most common reason
+     reward models sit at 50-60% accuracy. `last_non_pad_index` handles left and right padding; position ids
+     come from the attention mask (cumsum - 1) so left padding is correct too.
+  2. Text scored = `prompt + " " + completion` (the completion ends with " <eos>" unless it was cut off), the
+     same join `rlhf_ppo_kl.py` uses. Right padding, no special tokens added.
+  3. K-wise "pairs" keeps all C(K,2) pairs of a ranking in ONE batch element: K forward passes instead of
+     K(K-1), and no epoch sees the same completion in many unrelated minibatches (InstructGPT's overfitting fix).
+  4. Reward centering (Eisenstein et al. 2023) pins the per-prompt offset that Bradley-Terry leaves free
+     (lecture Problem 21.3b); off by default.
+  5. Calibration and accuracy are measured on the raw (Bradley-Terry-scaled) reward; then the reward is
+     normalized to mean 0 / std 1 on SFT demonstrations: the head weight is divided by std, and the shift is
+     put into the head bias or, for heads without one (GPT-2, Llama), into the bias of the final LayerNorm along
+     the head direction (shifts every score by exactly -mean/std). If the backbone has neither, the shift is left
+     in `config.seqrl_reward_offset` (add it). mean/std are also kept in `config.seqrl_reward_mean/_std`.
+  6. No dropout in the tiny GPT-2 (tiny data, short runs; dropout only slowed convergence here).
+
+What was scaled down and why: a 2-layer, 64-wide GPT-2 trained from scratch on the 113-word task vocabulary
+instead of a 6B pretrained model, and 3,000 ranked prompts of K=4 from a simulated labeler instead of human
+labels: it fits in a few minutes on a CPU and the gold utility is known.
+
+References:
+  [1] Christiano et al. 2017, Deep RL from human preferences. [2] Ziegler et al. 2019, Fine-tuning LMs from human
+  preferences (K-way softmax, reward normalization; code: openai/lm-human-preferences). [3] Ouyang et al. 2022,
+  InstructGPT (all C(K,2) pairs per batch element). [4] Eisenstein et al. 2023, Helping or herding? (reward
+  centering). [5] huggingface/trl `RewardTrainer` (margin, center_rewards_coefficient).
+Reproduce: python algos/rlhf_reward_model.py --seed 1
+"""
+
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from torch.utils.tensorboard import SummaryWriter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
+import envs  # noqa: E402, F401  (registers the seqrl/ environments)
+from envs import preference  # noqa: E402
+from envs.tokenizer import build_tokenizer  # noqa: E402
+
+TASK_ID = "seqrl-preference"  # run-name prefix
+N_POSITIONS = 64  # tiny GPT-2 context: prompt (<= 9 tokens) + completion (<= 16 tokens) fits with room
+CALIBRATION_BINS = 10  # equal-width bins of σ(Δr) for the calibration table / error
+SCORE_BATCH = 512  # sequences per no-grad scoring forward pass
+PROBES = (  # off-distribution completions of the lecture prompt: does the proxy reward repetition? (gold says no)
+    "paris paris paris paris <eos>",
+    "paris , of course , paris , of course <eos>",
+    "paris",
+)
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (data, labels, initialization)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = False
+    """use the GPU if available"""
+    runs_dir: str = "runs"
+    """where run directories are written"""
+    eval_episodes: int = 500
+    """held-out comparisons (prompts with K ranked completions, from held-out prompts) to evaluate on"""
+    eval_only: bool = False
+    """only evaluate the reward model given by `--checkpoint` (a run dir or its reward_model/ dir)"""
+    checkpoint: str | None = None
+    """path of a saved run dir or `save_pretrained` reward-model dir to evaluate with `--eval-only`"""
+
+    # model
+    model_name_or_path: str | None = None
+    """local dir / hub id of a model to start from (`AutoModelForSequenceClassification`, num_labels=1);
+    None = a tiny GPT-2 built from a config with the seqrl tokenizer's vocabulary"""
+    n_layer: int = 2
+    """tiny GPT-2: transformer blocks"""
+    n_embd: int = 64
+    """tiny GPT-2: width"""
+    n_head: int = 4
+    """tiny GPT-2: attention heads"""
+
+    # preference data (envs/preference.py)
+    n_train_prompts: int = 3000
+    """ranked comparisons to train on (each: K completions of one training prompt)"""
+    k: int = 4
+    """completions ranked per prompt (K); each ranking gives C(K,2) pairs"""
+    temperature: float = 1.0
+    """labeler's Bradley-Terry temperature T: p(a > b) = σ((u_a - u_b)/T)"""
+    flip_prob: float = 0.0
+    """labeler's probability of handing in a flipped label / reversed ranking"""
+    n_norm_samples: int = 2000
+    """SFT demonstrations the reward is normalized on (mean 0, std 1) after training"""
+
+    # loss and optimization
+    loss: Literal["pairwise", "kwise"] = "kwise"
+    """pairwise: every pair its own example; kwise: one ranking per batch element"""
+    kwise_form: Literal["pairs", "softmax"] = "pairs"
+    """kwise loss: all C(K,2) pairs of a ranking (InstructGPT) or K-way softmax over the best (lm-human-prefs)"""
+    margin: float = 0.0
+    """margin m in -log σ(r_c - r_r - m)"""
+    center_coef: float = 0.0
+    """reward-centering coefficient λ_c on (sum of an element's rewards)^2"""
+    epochs: int = 12
+    """passes over the preference data"""
+    batch_size: int = 64
+    """rankings per minibatch (kwise) or pairs per minibatch (pairwise)"""
+    learning_rate: float = 3e-3
+    """AdamW learning rate (linearly decayed to 0)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Losses and metrics (pure functions, imported by the tests)
+# ------------------------------------------------------------------------------------------------------------
+def pairwise_loss(
+    r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: float = 0.0, center_coef: float = 0.0
+) -> torch.Tensor:
+    """Bradley-Terry NLL -log σ(r_c - r_r - margin) + center_coef (r_c + r_r)^2, mean over pairs. (B,), (B,) -> ()"""
+    nll = -F.logsigmoid(r_chosen - r_rejected - margin)
+    return (nll + center_coef * (r_chosen + r_rejected) ** 2).mean()
+
+
+def kwise_loss(
+    rewards_ranked: torch.Tensor, form: str = "pairs", margin: float = 0.0, center_coef: float = 0.0
+) -> torch.Tensor:
+    """K-wise loss of rewards already sorted best first, (B, K) -> ().
+
+    "pairs": mean over the C(K,2) pairs (i above j) of the Bradley-Terry NLL, per element, then over elements;
+    "softmax": -log softmax(r)[best] (the best of K against all others). Both equal the pairwise loss for K = 2.
+    """
+    k = rewards_ranked.shape[1]
+    if form == "pairs":
+        i, j = torch.triu_indices(k, k, offset=1)  # all i < j: i ranked above j
+        diff = rewards_ranked[:, i] - rewards_ranked[:, j] - margin  # (B, C(K,2))
+        nll = -F.logsigmoid(diff).mean(1)  # (B,)
+    elif form == "softmax":
+        nll = -torch.log_softmax(rewards_ranked, dim=1)[:, 0]  # (B,); margin is not defined for this form
+    else:
+        raise ValueError(f"unknown kwise form {form!r} (pairs | softmax)")
+    return (nll + center_coef * rewards_ranked.sum(1) ** 2).mean()
+
+
+def last_non_pad_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the rightmost real token of each row, for left or right padding. (B, L) -> (B,) int64."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)  # (L,)
+    return (positions * attention_mask.long()).argmax(1)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2, ... over the real tokens (pads get 0): correct positions under left padding. (B, L) -> (B, L)"""
+    return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+
+
+def rankdata(x: np.ndarray) -> np.ndarray:
+    """Ranks 1..N with ties given their average rank (as scipy.stats.rankdata)."""
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x), dtype=np.float64)
+    ranks[order] = np.arange(1, len(x) + 1)
+    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    sums = np.bincount(inverse, weights=ranks)
+    return sums[inverse] / counts[inverse]
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman's ρ = Pearson correlation of the (tie-averaged) ranks."""
+    rx, ry = rankdata(np.asarray(x, np.float64)), rankdata(np.asarray(y, np.float64))
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    return float((rx * ry).sum() / np.sqrt((rx**2).sum() * (ry**2).sum()))
+
+
+def calibration_table(p_model: np.ndarray, p_true: np.ndarray, n_bins: int = CALIBRATION_BINS):
+    """Bin σ(Δr) into equal-width bins; per bin (lo, hi, count, mean predicted, mean true), and the expected
+    calibration error Σ_b (n_b/N) |mean predicted_b - mean true_b|."""
+    edges = np.linspace(0.0, 1.0, n_bins + 1)
+    bins = np.clip(np.digitize(p_model, edges[1:-1]), 0, n_bins - 1)
+    rows, ece = [], 0.0
+    for b in range(n_bins):
+        sel = bins == b
+        if sel.any():
+            pred, true = p_model[sel].mean(), p_true[sel].mean()
+            rows.append((edges[b], edges[b + 1], int(sel.sum()), float(pred), float(true)))
+            ece += sel.mean() * abs(pred - true)
+    return rows, float(ece)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Model helpers
+# ------------------------------------------------------------------------------------------------------------
+def rm_text(prompt: str, completion: str, tokenizer) -> str:
+    """The text a reward model scores: prompt, space, completion (<eos> spelled as the tokenizer's eos)."""
+    text = f"{prompt} {completion}"
+    if tokenizer.eos_token and tokenizer.eos_token != preference.EOS:
+        text = text.replace(preference.EOS, tokenizer.eos_token)
+    return text
+
+
+def encode(tokenizer, prompts, completions, padding_side: str = "right") -> dict:
+    texts = [rm_text(p, c, tokenizer) for p, c in zip(prompts, completions, strict=True)]
+    tokenizer.padding_side = padding_side
+    enc = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+
+def reward_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Scalar reward per sequence, read at the last non-pad token. (B, L) -> (B,)
+
+    Runs the backbone and the `score` head explicitly so the pooled index is ours (`last_non_pad_index`); it
+    equals `model(input_ids, attention_mask).logits[:, 0]` of the saved `AutoModelForSequenceClassification`.
+    """
+    hidden = model.base_model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+    ).last_hidden_state  # (B, L, H)
+    pooled = hidden[torch.arange(len(hidden), device=hidden.device), last_non_pad_index(attention_mask)]  # (B, H)
+    return model.score(pooled).squeeze(-1)  # (B,)
+
+
+@torch.no_grad()
+def score_texts(model, tokenizer, prompts, completions, device) -> np.ndarray:
+    """Rewards of many (prompt, completion) pairs, in batches; float64 (N,)."""
+    out = []
+    for i in range(0, len(prompts), SCORE_BATCH):
+        enc = encode(tokenizer, prompts[i : i + SCORE_BATCH], completions[i : i + SCORE_BATCH])
+        out.append(reward_forward(model, enc["input_ids"].to(device), enc["attention_mask"].to(device)).cpu())
+    return torch.cat(out).double().numpy() if out else np.zeros(0)
+
+
+def fold_normalization(model, mean: float, std: float) -> str:
+    """Make the model output (r - mean) / std: scale the head, put the shift into a bias (see details 5)."""
+    head = model.score
+    c = -mean / std  # the shift every (scaled) score needs
+    with torch.no_grad():
+        head.weight /= std
+        if getattr(head, "bias", None) is not None:
+            head.bias += c
+            where = "score.bias"
+        else:
+            norm = next((getattr(model.base_model, n) for n in ("ln_f", "norm", "final_layer_norm")
+                         if hasattr(model.base_model, n)), None)  # fmt: skip
+            if norm is not None and getattr(norm, "bias", None) is not None:
+                w = head.weight[0]  # (H,) the head direction
+                norm.bias += c * w / (w @ w)  # w·(h + δ) = w·h + c for every token
+                where = "final-norm bias"
+            else:
+                model.config.seqrl_reward_offset = c  # no bias anywhere: a loader must add this
+                where = "config.seqrl_reward_offset (add it to the model output)"
+    model.config.seqrl_reward_mean, model.config.seqrl_reward_std = mean, std
+    return where
+
+
+def build_model(args, device):
+    """(model, tokenizer): tiny GPT-2 from a config, or `--model-name-or-path` with num_labels=1."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2Config
+
+    if args.model_name_or_path is None:
+        tokenizer = build_tokenizer()
+        config = GPT2Config(
+            vocab_size=len(tokenizer), n_positions=N_POSITIONS, n_embd=args.n_embd, n_layer=args.n_layer,
+            n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, num_labels=1,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+        return AutoModelForSequenceClassification.from_config(config).to(device), tokenizer
+    path = args.model_name_or_path
+    if os.path.sep in path and not Path(path).exists():
+        raise SystemExit(f"error: --model-name-or-path '{path}' does not exist")
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"error: could not load --model-name-or-path '{path}': {str(e).splitlines()[0]}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        tokenizer = build_tokenizer()  # a checkpoint saved without a tokenizer uses the seqrl one
+    if tokenizer.pad_token is None or tokenizer.pad_token == tokenizer.eos_token:
+        tokenizer.add_special_tokens({"pad_token": "<pad>"})  # a pad distinct from EOS (detail 1)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if not hasattr(model, "score"):
+        raise SystemExit(f"error: {type(model).__name__} has no `score` head; use a decoder-only model")
+    return model.to(device), tokenizer
+
+
+def load_checkpoint(path: str, device):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    p = Path(path)
+    if (p / "reward_model").is_dir():
+        p = p / "reward_model"
+    if not (p / "config.json").exists():
+        raise SystemExit(f"error: --checkpoint '{path}' is not a run dir or save_pretrained dir (no config.json)")
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(p)
+        tokenizer = AutoTokenizer.from_pretrained(p)
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"error: could not load reward model from '{p}': {str(e).splitlines()[0]}") from None
+    return model.to(device), tokenizer
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Evaluation
+# ------------------------------------------------------------------------------------------------------------
+def evaluate(model, tokenizer, heldout, args, device, scale: float = 1.0) -> tuple[dict, str]:
+    """Held-out metrics. `scale` converts the model's output back to the Bradley-Terry scale for calibration."""
+    model.eval()
+    labeler = preference.Labeler(args.temperature, args.flip_prob)
+    prompts, chosen, rejected = preference.to_pairs(heldout)
+    r_c = score_texts(model, tokenizer, prompts, chosen, device) * scale
+    r_r = score_texts(model, tokenizer, prompts, rejected, device) * scale
+    delta = r_c - r_r  # (P,)
+    p_true = labeler.preference_prob(prompts, chosen, rejected)  # (P,) P(labeler prefers the "chosen" one)
+    metrics = {
+        # accuracy on the sampled labels (ties count half)
+        "eval/preference_accuracy": float(np.mean((delta > 0) + 0.5 * (delta == 0))),
+        # the same accuracy in expectation over the labeler's coin flips (noise-free, same target)
+        "eval/expected_accuracy": float(np.mean(np.where(delta > 0, p_true, 1 - p_true) * (delta != 0) + 0.5 * (delta == 0))),  # noqa: E501
+        "eval/bayes_accuracy": labeler.bayes_accuracy(prompts, chosen, rejected),
+        "eval/n_pairs": float(len(delta)),
+    }  # fmt: skip
+    rows, metrics["eval/calibration_error"] = calibration_table(1 / (1 + np.exp(-delta)), p_true)
+    # Spearman ρ of r_psi with the gold utility over every held-out completion
+    flat_p = [d["prompt"] for d in heldout for _ in d["completions"]]
+    flat_c = [c for d in heldout for c in d["completions"]]
+    rewards = score_texts(model, tokenizer, flat_p, flat_c, device)
+    gold = preference.gold_utility_batch(flat_p, flat_c)
+    metrics["eval/spearman_gold"] = spearman(rewards, gold)
+    # within-prompt ρ: immune to the per-prompt offset Bradley-Terry cannot identify (Problem 21.3b)
+    by_prompt: dict[str, list[int]] = {}
+    for i, p in enumerate(flat_p):
+        by_prompt.setdefault(p, []).append(i)
+    within = [spearman(rewards[ix], gold[ix]) for ix in by_prompt.values() if np.ptp(gold[ix]) > 0]
+    metrics["eval/spearman_gold_within_prompt"] = float(np.mean(within))
+    score_metrics, report = lecture_scores(model, tokenizer, device)
+    metrics.update(score_metrics)
+    report += (
+        "\n\ncalibration of σ(Δr) vs the labeler's true p:\n| bin | pairs | mean σ(Δr) | mean p |\n|---|---|---|---|\n"
+    )
+    report += "\n".join(f"| {lo:.1f}-{hi:.1f} | {n} | {a:.3f} | {b:.3f} |" for lo, hi, n, a, b in rows)
+    return metrics, report
+
+
+def lecture_scores(model, tokenizer, device) -> tuple[dict, str]:
+    """The lecture's example completions (best first) and off-distribution probes, scored; metrics and a table."""
+    prompt, examples = preference.LECTURE_EXAMPLES
+    texts = list(examples + PROBES)
+    scores = score_texts(model, tokenizer, [prompt] * len(texts), texts, device)
+    scores = scores + float(getattr(model.config, "seqrl_reward_offset", 0.0))
+    metrics = {"eval/lecture_order_correct": float(np.all(np.diff(scores[: len(examples)]) < 0))}
+    lines = ["| completion | gold u | r_psi |", "|---|---|---|"]
+    for i, (c, s) in enumerate(zip(texts, scores, strict=True)):
+        kind = f"lecture_{i}" if i < len(examples) else f"probe_{i - len(examples)}"
+        metrics[f"eval/score_{kind}"] = float(s)
+        lines.append(f"| {c} | {preference.gold_utility(prompt, c):+.2f} | {s:+.3f} |")
+    return metrics, f'scores for "{prompt}" (lecture examples best first, then probes):\n' + "\n".join(lines)
+
+
+def make_run_dir(args) -> tuple[str, Path]:
+    run_name = f"{TASK_ID}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir, i = Path(args.runs_dir) / run_name, 0
+    while run_dir.exists():
+        i += 1
+        run_dir = Path(args.runs_dir) / f"{run_name}-{i}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    return run_dir.name, run_dir
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    # validate early: one clear line instead of a traceback
+    if args.eval_only and args.checkpoint is None:
+        raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or its reward_model/ dir)")
+    if args.checkpoint is not None and not Path(args.checkpoint).exists():
+        raise SystemExit(f"error: --checkpoint '{args.checkpoint}' does not exist")
+    if args.k < 2 or args.n_train_prompts < 1 or args.eval_episodes < 1 or args.epochs < 1 or args.batch_size < 1:
+        raise SystemExit("error: need --k >= 2 and positive --n-train-prompts, --eval-episodes, --epochs, --batch-size")
+    if args.temperature <= 0 or not 0 <= args.flip_prob <= 1:
+        raise SystemExit("error: need --temperature > 0 and 0 <= --flip-prob <= 1")
+    if args.loss == "kwise" and args.kwise_form == "softmax" and args.margin != 0:
+        raise SystemExit("error: --margin is defined for pairwise / kwise-pairs losses, not --kwise-form softmax")
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    start_time = time.time()
+
+    run_name, run_dir = make_run_dir(args)
+    writer = SummaryWriter(str(run_dir))
+    table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+
+    # held-out comparisons: K completions of held-out prompts, ranked by the same labeler (other seed)
+    heldout = preference.make_preference_dataset(
+        args.eval_episodes, args.k, args.seed + 10_000, args.temperature, args.flip_prob, split="heldout"
+    )
+    n_seen, global_step = 0, 0
+    if args.eval_only:
+        model, tokenizer = load_checkpoint(args.checkpoint, device)
+        scale = float(getattr(model.config, "seqrl_reward_std", 1.0))
+        metrics, report = evaluate(model, tokenizer, heldout, args, device, scale=scale)
+    else:
+        # 1. data: K SFT-like completions per training prompt, ranked by the simulated labeler
+        data = preference.make_preference_dataset(
+            args.n_train_prompts, args.k, args.seed, args.temperature, args.flip_prob, split="train"
+        )
+        model, tokenizer = build_model(args, device)
+        if args.loss == "pairwise":  # every pair its own example: (prompt, chosen, rejected)
+            p, c, r = preference.to_pairs(data)
+            enc = encode(tokenizer, p + p, c + r)
+            ids = enc["input_ids"].view(2, len(p), -1).transpose(0, 1)  # (P, 2, L): [chosen, rejected]
+            mask = enc["attention_mask"].view(2, len(p), -1).transpose(0, 1)  # (P, 2, L)
+        else:  # one ranking per example, completions sorted best first
+            p = [d["prompt"] for d in data for _ in range(args.k)]
+            c = [d["completions"][j] for d in data for j in d["ranking"]]
+            enc = encode(tokenizer, p, c)
+            ids = enc["input_ids"].view(len(data), args.k, -1)  # (N, K, L)
+            mask = enc["attention_mask"].view(len(data), args.k, -1)  # (N, K, L)
+        n_examples, group = ids.shape[0], ids.shape[1]
+        steps_per_epoch = (n_examples + args.batch_size - 1) // args.batch_size
+        num_updates = args.epochs * steps_per_epoch
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / num_updates)
+        print(f"{n_examples} training examples of {group} sequences, {num_updates} updates, device {device}")
+
+        # 2. fit r_psi by maximum likelihood of the preferences
+        for epoch in range(args.epochs):
+            model.train()
+            perm = torch.randperm(n_examples)
+            for start in range(0, n_examples, args.batch_size):
+                mb = perm[start : start + args.batch_size]
+                mb_mask = mask[mb]  # (B, G, L)
+                width = int(mb_mask.sum(-1).max())  # right padding: drop all-pad columns
+                mb_ids = ids[mb][..., :width].reshape(-1, width).to(device)  # (B*G, W)
+                mb_mask = mb_mask[..., :width].reshape(-1, width).to(device)  # (B*G, W)
+                rewards = reward_forward(model, mb_ids, mb_mask).view(len(mb), group)  # (B, G), best first
+                if args.loss == "pairwise":
+                    loss = pairwise_loss(rewards[:, 0], rewards[:, 1], args.margin, args.center_coef)
+                else:
+                    loss = kwise_loss(rewards, args.kwise_form, args.margin, args.center_coef)
+                optimizer.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                global_step += 1
+                n_seen += len(mb) * group
+                if global_step % 20 == 0 or global_step == num_updates:
+                    acc = (rewards[:, 0] > rewards[:, 1]).float().mean().item()  # top-1 vs top-2 on the batch
+                    writer.add_scalar("losses/loss", loss.item(), global_step)
+                    writer.add_scalar("losses/accuracy_top2", acc, global_step)
+                    writer.add_scalar("charts/learning_rate", scheduler.get_last_lr()[0], global_step)
+                    writer.add_scalar("charts/SPS", n_seen / (time.time() - start_time), global_step)
+            print(f"epoch {epoch + 1}/{args.epochs}: loss {loss.item():.4f}  ({time.time() - start_time:.0f}s)")
+
+        # 3. evaluate on the Bradley-Terry scale (calibration is not invariant to the normalization)
+        metrics, report = evaluate(model, tokenizer, heldout, args, device)
+        # 4. normalize to mean 0 / std 1 on SFT demonstrations, folded into the saved weights
+        demos = preference.make_sft_dataset(args.n_norm_samples, seed=args.seed + 20_000)
+        raw = score_texts(model, tokenizer, [d[0] for d in demos], [d[1] for d in demos], device)
+        where = fold_normalization(model, float(raw.mean()), float(raw.std()))
+        normed = score_texts(model, tokenizer, [d[0] for d in demos], [d[1] for d in demos], device)
+        normed = normed + float(getattr(model.config, "seqrl_reward_offset", 0.0))
+        print(
+            f"normalized on {len(demos)} SFT demos (shift in {where}): mean {normed.mean():+.4f} std {normed.std():.4f}"
+        )
+        metrics.update({"model/reward_mean_raw": float(raw.mean()), "model/reward_std_raw": float(raw.std())})
+        metrics.update({"model/reward_mean_normalized": float(normed.mean()), "model/reward_std_normalized": float(normed.std())})  # fmt: skip  # noqa: E501
+        score_metrics, score_report = lecture_scores(model, tokenizer, device)  # now on the normalized scale
+        metrics.update(score_metrics)
+        report = score_report + report[report.index("\n\ncalibration") :]
+        # 5. save: model + tokenizer, loadable with AutoModelForSequenceClassification.from_pretrained
+        model.save_pretrained(run_dir / "reward_model")
+        tokenizer.save_pretrained(run_dir / "reward_model")
+
+    wall = time.time() - start_time
+    for key, value in metrics.items():
+        writer.add_scalar(key, value, global_step)
+    writer.add_text("eval/report", report)
+    print(report)
+    print(json.dumps({k: round(v, 4) for k, v in metrics.items()}, indent=1))
+    summary = {
+        "script": Path(__file__).stem,
+        "run_name": run_name,
+        "run_dir": str(run_dir),
+        "args": asdict(args),
+        "metrics": metrics,
+        "wall_time_s": wall,
+        "sps": n_seen / wall,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    writer.close()

@@ -1,0 +1,160 @@
+"""Tests of algos/rlhf_reward_model.py: losses by hand, pooling, Spearman, smoke runs, a slow learning test."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import load_script, run_script
+
+rm = load_script("rlhf_reward_model")
+TINY = ("--n-train-prompts", "48", "--epochs", "1", "--eval-episodes", "16", "--n-norm-samples", "64")
+
+
+def test_bradley_terry_loss_is_the_nll_by_hand():
+    # lecture Problem 21.3: r("paris") = 2.0, r("i don't know") = 0.0 -> p = e^2 / (e^2 + 1) ≈ 0.88
+    p = math.exp(2.0) / (math.exp(2.0) + 1.0)
+    assert p == pytest.approx(0.8808, abs=1e-4)
+    loss = rm.pairwise_loss(torch.tensor([2.0]), torch.tensor([0.0]))
+    assert loss.item() == pytest.approx(-math.log(p), abs=1e-6)
+    # margin and centering terms by hand
+    loss = rm.pairwise_loss(torch.tensor([2.0, 1.0]), torch.tensor([0.0, 1.5]), margin=0.5, center_coef=0.1)
+    s = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    expected = (-math.log(s(1.5)) + 0.1 * 4.0 - math.log(s(-1.0)) + 0.1 * 6.25) / 2
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_pairwise_and_kwise_agree_for_k2_and_kwise_pairs_by_hand():
+    r = torch.tensor([[2.0, 0.0], [0.3, 1.1], [-1.0, -4.0]])  # (B, 2), best first
+    pair = rm.pairwise_loss(r[:, 0], r[:, 1], margin=0.2, center_coef=0.05)
+    assert rm.kwise_loss(r, "pairs", margin=0.2, center_coef=0.05).item() == pytest.approx(pair.item(), abs=1e-6)
+    pair0 = rm.pairwise_loss(r[:, 0], r[:, 1])
+    assert rm.kwise_loss(r, "softmax").item() == pytest.approx(pair0.item(), abs=1e-6)
+    # K = 3, "pairs": mean of the three pair losses
+    r3 = torch.tensor([[1.0, 0.5, -2.0]])
+    s = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    by_hand = -(math.log(s(0.5)) + math.log(s(3.0)) + math.log(s(2.5))) / 3
+    assert rm.kwise_loss(r3, "pairs").item() == pytest.approx(by_hand, abs=1e-6)
+    softmax = -math.log(math.exp(1.0) / (math.exp(1.0) + math.exp(0.5) + math.exp(-2.0)))
+    assert rm.kwise_loss(r3, "softmax").item() == pytest.approx(softmax, abs=1e-6)
+
+
+def test_pooled_index_is_last_non_pad_token_left_and_right():
+    right = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    left = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
+    assert rm.last_non_pad_index(right).tolist() == [2, 4, 0]
+    assert rm.last_non_pad_index(left).tolist() == [4, 4, 4]
+    assert rm.position_ids_from_mask(left)[0].tolist() == [0, 0, 0, 1, 2]
+
+
+def test_reward_is_padding_invariant_and_matches_hf_forward():
+    torch.manual_seed(0)
+    args = rm.Args()
+    model, tok = rm.build_model(args, "cpu")
+    model.eval()
+    assert tok.pad_token_id != tok.eos_token_id
+    prompts = ["what is the capital of france ?"] * 3
+    completions = ["paris <eos>", "it's a city called paris <eos>", "i don't know"]
+    with torch.no_grad():
+        r_right = rm.reward_forward(model, **rm.encode(tok, prompts, completions, "right"))
+        r_left = rm.reward_forward(model, **rm.encode(tok, prompts, completions, "left"))
+        single = torch.stack(
+            [rm.reward_forward(model, **rm.encode(tok, [p], [c])) for p, c in zip(prompts, completions, strict=True)]
+        )
+        hf = model(**rm.encode(tok, prompts, completions, "right")).logits[:, 0]  # how rlhf_ppo_kl.py reads it
+    torch.testing.assert_close(r_right, r_left, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(r_right, single.squeeze(-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(r_right, hf, atol=1e-5, rtol=1e-5)
+
+
+def test_spearman_and_rankdata():
+    assert rm.rankdata(np.array([10.0, 20.0, 20.0, 5.0])).tolist() == [2.0, 3.5, 3.5, 1.0]
+    x = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert rm.spearman(x, x**3) == pytest.approx(1.0)
+    assert rm.spearman(x, -x) == pytest.approx(-1.0)
+    # hand: d = rank differences (0, 0, 1, -1, 0) -> 1 - 6 * 2 / (5 * 24) = 0.9
+    assert rm.spearman(x, np.array([1.0, 2.0, 4.0, 3.0, 5.0])) == pytest.approx(0.9)
+
+
+def test_calibration_table_by_hand():
+    rows, ece = rm.calibration_table(np.array([0.05, 0.15, 0.95, 0.95]), np.array([0.05, 0.35, 0.85, 0.75]), 10)
+    assert [r[2] for r in rows] == [1, 1, 2]
+    assert ece == pytest.approx((0.0 + 0.2 + 2 * 0.15) / 4)
+
+
+def test_fold_normalization_makes_saved_model_output_normalized(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    model, tok = rm.build_model(rm.Args(), "cpu")
+    model.eval()
+    prompts = ["what is the capital of france ?"] * 4
+    completions = ["paris <eos>", "london <eos>", "i don't know <eos>", "go away <eos>"]
+    raw = rm.score_texts(model, tok, prompts, completions, "cpu")
+    where = rm.fold_normalization(model, float(raw.mean()), float(raw.std()))
+    assert where == "final-norm bias"
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    normed = rm.score_texts(loaded, tok, prompts, completions, "cpu")
+    np.testing.assert_allclose(normed, (raw - raw.mean()) / raw.std(), atol=1e-4)
+
+
+def test_smoke_run_and_eval_only(runs_dir):
+    summary = run_script("rlhf_reward_model", *TINY, "--loss", "pairwise", "--margin", "0.1", runs_dir=runs_dir)
+    m = summary["metrics"]
+    for key in ("eval/preference_accuracy", "eval/bayes_accuracy", "eval/spearman_gold", "eval/calibration_error"):
+        assert key in m and math.isfinite(m[key])
+    assert 0.5 <= m["eval/bayes_accuracy"] <= 1.0
+    assert m["model/reward_mean_normalized"] == pytest.approx(0.0, abs=1e-3)
+    assert m["model/reward_std_normalized"] == pytest.approx(1.0, abs=1e-3)
+    run_dir = summary["run_dir"]
+    again = run_script("rlhf_reward_model", *TINY, "--eval-only", "--checkpoint", run_dir, runs_dir=runs_dir)
+    # same model, same held-out set -> same accuracy and correlation (calibration rescaled by the stored std)
+    for key in ("eval/preference_accuracy", "eval/spearman_gold", "eval/calibration_error"):
+        assert again["metrics"][key] == pytest.approx(m[key], abs=1e-4)
+
+
+def test_smoke_kwise_softmax(runs_dir):
+    summary = run_script("rlhf_reward_model", *TINY, "--loss", "kwise", "--kwise-form", "softmax", runs_dir=runs_dir)
+    assert summary["args"]["kwise_form"] == "softmax"
+
+
+def test_other_architecture_tiny_llama(tmp_path, runs_dir):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from envs.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")  # no tokenizer saved: the seqrl one is used
+    summary = run_script("rlhf_reward_model", *TINY, "--model-name-or-path", str(tmp_path / "llama"), runs_dir=runs_dir)
+    saved = json.loads((tmp_path / "llama" / "config.json").read_text())
+    assert saved["model_type"] == "llama"
+    out = json.loads((runs_dir / summary["run_name"] / "reward_model" / "config.json").read_text())
+    assert out["model_type"] == "llama" and out["seqrl_reward_offset"] is not None  # RMSNorm: no bias to fold into
+
+
+def test_bad_input_gives_clear_error(runs_dir, tmp_path):
+    proc = run_script("rlhf_reward_model", "--eval-only", "--checkpoint", str(tmp_path / "nope"), runs_dir=runs_dir,
+                      expect_fail=True)  # fmt: skip
+    assert "error: --checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_script("rlhf_reward_model", "--model-name-or-path", str(tmp_path / "missing"), runs_dir=runs_dir,
+                      expect_fail=True)  # fmt: skip
+    assert "error: --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_script("rlhf_reward_model", "--eval-only", runs_dir=runs_dir, expect_fail=True)
+    assert "error: --eval-only needs --checkpoint" in proc.stderr
+
+
+@pytest.mark.slow
+def test_reward_model_learns_far_above_chance(runs_dir):
+    summary = run_script("rlhf_reward_model", "--n-train-prompts", "1500", "--epochs", "4", runs_dir=runs_dir,
+                         timeout=600)  # fmt: skip
+    m = summary["metrics"]
+    assert m["eval/preference_accuracy"] > 0.62  # chance is 0.5 (ceiling ≈ 0.75)
+    assert m["eval/spearman_gold"] > 0.5
+    assert m["eval/score_lecture_0"] > m["eval/score_lecture_4"] + 1.0  # "paris" >> rude
