@@ -1,0 +1,715 @@
+"""Latent state-space model (sequence VAE) + DQN on the belief state, with a Markovian-model baseline.
+
+Idea. Observations of a POMDP are not Markov, so neither Q-learning on o_t nor a model p(o' | o, a) is valid.
+The lecture's principled fix: learn a sequence VAE whose latent state s_t = (h_t, z_t) has Markovian dynamics
+p(s_t | s_{t-1}, a_{t-1}), an observation model p(o_t | s_t) and a filtering encoder q(z_t | o_<=t, a_<t);
+then Q-learning on s_t is valid again. Lecture claim shown (Problem 21.2, two doors): after one failed try of
+a door, the latent model predicts that retrying the SAME door passes with p ~ 0 and the OTHER door with p ~ 1,
+while a count/MLE model p(o' | o, a) fit on the same replay predicts ~0.5 for both -- whatever the history,
+because its structure cannot represent a dependence on it. The agent reaches the memory-optimal return 0.95.
+
+Key equations (RSSM of PlaNet [1]; T steps of a replayed sequence, t = 1..T):
+    h_t = GRU(h_{t-1}, [z_{t-1}, a_{t-1}])                  deterministic path (h_0 = z_0 = 0 at episode start)
+    prior      p(z_t | h_t)        = N(mu_p, sigma_p)       -> s_t = (h_t, z_t) is Markov in (s_{t-1}, a_{t-1})
+    posterior  q(z_t | h_t, o_t)   = N(mu_q, sigma_q)       filtering: depends on o_<=t, a_<t through h_t
+    decoders   p(o_t | s_t) = N(dec_o, obs_std), p(r_t | s_t) = N(dec_r, 1), p(done_t | s_t) = Bernoulli(dec_d)
+    ELBO = sum_t E_q[log p(o_t|s_t) + log p(r_t|s_t) + log p(done_t|s_t)] - KL(q(z_t|.) || p(z_t|h_t))
+    KL loss (free nats F, balance alpha [3]): alpha max(F, KL(sg q || p)) + (1-alpha) max(F, KL(q || sg p))
+    Double DQN on features x_t = sg[(h_t, mu_q,t)]:
+        y_t = r_{t+1} + gamma (1 - term_{t+1}) Q_targ(x_{t+1}, argmax_a Q(x_{t+1}, a)),  loss (Q(x_t, a_t) - y_t)^2
+
+Implementation details:
+1. Replay stores per-env streams of entries (o_t, a_{t-1}, r_t, term_t, is_first_t) in Dreamer's layout [3]:
+   r_t and term_t belong to the transition INTO o_t. Gymnasium 1.x NEXT_STEP autoreset: the step after a done
+   returns the reset observation, ignores our action and gives reward 0; we store it as an `is_first` entry
+   (no action, no reward), so no transition ever crosses an episode boundary. The online filter resets (h, z)
+   to zero on `is_first` in the same way.
+2. Training samples B random chunks of length T (Dreamer-style) and filters them from a zero state. Entries
+   whose history is cut by the chunk start are masked out of all losses for the first `burn_in` steps; after
+   an `is_first` inside the chunk the history is complete and the entry always counts.
+3. The Q-network sees h_t and the posterior MEAN mu_q (not a sample: less noise, same information). The Q loss
+   does NOT reach the world model (features detached), as in SLAC [2] and Dreamer [3]: the latent is learned
+   only by the ELBO, so it stays a proper filter/generative model and is not dragged around by bootstrapped,
+   non-stationary TD targets; memory is needed by the ELBO anyway (predicting "passed"/reward needs the door
+   tried, the T-maze reward needs the cue). The GRU is fed a reparameterized SAMPLE of z, in training and acting.
+4. Model learning and Q-learning run interleaved on the same sampled chunks (one filtering pass per update).
+5. Markovian baseline: for binary-coded observations (TwoDoors, TMaze, Tiger, ThreeStateLine) a table
+   N(o, a, o') of the replayed transitions, p(o'|o,a) = N(o,a,o') / N(o,a). Skipped (noted) for continuous obs.
+   It is reported on the uniform-random warm-up part of the replay (door-symmetric data, the lecture's setting)
+   and on the whole replay (where the learned policy's own choices bias the counts).
+6. TwoDoors probe: 1000 particles are filtered through the scripted history (reset; try left; fail) and its
+   mirror (try right; fail); the next step is imagined under the PRIOR for "same" and "other" door; we report
+   E[sigmoid(done logit)] (termination = passing) and the decoded "passed" observation bit.
+7. Held-out one-step observation error: before the filter sees o_{t+1}, the prior predicts it from (s_t, a_t);
+   the squared error (mean over dims) is logged online on fresh, not-yet-replayed data and in greedy eval.
+
+Scaled down from the papers: vector observations (no CNN), tiny sizes (h 64, z 8), Gaussian z (not DreamerV2's
+categorical z), DQN instead of SAC/actor-critic in imagination, unit-variance reward likelihood, fixed obs_std.
+References: [1] Hafner et al., "Learning Latent Dynamics for Planning from Pixels" (PlaNet), ICML 2019, code
+google-research/planet; [2] Lee et al., "Stochastic Latent Actor-Critic" (SLAC), NeurIPS 2020, code
+alexlee-gk/slac; [3] Hafner et al., "Mastering Atari with Discrete World Models" (DreamerV2, KL balancing),
+ICLR 2021, code danijar/dreamerv2; [4] CleanRL dqn.py (Huang et al. 2022) for the DQN loop; [5] lecture Problem 21.2.
+Reproduce (seed 1; 2-core CPU shared with other jobs): TwoDoors p_same 0.000, p_other 0.999, Markov 0.508,
+return 0.951 (~3 min); TMaze L=5 success 1.00, return 3.45 (~7 min); MaskedCartPole 30k steps: 166 +- 10 (~5.5 min).
+    python algos/ssm_vae_q.py --env-id seqrl/TwoDoors-v0 --seed 1
+    python algos/ssm_vae_q.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 5}' --seq-len 16 \
+        --total-timesteps 30000
+    python algos/ssm_vae_q.py --env-id seqrl/MaskedCartPole-v0 --total-timesteps 30000 --seq-len 16 --obs-std 0.05 \
+        --learning-starts 5000 --exploration-fraction 0.2 --target-network-frequency 250 --eval-episodes 10
+"""
+
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from safetensors.torch import load_file, save_file
+from torch.utils.tensorboard import SummaryWriter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
+import envs  # noqa: E402,F401  (registers the seqrl/ environments)
+
+MIN_STD = 0.1  # lower bound of the latent standard deviations (PlaNet's min_stddev), keeps the KL finite
+PROBE_PARTICLES = 1000  # Monte Carlo particles for the TwoDoors probe probabilities
+MAX_CODE_BITS = 12  # Markov baseline only for binary observations of at most 12 bits (4096 codes)
+ARCH_FIELDS = ("deter_size", "stoch_size", "hidden_size")  # read back from args.json on --eval-only
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = False
+    """if toggled (and available), use the GPU"""
+    runs_dir: str = "runs"
+    """where run directories are written"""
+    env_id: str = "seqrl/TwoDoors-v0"
+    """the gymnasium id of the environment (Box or Discrete observations, Discrete actions)"""
+    env_kwargs: str = "{}"
+    """JSON dict of keyword arguments for gym.make, e.g. '{"corridor_length": 5}'"""
+    num_envs: int = 8
+    """number of parallel environments (SyncVectorEnv)"""
+    total_timesteps: int = 20_000
+    """total environment steps of training"""
+    eval_episodes: int = 200
+    """greedy evaluation episodes at the end"""
+    eval_only: bool = False
+    """only evaluate the model in --checkpoint"""
+    checkpoint: str | None = None
+    """run dir or model.safetensors to load for --eval-only"""
+
+    # world model (sequence VAE)
+    deter_size: int = 64
+    """size of the deterministic GRU state h_t"""
+    stoch_size: int = 8
+    """size of the stochastic latent z_t"""
+    hidden_size: int = 64
+    """width of the MLPs (embedding, prior, posterior, decoders, Q-network)"""
+    obs_std: float = 0.1
+    """fixed standard deviation of the Gaussian observation likelihood (smaller = observations weigh more)"""
+    free_nats: float = 0.1
+    """KL below this many nats per step is not penalized (PlaNet's free nats; PlaNet uses 3 for images, but here
+    a whole step carries < 1 nat, and a clamp at 1 nat would leave the prior untrained)"""
+    kl_balance: float = 0.8
+    """alpha of DreamerV2's KL balancing: weight of training the prior towards the posterior (0.5 = plain KL)"""
+    model_lr: float = 3e-3
+    """Adam learning rate of the world model"""
+    model_max_grad_norm: float = 100.0
+    """gradient clipping of the world model"""
+
+    # replay of sequences
+    buffer_size: int = 200_000
+    """replay capacity in environment steps (over all envs)"""
+    batch_size: int = 32
+    """number of sequences per update"""
+    seq_len: int = 8
+    """length of a sampled sequence (chunk)"""
+    burn_in: int = 4
+    """entries of a chunk before this index whose episode started before the chunk are masked out of the losses"""
+
+    # DQN on the latent belief state
+    q_lr: float = 5e-4
+    """Adam learning rate of the Q-network"""
+    gamma: float = 0.99
+    """discount factor"""
+    tau: float = 1.0
+    """target network update rate (1.0 = hard copy)"""
+    target_network_frequency: int = 100
+    """updates between target network updates"""
+    start_e: float = 1.0
+    """starting epsilon of the epsilon-greedy collection"""
+    end_e: float = 0.05
+    """final epsilon"""
+    exploration_fraction: float = 0.3
+    """fraction of total_timesteps over which epsilon decays linearly"""
+    learning_starts: int = 4_000
+    """environment steps of uniformly random actions before learning"""
+    train_frequency: int = 1
+    """vector steps (num_envs env steps each) between updates"""
+    q_max_grad_norm: float = 10.0
+    """gradient clipping of the Q-network"""
+    log_every: int = 100
+    """updates between logging the losses"""
+
+    # filled in at runtime
+    obs_dim: int = 0
+    """observation size (flattened)"""
+    num_actions: int = 0
+    """number of discrete actions"""
+
+
+# ---------------------------------------------------------------- pure functions (unit-tested)
+def gaussian_kl(mu_q: torch.Tensor, std_q: torch.Tensor, mu_p: torch.Tensor, std_p: torch.Tensor) -> torch.Tensor:
+    """KL(N(mu_q, std_q) || N(mu_p, std_p)) of diagonal Gaussians, summed over the last dim: (..., D) -> (...)."""
+    var_ratio = (std_q / std_p) ** 2
+    return 0.5 * (var_ratio + ((mu_q - mu_p) / std_p) ** 2 - 1.0 - torch.log(var_ratio)).sum(-1)
+
+
+def kl_loss(post: tuple, prior: tuple, free_nats: float, balance: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-step KL loss with KL balancing and free nats, and the raw KL(q || p); both (T, B)."""
+    kl = gaussian_kl(*post, *prior)
+    sg_post, sg_prior = tuple(x.detach() for x in post), tuple(x.detach() for x in prior)
+    kl_train_prior = gaussian_kl(*sg_post, *prior).clamp(min=free_nats)  # pulls the prior towards q
+    kl_train_post = gaussian_kl(*post, *sg_prior).clamp(min=free_nats)  # regularizes the posterior
+    return balance * kl_train_prior + (1.0 - balance) * kl_train_post, kl
+
+
+def elbo_terms(out: dict, batch: dict, mask: torch.Tensor, obs_std: float, free_nats: float, kl_balance: float):
+    """Negative ELBO terms, masked means over valid steps. `out` from WorldModel.observe, all tensors (T, B, ...).
+
+    recon_obs = -log N(o_t; dec_o, obs_std) (summed over dims), recon_reward = -log N(r_t; dec_r, 1),
+    recon_done = BCE(term_t, dec_d). Reward and done belong to the transition into o_t, so they are not
+    scored on `is_first` entries.
+    """
+    m = mask.float()  # (T, B)
+    m_trans = m * (1.0 - batch["is_first"].float())  # entries that have an incoming transition
+    n, n_trans = m.sum().clamp(min=1.0), m_trans.sum().clamp(min=1.0)
+    obs_nll = 0.5 * (((batch["obs"] - out["obs_mean"]) / obs_std) ** 2 + np.log(2 * np.pi * obs_std**2)).sum(-1)
+    reward_nll = 0.5 * ((batch["reward"] - out["reward_mean"]) ** 2 + np.log(2 * np.pi))
+    done_nll = F.binary_cross_entropy_with_logits(out["done_logit"], batch["terminated"].float(), reduction="none")
+    kl_l, kl = kl_loss(out["post"], out["prior"], free_nats, kl_balance)
+    terms = {
+        "recon_obs": (obs_nll * m).sum() / n,
+        "recon_reward": (reward_nll * m_trans).sum() / n_trans,
+        "recon_done": (done_nll * m_trans).sum() / n_trans,
+        "kl": (kl * m).sum() / n,
+        "kl_loss": (kl_l * m).sum() / n,
+    }
+    terms["neg_elbo"] = terms["recon_obs"] + terms["recon_reward"] + terms["recon_done"] + terms["kl"]
+    terms["loss"] = terms["recon_obs"] + terms["recon_reward"] + terms["recon_done"] + terms["kl_loss"]
+    return terms
+
+
+def valid_mask(is_first: torch.Tensor, burn_in: int) -> torch.Tensor:
+    """(T, B) bool: the entry's history is complete (an is_first at or before it in the chunk) or t >= burn_in."""
+    complete = torch.cumsum(is_first.long(), dim=0) > 0
+    t = torch.arange(is_first.shape[0], device=is_first.device)[:, None]
+    return complete | (t >= burn_in)
+
+
+def double_q_target(reward, terminated, q_next_online, q_next_target, gamma: float) -> torch.Tensor:
+    """Double DQN target r + gamma (1 - term) Q_targ(x', argmax_a Q(x', a)); q_next_* are (..., A)."""
+    best = q_next_online.argmax(-1, keepdim=True)
+    return reward + gamma * (1.0 - terminated.float()) * q_next_target.gather(-1, best).squeeze(-1)
+
+
+def binary_codes(obs: np.ndarray) -> np.ndarray | None:
+    """Integer code sum_i bit_i 2^i of binary observations (N, D) -> (N,), or None if obs are not binary."""
+    if obs.shape[-1] > MAX_CODE_BITS or not np.isin(obs, (0.0, 1.0)).all():
+        return None
+    return (obs.astype(np.int64) << np.arange(obs.shape[-1])).sum(-1)
+
+
+def markov_counts(codes: np.ndarray, actions: np.ndarray, next_codes: np.ndarray, num_codes: int, num_actions: int):
+    """Maximum-likelihood Markov model: counts N[o, a, o'] of the transitions (all int arrays of shape (N,))."""
+    counts = np.zeros((num_codes, num_actions, num_codes))
+    np.add.at(counts, (codes, actions, next_codes), 1.0)
+    return counts
+
+
+def markov_prob(counts: np.ndarray, code: int, action: int, next_code: int) -> float:
+    """p(o' | o, a) = N(o, a, o') / N(o, a) (nan if (o, a) was never seen)."""
+    total = counts[code, action].sum()
+    return float(counts[code, action, next_code] / total) if total > 0 else float("nan")
+
+
+def linear_schedule(start_e: float, end_e: float, duration: int, t: int) -> float:
+    return max(start_e + (end_e - start_e) * t / max(duration, 1), end_e)
+
+
+# ---------------------------------------------------------------- models
+def mlp(inp: int, hidden: int, out: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(inp, hidden), nn.ELU(), nn.Linear(hidden, hidden), nn.ELU(), nn.Linear(hidden, out))
+
+
+class WorldModel(nn.Module):
+    """RSSM: deterministic GRU path h_t, stochastic z_t, prior p(z_t|h_t), posterior q(z_t|h_t,o_t), decoders."""
+
+    def __init__(self, obs_dim: int, num_actions: int, deter: int, stoch: int, hidden: int):
+        super().__init__()
+        self.num_actions, self.deter, self.stoch = num_actions, deter, stoch
+        self.embed = nn.Sequential(nn.Linear(obs_dim, hidden), nn.ELU())  # e_t = embed(o_t)
+        self.gru_in = nn.Sequential(nn.Linear(stoch + num_actions, hidden), nn.ELU())
+        self.gru = nn.GRUCell(hidden, deter)
+        self.prior_net = mlp(deter, hidden, 2 * stoch)
+        self.post_net = mlp(deter + hidden, hidden, 2 * stoch)
+        self.obs_head = mlp(deter + stoch, hidden, obs_dim)
+        self.reward_head = mlp(deter + stoch, hidden, 1)
+        self.done_head = mlp(deter + stoch, hidden, 1)
+
+    @staticmethod
+    def _gaussian(params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mu, raw_std = params.chunk(2, -1)
+        return mu, F.softplus(raw_std) + MIN_STD
+
+    def transition(self, h, z, action_onehot):
+        """Prior step: h_t = GRU(h_{t-1}, [z_{t-1}, a_{t-1}]); returns h_t and (mu_p, std_p) of p(z_t | h_t)."""
+        h = self.gru(self.gru_in(torch.cat([z, action_onehot], -1)), h)  # (B, deter)
+        return h, self._gaussian(self.prior_net(h))
+
+    def filter_step(self, h, z, prev_action_onehot, obs, is_first):
+        """One step of the filter. is_first (B,) resets (h, z, a) to zero. Returns h, z sample, prior, posterior."""
+        keep = (~is_first).float()[:, None]
+        h, prior = self.transition(h * keep, z * keep, prev_action_onehot * keep)
+        post = self._gaussian(self.post_net(torch.cat([h, self.embed(obs)], -1)))
+        z = post[0] + post[1] * torch.randn_like(post[1])  # reparameterized sample (B, stoch)
+        return h, z, prior, post
+
+    def decode(self, h, z):
+        x = torch.cat([h, z], -1)
+        return self.obs_head(x), self.reward_head(x).squeeze(-1), self.done_head(x).squeeze(-1)
+
+    def observe(self, obs, prev_actions, is_first) -> dict:
+        """Filter a batch of chunks from a zero state. obs (T, B, O), prev_actions (T, B) long, is_first (T, B)."""
+        T, B = is_first.shape
+        h = obs.new_zeros(B, self.deter)
+        z = obs.new_zeros(B, self.stoch)
+        a_onehot = F.one_hot(prev_actions.clamp(min=0), self.num_actions).float()  # (T, B, A)
+        hs, zs, prior_mu, prior_std, post_mu, post_std = [], [], [], [], [], []
+        for t in range(T):
+            h, z, prior, post = self.filter_step(h, z, a_onehot[t], obs[t], is_first[t])
+            hs.append(h), zs.append(z), prior_mu.append(prior[0]), prior_std.append(prior[1])
+            post_mu.append(post[0]), post_std.append(post[1])
+        h, z = torch.stack(hs), torch.stack(zs)  # (T, B, deter), (T, B, stoch)
+        obs_mean, reward_mean, done_logit = self.decode(h, z)
+        return {
+            "h": h,
+            "z": z,
+            "prior": (torch.stack(prior_mu), torch.stack(prior_std)),
+            "post": (torch.stack(post_mu), torch.stack(post_std)),
+            "obs_mean": obs_mean,
+            "reward_mean": reward_mean,
+            "done_logit": done_logit,
+        }
+
+
+class QNetwork(nn.Module):
+    """Q(x, .) on the belief features x = (h_t, mu_q,t)."""
+
+    def __init__(self, deter: int, stoch: int, hidden: int, num_actions: int):
+        super().__init__()
+        self.net = mlp(deter + stoch, hidden, num_actions)
+
+    def forward(self, feats):
+        return self.net(feats)
+
+
+# ---------------------------------------------------------------- replay of per-env streams
+class SequenceReplay:
+    """Circular buffer of entries (o_t, a_{t-1}, r_t, term_t, is_first_t), shape (capacity, num_envs, ...)."""
+
+    def __init__(self, capacity: int, num_envs: int, obs_dim: int):
+        self.cap, self.num_envs, self.pos, self.full = capacity, num_envs, 0, False
+        self.obs = np.zeros((capacity, num_envs, obs_dim), np.float32)
+        self.prev_action = np.zeros((capacity, num_envs), np.int64)
+        self.reward = np.zeros((capacity, num_envs), np.float32)
+        self.terminated = np.zeros((capacity, num_envs), bool)
+        self.is_first = np.zeros((capacity, num_envs), bool)
+
+    def add(self, obs, prev_action, reward, terminated, is_first):
+        i = self.pos
+        self.obs[i], self.prev_action[i], self.reward[i] = obs, prev_action, reward
+        self.terminated[i], self.is_first[i] = terminated, is_first
+        self.pos = (self.pos + 1) % self.cap
+        self.full = self.full or self.pos == 0
+
+    def size(self) -> int:
+        return self.cap if self.full else self.pos
+
+    def sample(self, batch_size: int, seq_len: int, rng: np.random.Generator, device) -> dict:
+        """B chunks of T consecutive entries of one env stream each, never crossing the write head: (T, B, ...)."""
+        oldest = self.pos if self.full else 0
+        starts = oldest + rng.integers(0, self.size() - seq_len + 1, size=batch_size)
+        rows = (starts[None, :] + np.arange(seq_len)[:, None]) % self.cap  # (T, B)
+        cols = rng.integers(0, self.num_envs, size=batch_size)[None, :]  # (1, B)
+        get = lambda x: torch.as_tensor(x[rows, cols], device=device)  # noqa: E731
+        return {
+            "obs": get(self.obs),
+            "prev_action": get(self.prev_action),
+            "reward": get(self.reward),
+            "terminated": get(self.terminated),
+            "is_first": get(self.is_first),
+        }
+
+    def transitions(self, limit: int | None = None):
+        """All (o, a, o') of the stored streams (chronological, first `limit` entries per env) as flat arrays."""
+        n = self.size() if limit is None else min(limit, self.size())
+        rows = ((self.pos if self.full else 0) + np.arange(n)) % self.cap
+        obs, act, first = self.obs[rows], self.prev_action[rows], self.is_first[rows]  # (n, E, ...)
+        ok = ~first[1:]  # (n-1, E) transition from entry t to t+1 inside an episode
+        return obs[:-1][ok], act[1:][ok], obs[1:][ok]
+
+
+# ---------------------------------------------------------------- env helpers
+def make_env(env_id: str, env_kwargs: dict):
+    def thunk():
+        env = gym.make(env_id, **env_kwargs)
+        return gym.wrappers.FlattenObservation(env) if isinstance(env.observation_space, gym.spaces.Discrete) else env
+
+    return thunk
+
+
+def make_vector_env(env_id: str, env_kwargs: dict, n: int):
+    """SyncVectorEnv with gymnasium 1.x's default NEXT_STEP autoreset; validates the spaces with a clear error."""
+    try:
+        envs_ = gym.vector.SyncVectorEnv([make_env(env_id, env_kwargs) for _ in range(n)])
+    except (gym.error.Error, TypeError, ValueError) as e:
+        raise SystemExit(f"error: cannot make env {env_id!r} with kwargs {env_kwargs}: {e}") from None
+    obs_space, act_space = envs_.single_observation_space, envs_.single_action_space
+    if not isinstance(act_space, gym.spaces.Discrete):
+        raise SystemExit(f"error: ssm_vae_q supports Discrete action spaces only, got {act_space}")
+    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
+        raise SystemExit(f"error: ssm_vae_q supports flat Box (or Discrete) observations only, got {obs_space}")
+    return envs_
+
+
+@torch.no_grad()
+def two_doors_probe(model: WorldModel, device, particles: int = PROBE_PARTICLES) -> dict:
+    """p(pass) predicted by the latent model after (reset), (reset, try d, fail), averaged over d in {left, right}."""
+    in_room = torch.tensor([[1.0, 0.0]], device=device).expand(particles, 2)
+    zeros_a = torch.zeros(particles, model.num_actions, device=device)
+    first, not_first = (
+        torch.ones(particles, dtype=torch.bool, device=device),
+        torch.zeros_like(torch.ones(particles, dtype=torch.bool, device=device)),
+    )
+    h0, z0 = torch.zeros(particles, model.deter, device=device), torch.zeros(particles, model.stoch, device=device)
+    h, z, _, _ = model.filter_step(h0, z0, zeros_a, in_room, first)  # reset: o_0 = in_room
+
+    def predict(h, z, door):  # imagine one step under the prior: E[p(done)], E[passed bit]
+        a = F.one_hot(torch.full((particles,), door, device=device), model.num_actions).float()
+        h2, (mu, std) = model.transition(h, z, a)
+        obs_mean, _, done_logit = model.decode(h2, mu + std * torch.randn_like(std))
+        return torch.sigmoid(done_logit).mean().item(), obs_mean[:, 1].mean().item()
+
+    res = {"first_try": np.mean([predict(h, z, d)[0] for d in (0, 1)])}
+    same, other, same_obs, other_obs = [], [], [], []
+    for door in (0, 1):  # history: try `door`, fail (observe in_room again)
+        a = F.one_hot(torch.full((particles,), door, device=device), model.num_actions).float()
+        h1, z1, _, _ = model.filter_step(h, z, a, in_room, not_first)
+        (ps, os_), (po, oo) = predict(h1, z1, door), predict(h1, z1, 1 - door)
+        same.append(ps), other.append(po), same_obs.append(os_), other_obs.append(oo)
+    res.update(same=np.mean(same), other=np.mean(other), same_obs=np.mean(same_obs), other_obs=np.mean(other_obs))
+    res.update(same_left=same[0], other_left=other[0])
+    return res
+
+
+def markov_probe(replay: SequenceReplay, num_actions: int, limit: int | None = None) -> dict | None:
+    """Markov model p(o'|o,a) on the replayed transitions; TwoDoors p(pass | in_room, door) for both doors."""
+    obs, act, next_obs = replay.transitions(limit)
+    codes, next_codes = binary_codes(obs), binary_codes(next_obs)
+    if codes is None or next_codes is None or len(codes) == 0:
+        return None
+    counts = markov_counts(codes, act, next_codes, 2 ** obs.shape[-1], num_actions)
+    in_room, passed = 1, 2  # binary codes of [1, 0] and [0, 1]
+    p = [markov_prob(counts, in_room, d, passed) for d in (0, 1)]
+    # history is ignored: "same door" after failing d is p(pass|in_room, d), "other door" is p(pass|in_room, 1-d)
+    return {"same": float(np.mean(p)), "other": float(np.mean(p[::-1])), "same_left": p[0], "other_left": p[1]}
+
+
+@torch.no_grad()
+def evaluate(model, q_net, env_id, env_kwargs, episodes: int, seed: int, device) -> dict:
+    """Greedy episodes (one per env of a vector env) + held-out one-step observation prediction error."""
+    venv = make_vector_env(env_id, env_kwargs, episodes)
+    obs, _ = venv.reset(seed=seed)
+    h = torch.zeros(episodes, model.deter, device=device)
+    z = torch.zeros(episodes, model.stoch, device=device)
+    a_prev = torch.zeros(episodes, dtype=torch.long, device=device)
+    is_first = torch.ones(episodes, dtype=torch.bool, device=device)
+    done = np.zeros(episodes, bool)
+    was_live = np.ones(episodes, bool)  # env was still in its first episode when it produced the current obs
+    returns, lengths, success = np.zeros(episodes), np.zeros(episodes), np.full(episodes, np.nan)
+    sq_err, copy_err, n_err = 0.0, 0.0, 0
+    prev_obs = torch.as_tensor(obs, device=device)
+    while not done.all():
+        o = torch.as_tensor(obs, device=device)
+        a1h = F.one_hot(a_prev, model.num_actions).float()
+        h, z, prior, post = model.filter_step(h, z, a1h, o, is_first)
+        if not is_first.all():  # prior prediction of o_t from (s_{t-1}, a_{t-1}) before the filter saw o_t
+            live = torch.as_tensor(was_live, device=device) & ~is_first
+            pred = model.decode(h, prior[0])[0]
+            sq_err += ((pred - o) ** 2).mean(-1)[live].sum().item()
+            copy_err += ((prev_obs - o) ** 2).mean(-1)[live].sum().item()
+            n_err += int(live.sum())
+        action = q_net(torch.cat([h, post[0]], -1)).argmax(-1)
+        obs, reward, term, trunc, info = venv.step(action.cpu().numpy())
+        live = ~done
+        was_live = live.copy()
+        returns[live] += reward[live]
+        lengths[live] += 1
+        ended = live & (term | trunc)
+        if "success" in info:
+            success[ended & info["_success"]] = info["success"][ended & info["_success"]]
+        done |= ended
+        prev_obs, a_prev, is_first = o, action, torch.zeros_like(is_first)
+    venv.close()
+    metrics = {
+        "eval/episodic_return": float(returns.mean()),
+        "eval/episodic_return_std": float(returns.std()),
+        "eval/episodic_length": float(lengths.mean()),
+        "eval/one_step_obs_error": sq_err / max(n_err, 1),
+        "eval/one_step_obs_error_copy_last": copy_err / max(n_err, 1),  # baseline: predict o_t = o_{t-1}
+    }
+    if not np.isnan(success).all():
+        metrics["eval/success_rate"] = float(np.nanmean(success))
+    return metrics
+
+
+def load_checkpoint(path: str | None, model: nn.Module, q_net: nn.Module):
+    if path is None:
+        raise SystemExit("error: --eval-only needs --checkpoint (a run dir or its model.safetensors)")
+    file = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise SystemExit(f"error: checkpoint {file} not found")
+    try:
+        state = load_file(str(file))
+    except Exception as e:  # safetensors raises its own error types on corrupt files
+        raise SystemExit(f"error: checkpoint {file} is not a readable safetensors file ({e})") from None
+    for prefix, module in (("model.", model), ("q.", q_net)):
+        sub = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        try:
+            module.load_state_dict(sub)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[-1].strip()
+            raise SystemExit(f"error: checkpoint {file} does not match this architecture/env ({first})") from None
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    try:
+        env_kwargs = json.loads(args.env_kwargs)
+        assert isinstance(env_kwargs, dict)
+    except (json.JSONDecodeError, AssertionError):
+        raise SystemExit(f"error: --env-kwargs must be a JSON dict, got {args.env_kwargs!r}") from None
+    if args.eval_only and args.checkpoint is not None:  # take the architecture from the saved run if present
+        saved = (
+            Path(args.checkpoint) if Path(args.checkpoint).is_dir() else Path(args.checkpoint).parent
+        ) / "args.json"
+        if saved.is_file():
+            for k in ARCH_FIELDS:
+                setattr(args, k, json.loads(saved.read_text()).get(k, getattr(args, k)))
+    for name in ("num_envs", "total_timesteps", "eval_episodes", "batch_size", "seq_len", "train_frequency"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.seq_len < 2:
+        raise SystemExit("error: --seq-len must be >= 2 (a transition needs two entries)")
+    capacity = args.buffer_size // args.num_envs
+    if not args.eval_only and capacity < args.seq_len + 1:
+        raise SystemExit(f"error: --buffer-size {args.buffer_size} too small for {args.num_envs} envs x seq-len")
+
+    run_name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.runs_dir) / run_name
+    suffix = 0
+    while run_dir.exists():
+        suffix += 1
+        run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    rng = np.random.default_rng(args.seed)
+
+    venv = make_vector_env(args.env_id, env_kwargs, args.num_envs)
+    args.obs_dim, args.num_actions = venv.single_observation_space.shape[0], int(venv.single_action_space.n)
+    model = WorldModel(args.obs_dim, args.num_actions, args.deter_size, args.stoch_size, args.hidden_size).to(device)
+    q_net = QNetwork(args.deter_size, args.stoch_size, args.hidden_size, args.num_actions).to(device)
+    target_net = QNetwork(args.deter_size, args.stoch_size, args.hidden_size, args.num_actions).to(device)
+    if args.eval_only:
+        load_checkpoint(args.checkpoint, model, q_net)
+    run_dir.mkdir(parents=True, exist_ok=False)
+    writer = SummaryWriter(str(run_dir))
+    writer.add_text(
+        "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+    )
+    target_net.load_state_dict(q_net.state_dict())
+    model_opt = torch.optim.Adam(model.parameters(), lr=args.model_lr)
+    q_opt = torch.optim.Adam(q_net.parameters(), lr=args.q_lr)
+    replay = SequenceReplay(max(capacity, args.seq_len + 1), args.num_envs, args.obs_dim)
+    start_time, global_step, updates, sps = time.time(), 0, 0, 0.0
+    metrics: dict[str, float] = {}
+
+    # ALGO LOGIC: collect with the online filter, learn model + Q interleaved on replayed chunks
+    num_iterations = 0 if args.eval_only else args.total_timesteps // args.num_envs
+    obs, _ = venv.reset(seed=args.seed)
+    venv.action_space.seed(args.seed)
+    h = torch.zeros(args.num_envs, args.deter_size, device=device)
+    z = torch.zeros(args.num_envs, args.stoch_size, device=device)
+    actions = np.zeros(args.num_envs, np.int64)
+    is_first = np.ones(args.num_envs, bool)  # the reset observation starts every stream
+    reward, terminated = np.zeros(args.num_envs, np.float32), np.zeros(args.num_envs, bool)
+    done_prev = np.zeros(args.num_envs, bool)  # env returned terminated|truncated at the previous step()
+    ep_return, ep_len, online_err = np.zeros(args.num_envs), np.zeros(args.num_envs), []
+    for iteration in range(num_iterations):
+        # 1. store the entry (o_t, a_{t-1}, r_t, term_t, is_first_t); an autoreset step becomes an is_first entry
+        replay.add(
+            obs, np.where(is_first, -1, actions), np.where(is_first, 0.0, reward), terminated & ~is_first, is_first
+        )
+        # 2. filter: s_t from (s_{t-1}, a_{t-1}, o_t); the prior's o_t prediction is a held-out one-step error
+        with torch.no_grad():
+            o = torch.as_tensor(obs, device=device)
+            first_t = torch.as_tensor(is_first, device=device)
+            a1h = F.one_hot(torch.as_tensor(actions, device=device), args.num_actions).float()
+            h, z, prior, post = model.filter_step(h, z, a1h, o, first_t)
+            if not is_first.all():
+                err = ((model.decode(h, prior[0])[0] - o) ** 2).mean(-1)[~first_t]
+                online_err.extend(err.tolist())
+            q_values = q_net(torch.cat([h, post[0]], -1))
+        # 3. epsilon-greedy action
+        epsilon = linear_schedule(
+            args.start_e, args.end_e, int(args.exploration_fraction * args.total_timesteps), global_step
+        )
+        if global_step < args.learning_starts:
+            epsilon = 1.0
+        explore = rng.random(args.num_envs) < epsilon
+        actions = np.where(explore, rng.integers(0, args.num_actions, args.num_envs), q_values.argmax(-1).cpu().numpy())
+        # 4. step. CRUCIAL (NEXT_STEP autoreset): an env that was done at the previous step() is reset by this
+        #    one -- it returns the reset obs, ignores our action and gives reward 0; that entry becomes is_first
+        obs, reward, terminated, truncated, _ = venv.step(actions)
+        global_step += args.num_envs
+        is_first = done_prev.copy()
+        ep_return += np.where(is_first, 0.0, reward)
+        ep_len += ~is_first
+        done_prev = (terminated | truncated) & ~is_first
+        for i in np.flatnonzero(done_prev):
+            writer.add_scalar("charts/episodic_return", ep_return[i], global_step)
+            writer.add_scalar("charts/episodic_length", ep_len[i], global_step)
+            ep_return[i], ep_len[i] = 0.0, 0
+
+        # 5. learn: one ELBO step and one double-DQN step on the same replayed chunks
+        if (
+            global_step > args.learning_starts
+            and iteration % args.train_frequency == 0
+            and replay.size() > args.seq_len
+        ):
+            batch = replay.sample(args.batch_size, args.seq_len, rng, device)
+            out = model.observe(batch["obs"], batch["prev_action"], batch["is_first"])
+            mask = valid_mask(batch["is_first"], args.burn_in)  # (T, B)
+            terms = elbo_terms(out, batch, mask, args.obs_std, args.free_nats, args.kl_balance)
+            model_opt.zero_grad()
+            terms["loss"].backward()
+            nn.utils.clip_grad_norm_(model.parameters(), args.model_max_grad_norm)
+            model_opt.step()
+            feats = torch.cat([out["h"], out["post"][0]], -1).detach()  # (T, B, deter+stoch): no Q grad to model
+            with torch.no_grad():
+                y = double_q_target(
+                    batch["reward"][1:], batch["terminated"][1:], q_net(feats[1:]), target_net(feats[1:]), args.gamma
+                )  # (T-1, B)
+            q_taken = q_net(feats[:-1]).gather(-1, batch["prev_action"][1:].clamp(min=0)[..., None]).squeeze(-1)
+            q_mask = (mask[:-1] & ~batch["is_first"][1:]).float()  # transition t -> t+1 inside one episode
+            q_loss = (((q_taken - y) ** 2) * q_mask).sum() / q_mask.sum().clamp(min=1.0)
+            q_opt.zero_grad()
+            q_loss.backward()
+            nn.utils.clip_grad_norm_(q_net.parameters(), args.q_max_grad_norm)
+            q_opt.step()
+            updates += 1
+            if updates % args.target_network_frequency == 0:
+                for tp, p in zip(target_net.parameters(), q_net.parameters(), strict=True):
+                    tp.data.copy_(args.tau * p.data + (1.0 - args.tau) * tp.data)
+            if updates % args.log_every == 0:
+                for k, v in terms.items():
+                    writer.add_scalar(f"losses/{k}", v.item(), global_step)
+                writer.add_scalar("losses/q_loss", q_loss.item(), global_step)
+                writer.add_scalar("losses/q_values", (q_taken * q_mask).sum().item() / q_mask.sum().item(), global_step)
+                writer.add_scalar("charts/epsilon", epsilon, global_step)
+                writer.add_scalar("charts/learning_rate", args.model_lr, global_step)
+                if online_err:
+                    writer.add_scalar("charts/one_step_obs_error_online", float(np.mean(online_err)), global_step)
+                    online_err = []
+                sps = global_step / (time.time() - start_time)
+                writer.add_scalar("charts/SPS", sps, global_step)
+                print(
+                    f"step {global_step} neg_elbo {terms['neg_elbo'].item():.3f} obs {terms['recon_obs'].item():.3f} "
+                    f"rew {terms['recon_reward'].item():.3f} done {terms['recon_done'].item():.3f} "
+                    f"kl {terms['kl'].item():.3f} q_loss {q_loss.item():.4f} eps {epsilon:.2f} SPS {sps:.0f}"
+                )
+                for k in ("recon_obs", "recon_reward", "recon_done", "kl", "neg_elbo"):
+                    metrics.setdefault(f"losses/{k}_first", terms[k].item())
+                    metrics[f"losses/{k}_last"] = terms[k].item()
+    venv.close()
+
+    # 6. the lecture's measurement (Problem 21.2): latent model vs Markovian model after a failed door
+    if args.env_id == "seqrl/TwoDoors-v0":
+        probe = two_doors_probe(model, device)
+        metrics["model/p_pass_retry_same_door"] = float(probe["same"])
+        metrics["model/p_pass_other_door"] = float(probe["other"])
+        metrics["model/p_pass_first_try"] = float(probe["first_try"])
+        metrics["model/obs_passed_retry_same_door"] = float(probe["same_obs"])
+        metrics["model/obs_passed_other_door"] = float(probe["other_obs"])
+        metrics["model/p_pass_retry_same_door_left"] = float(probe["same_left"])
+        metrics["model/p_pass_other_door_left"] = float(probe["other_left"])
+        print(
+            f"latent model after (reset, try door, fail): p(pass | same door) = {probe['same']:.3f}, "
+            f"p(pass | other door) = {probe['other']:.3f}  (truth 0 and 1; first try {probe['first_try']:.3f})"
+        )
+        if not args.eval_only:
+            warmup = markov_probe(replay, args.num_actions, limit=args.learning_starts // args.num_envs)
+            if replay.full:  # the random warm-up data were overwritten
+                warmup = None
+            allrep = markov_probe(replay, args.num_actions)
+            for tag, res in (("markov", warmup), ("markov_all_replay", allrep)):
+                if res is not None:
+                    metrics[f"model/{tag}_p_pass_same_door"] = res["same"]
+                    metrics[f"model/{tag}_p_pass_other_door"] = res["other"]
+                    metrics[f"model/{tag}_p_pass_left"] = res["same_left"]
+                    metrics[f"model/{tag}_p_pass_right"] = res["other_left"]
+                    print(
+                        f"{tag} p(o'|o,a): p(pass | same door) = {res['same']:.3f}, p(pass | other door) = "
+                        f"{res['other']:.3f}  (p(pass|in_room,L) = {res['same_left']:.3f}, R = {res['other_left']:.3f})"
+                    )
+    elif not args.eval_only and binary_codes(replay.obs[: replay.size()].reshape(-1, args.obs_dim)) is None:
+        print("note: observations are not binary codes, so the count-based Markov baseline p(o'|o,a) is skipped")
+
+    # 7. greedy evaluation, summary.json, safetensors
+    metrics.update(evaluate(model, q_net, args.env_id, env_kwargs, args.eval_episodes, args.seed + 10_000, device))
+    for k, v in metrics.items():
+        writer.add_scalar(k, v, global_step)
+    print(" ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith("eval/")))
+    wall = time.time() - start_time
+    summary = {
+        "script": Path(__file__).stem,
+        "run_name": run_dir.name,
+        "run_dir": str(run_dir),
+        "args": asdict(args),
+        "metrics": {k: float(v) for k, v in metrics.items()},
+        "wall_time_s": wall,
+        "sps": global_step / wall if global_step else 0.0,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    state = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}
+    state.update({f"q.{k}": v.contiguous() for k, v in q_net.state_dict().items()})
+    save_file(state, str(run_dir / "model.safetensors"))
+    writer.close()
+    print(f"saved {run_dir}")
