@@ -1,0 +1,515 @@
+"""DQN with a frame stack: Q-learning on the last k observations of a POMDP (k = 1 is Q-learning on o).
+
+The lecture's claim: Q-learning on raw observations is invalid in a POMDP (the value of o depends on how you got
+there, and the greedy argmax is a deterministic policy, which can be arbitrarily bad where only stochastic
+memoryless policies are optimal). Concatenating a short window of k frames, DQN-style, is "not as terrible an idea
+as it seems": it recovers what can be read from the last k observations (velocities in MaskedCartPole), but fails
+as soon as the information needed lies further back than the window (the cue of a T-maze whose corridor is longer
+than k - 1 steps). This script measures all three statements.
+
+Key equations (s_t := (o_{t-k+1}, ..., o_t), frames before the episode start are zeros):
+    y_t = r_t + gamma * (1 - terminated_{t+1}) * max_a' Q_target(s_{t+1}, a')                      (DQN)
+    y_t = r_t + gamma * (1 - terminated_{t+1}) * Q_target(s_{t+1}, argmax_a' Q(s_{t+1}, a'))       (--double-q)
+    loss = mean_batch (Q(s_t, a_t) - y_t)^2
+    epsilon(t) = max(end_e, start_e + (end_e - start_e) * t / (exploration_fraction * total_timesteps))
+
+Implementation details:
+1. The replay keeps one ring buffer per environment (`FrameStackReplay`, arrays shaped (capacity, num_envs, ...)):
+   every observation is stored exactly once, with its step index within its episode. Stacks are built by index
+   (`build_stacks`): slot i and the k - 1 slots before it, with frames older than the episode start zeroed, so a
+   stack never contains a frame of the previous episode. Memory is O(capacity * obs_dim), not k times that.
+2. gymnasium 1.x vector envs autoreset in NEXT_STEP mode (the default, used here): the step after a done returns
+   the reset observation and ignores the action. The final observation of an episode is therefore stored as an
+   ordinary slot, and the slot's "transition" into the reset observation is marked invalid and never sampled.
+   Nothing needs `infos["final_obs"]`.
+3. Termination vs truncation: the target multiplies by (1 - terminated) only. A time-limit truncation bootstraps
+   from the stack ending at the stored final observation, as the state did not really end there.
+4. Sampling: uniform over (slot, env) pairs whose whole k-frame window is still in the ring (the k - 1 oldest
+   slots are skipped, the ring wraps), rejecting invalid (autoreset) slots.
+5. Acting uses the same `build_stacks` on the newest slot of each env; evaluation uses an independent rolling
+   stack (`roll_stack`), which the tests check against the replay's stacks.
+6. Per-env epsilon-greedy exploration (each env draws its own coin), target network copied every
+   `target_network_frequency` steps, one gradient step every `train_frequency` vector steps, as CleanRL [2].
+
+What was scaled down from the paper [1] and why: an MLP on the concatenated vector frames instead of a CNN on
+84x84 pixels; a 100k replay instead of 1M; a few hundred thousand steps instead of 50M frames; no reward clipping.
+The tasks are tiny POMDPs whose optimal values are known, so a run takes minutes on 2 CPU cores.
+
+References:
+[1] V. Mnih et al., "Human-level control through deep reinforcement learning", Nature 2015 (DQN, 4-frame stack).
+[2] CleanRL `cleanrl/dqn.py` and `cleanrl/dqn_atari.py` (S. Huang et al., JMLR 2022): the script order, the linear
+    epsilon schedule, target network copies, `train_frequency`; dqn_atari's FrameStack(4) is done here by index.
+[3] H. van Hasselt, A. Guez, D. Silver, "Deep Reinforcement Learning with Double Q-learning", AAAI 2016.
+[4] B. Bakker, "Reinforcement Learning with Long Short-Term Memory", NeurIPS 2001 (the T-maze).
+[5] rl-baselines3-zoo `hyperparams/dqn.yml` (CartPole-v1 entry), A. Raffin et al.
+Reproduce: python algos/dqn_framestack.py --env-id seqrl/MaskedCartPole-v0 --frame-stack 4
+"""
+
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from safetensors.torch import load_file, save_file
+from torch.utils.tensorboard import SummaryWriter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
+import envs  # noqa: E402, F401  (registers the seqrl/ environments)
+
+EVAL_SEED_OFFSET = 100_000  # evaluation envs are seeded seed + 100000 + i, disjoint from the training seeds
+LOG_EVERY_UPDATES = 100  # write losses/SPS to tensorboard every 100 gradient steps
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = False
+    """use the GPU if one is available (the default runs are sized for a CPU)"""
+    runs_dir: str = "runs"
+    """folder that receives the run directory (tensorboard, summary.json, model.safetensors)"""
+    eval_episodes: int = 100
+    """number of evaluation episodes of the greedy policy at the end (one per evaluation env)"""
+    eval_epsilon: float = 0.0
+    """epsilon of the evaluation policy (0 = purely greedy, the deterministic policy the lecture talks about)"""
+    eval_only: bool = False
+    """skip training: load `--checkpoint` and evaluate it"""
+    checkpoint: str | None = None
+    """run directory or model.safetensors file to load for `--eval-only`"""
+
+    # Environment
+    env_id: str = "seqrl/MaskedCartPole-v0"
+    """the id of the environment (any gymnasium env with a Discrete action space and Box/Discrete observations)"""
+    env_kwargs: str = "{}"
+    """JSON dict of keyword arguments for gym.make, e.g. '{"corridor_length": 4}' for seqrl/TMaze-v0"""
+    num_envs: int = 4
+    """number of parallel environments (SyncVectorEnv)"""
+    frame_stack: int = 4
+    """k, the number of most recent observations concatenated into the Q-network input (1 = memoryless)"""
+
+    # DQN
+    total_timesteps: int = 100_000
+    """total environment steps (summed over the parallel envs)"""
+    learning_rate: float = 2.3e-3
+    """Adam learning rate"""
+    anneal_lr: bool = True
+    """linearly anneal the learning rate to 0 over training (stabilizes the final greedy policy)"""
+    buffer_size: int = 100_000
+    """replay capacity in transitions (summed over envs; each env gets buffer_size // num_envs slots)"""
+    gamma: float = 0.99
+    """discount factor"""
+    tau: float = 1.0
+    """target network update rate (1 = hard copy)"""
+    target_network_frequency: int = 256
+    """environment steps between target network updates"""
+    batch_size: int = 64
+    """minibatch size sampled from the replay"""
+    start_e: float = 1.0
+    """starting epsilon of the exploration schedule"""
+    end_e: float = 0.04
+    """final epsilon of the exploration schedule"""
+    exploration_fraction: float = 0.16
+    """fraction of `total_timesteps` over which epsilon decays linearly from start_e to end_e"""
+    learning_starts: int = 1_000
+    """environment steps collected with the schedule before the first gradient step"""
+    train_frequency: int = 64
+    """vector steps (of num_envs env steps each) between training phases"""
+    gradient_steps: int = 128
+    """gradient steps per training phase (per env step: gradient_steps / (train_frequency * num_envs))"""
+    double_q: bool = False
+    """use the double-Q target: the online network picks a', the target network evaluates it"""
+    hidden_size: int = 256
+    """width of the two hidden layers of the Q-network MLP"""
+
+    # filled in at runtime
+    obs_dim: int = 0
+    """size of one flattened observation"""
+
+
+def parse_env_kwargs(text: str) -> dict:
+    """Parse the `--env-kwargs` JSON string into a dict, with a one-line error otherwise."""
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: --env-kwargs is not valid JSON ({e}): {text!r}") from None
+    if not isinstance(kwargs, dict):
+        raise SystemExit(f"error: --env-kwargs must be a JSON object like '{{\"corridor_length\": 4}}', got {text!r}")
+    return kwargs
+
+
+def make_env(env_id: str, env_kwargs: dict):
+    """Return a thunk building one env with a flat Box observation (Discrete observations become one-hot)."""
+
+    def thunk():
+        env = gym.make(env_id, **env_kwargs)
+        if not isinstance(env.action_space, gym.spaces.Discrete):
+            raise SystemExit(f"error: {env_id} has action space {env.action_space}; only Discrete is supported")
+        if not isinstance(env.observation_space, (gym.spaces.Box, gym.spaces.Discrete)):
+            raise SystemExit(f"error: {env_id} has observation space {env.observation_space}; Box/Discrete only")
+        return gym.wrappers.FlattenObservation(env)
+
+    return thunk
+
+
+def check_env(env_id: str, env_kwargs: dict) -> None:
+    """Build one env early so that a wrong id / kwargs / space ends in one clear line, not a deep traceback."""
+    try:
+        make_env(env_id, env_kwargs)().close()
+    except gym.error.Error as e:
+        raise SystemExit(f"error: cannot make env {env_id!r}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"error: bad --env-kwargs {env_kwargs} for {env_id!r}: {e}") from None
+
+
+def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> float:
+    """epsilon(t): linear from start_e to end_e over `duration` steps, then constant (CleanRL's schedule)."""
+    slope = (end_e - start_e) / duration
+    return max(slope * t + start_e, end_e)
+
+
+# ALGO LOGIC: stacks by index, replay, and the TD target as small pure functions
+def build_stacks(obs_ring: np.ndarray, ep_step_ring: np.ndarray, slots: np.ndarray, env_ids: np.ndarray, k: int):
+    """The k-frame stacks ending at `slots` of the rings of `env_ids`, oldest frame first, flattened.
+
+    obs_ring: (C, N, D) observations; ep_step_ring: (C, N) step index of each observation within its episode
+    (0 = the reset observation). Frame j of a stack (j = 0 oldest) lies d = k - 1 - j slots back; it is used
+    if d <= ep_step[slot] (same episode) and zero otherwise. The ring wraps (slot - d) modulo C. Returns (B, k * D).
+    """
+    capacity = obs_ring.shape[0]
+    back = np.arange(k - 1, -1, -1)  # (k,) how many slots back each frame lies, oldest first
+    hist_slots = (slots[:, None] - back[None, :]) % capacity  # (B, k)
+    same_episode = back[None, :] <= ep_step_ring[slots, env_ids][:, None]  # (B, k)
+    frames = obs_ring[hist_slots, env_ids[:, None]] * same_episode[..., None]  # (B, k, D)
+    return frames.reshape(len(slots), -1)  # (B, k * D)
+
+
+def roll_stack(stack: np.ndarray, obs: np.ndarray) -> np.ndarray:
+    """Shift a (N, k, D) rolling stack by one frame and append `obs` (N, D) as the newest frame (evaluation)."""
+    return np.concatenate([stack[:, 1:], obs[:, None]], axis=1)
+
+
+class FrameStackReplay:
+    """One ring of single observations per env; transitions are (slot, slot + 1) pairs within one episode.
+
+    Slot i of env n holds o = obs[i, n], its step index in the episode, and, once the agent acted on it, the action,
+    the reward and `terminated` of the step o -> obs[i + 1, n]. `valid[i, n]` is False for the newest slot (no
+    action yet) and for the final observation of an episode (its "step" is the NEXT_STEP autoreset into the next
+    episode's reset observation, which is not a transition).
+    """
+
+    def __init__(self, capacity: int, num_envs: int, obs_dim: int, k: int):
+        if capacity < k + 2:
+            raise SystemExit(f"error: replay capacity per env ({capacity}) must be >= frame_stack + 2 ({k + 2})")
+        self.capacity, self.num_envs, self.k = capacity, num_envs, k
+        self.obs = np.zeros((capacity, num_envs, obs_dim), dtype=np.float32)
+        self.ep_step = np.zeros((capacity, num_envs), dtype=np.int64)
+        self.actions = np.zeros((capacity, num_envs), dtype=np.int64)
+        self.rewards = np.zeros((capacity, num_envs), dtype=np.float32)
+        self.terminated = np.zeros((capacity, num_envs), dtype=np.float32)
+        self.valid = np.zeros((capacity, num_envs), dtype=bool)
+        self.pos, self.size = -1, 0  # newest slot, number of filled slots
+        self.env_ids = np.arange(num_envs)
+
+    def _write_obs(self, obs: np.ndarray, ep_step: np.ndarray) -> None:
+        self.pos = (self.pos + 1) % self.capacity
+        self.size = min(self.size + 1, self.capacity)
+        self.obs[self.pos], self.ep_step[self.pos], self.valid[self.pos] = obs, ep_step, False
+
+    def reset(self, obs: np.ndarray) -> None:
+        """Store the first observations (N, D) after envs.reset()."""
+        self._write_obs(obs, np.zeros(self.num_envs, dtype=np.int64))
+
+    def add(self, actions, rewards, terminated, next_obs, autoreset) -> None:
+        """Record one vector step taken from the newest slot.
+
+        `autoreset` (N,) is True where the previous step ended the episode, i.e. this step was the NEXT_STEP reset:
+        the newest slot is a final observation, its transition is invalid, and `next_obs` starts a new episode.
+        `truncated` is not stored: a truncated transition is an ordinary one (it bootstraps from the final obs).
+        """
+        p = self.pos
+        self.actions[p], self.rewards[p], self.terminated[p] = actions, rewards, terminated
+        self.valid[p] = ~autoreset
+        self._write_obs(next_obs, np.where(autoreset, 0, self.ep_step[p] + 1))
+
+    def current_stacks(self) -> np.ndarray:
+        """(N, k * D) stacks ending at each env's newest observation, for acting."""
+        return build_stacks(self.obs, self.ep_step, np.full(self.num_envs, self.pos), self.env_ids, self.k)
+
+    def sample_slots(self, batch_size: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """Uniform (slot, env) pairs with a valid transition whose whole k-frame window is still in the ring."""
+        max_age = self.size - self.k  # ages 1..size-k: slot + 1 exists and slot - (k - 1) not overwritten
+        if max_age < 1 or not self.valid.any():
+            raise RuntimeError("replay holds no valid transition yet")
+        slots, env_ids = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        while len(slots) < batch_size:  # rejection of autoreset slots (a small fraction), vectorized
+            s = (self.pos - rng.integers(1, max_age + 1, size=2 * batch_size)) % self.capacity
+            e = rng.integers(0, self.num_envs, size=2 * batch_size)
+            keep = self.valid[s, e]
+            slots, env_ids = np.concatenate([slots, s[keep]]), np.concatenate([env_ids, e[keep]])
+        return slots[:batch_size], env_ids[:batch_size]
+
+    def sample(self, batch_size: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        slots, env_ids = self.sample_slots(batch_size, rng)
+        next_slots = (slots + 1) % self.capacity
+        return {
+            "obs": build_stacks(self.obs, self.ep_step, slots, env_ids, self.k),  # (B, k * D)
+            "actions": self.actions[slots, env_ids],  # (B,)
+            "rewards": self.rewards[slots, env_ids],  # (B,)
+            "terminated": self.terminated[slots, env_ids],  # (B,)
+            "next_obs": build_stacks(self.obs, self.ep_step, next_slots, env_ids, self.k),  # (B, k * D)
+        }
+
+
+def td_target(rewards, terminated, next_q_target, gamma: float, next_q_online=None):
+    """y = r + gamma (1 - terminated) Q_target(s', a*), a* = argmax of Q_target, or of Q_online for double Q.
+
+    rewards, terminated: (B,); next_q_target, next_q_online: (B, A). Truncated transitions have terminated = 0 and
+    bootstrap. Returns (B,).
+    """
+    if next_q_online is None:
+        next_v = next_q_target.max(dim=1).values  # (B,)
+    else:
+        next_v = next_q_target.gather(1, next_q_online.argmax(dim=1, keepdim=True)).squeeze(1)  # (B,)
+    return rewards + gamma * (1.0 - terminated) * next_v
+
+
+class QNetwork(nn.Module):
+    """MLP from the flattened k-frame stack (B, k * D) to Q-values (B, A)."""
+
+    def __init__(self, input_dim: int, num_actions: int, hidden_size: int):
+        super().__init__()
+        self.network = nn.Sequential(
+            nn.Linear(input_dim, hidden_size),
+            nn.ReLU(),
+            nn.Linear(hidden_size, hidden_size),
+            nn.ReLU(),
+            nn.Linear(hidden_size, num_actions),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.network(x)
+
+
+def evaluate(q_network, args: Args, env_kwargs: dict, device) -> dict[str, float]:
+    """Run `eval_episodes` episodes (one per env, so short episodes are not over-counted) with epsilon-greedy
+    (epsilon = `eval_epsilon`) on rolling k-frame stacks. Returns the eval/... metrics."""
+    n, k = args.eval_episodes, args.frame_stack
+    eval_envs = gym.vector.SyncVectorEnv([make_env(args.env_id, env_kwargs) for _ in range(n)])
+    rng = np.random.default_rng(args.seed + EVAL_SEED_OFFSET)
+    obs, _ = eval_envs.reset(seed=args.seed + EVAL_SEED_OFFSET)
+    stack = roll_stack(np.zeros((n, k, obs.shape[1]), dtype=np.float32), obs)  # (n, k, D), zeros before the start
+    returns, lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
+    running, timed_out = np.ones(n, dtype=bool), np.zeros(n, dtype=bool)
+    success, has_success = np.zeros(n), False
+    while running.any():
+        with torch.no_grad():
+            q_values = q_network(torch.as_tensor(stack.reshape(n, -1), device=device))  # (n, A)
+        actions = q_values.argmax(dim=1).cpu().numpy()
+        explore = rng.random(n) < args.eval_epsilon
+        actions = np.where(explore, rng.integers(0, eval_envs.single_action_space.n, size=n), actions)
+        obs, rewards, terminated, truncated, infos = eval_envs.step(actions)
+        returns += rewards * running
+        lengths += running
+        done = running & (terminated | truncated)
+        timed_out |= done & truncated
+        if "success" in infos:
+            has_success = True
+            success = np.where(done & infos["_success"], infos["success"], success)
+        running &= ~done
+        stack = roll_stack(stack, obs)
+    eval_envs.close()
+    metrics = {
+        "eval/episodic_return": float(returns.mean()),
+        "eval/episodic_return_std": float(returns.std()),
+        "eval/episodic_length": float(lengths.mean()),
+        "eval/timeout_rate": float(timed_out.mean()),
+    }
+    if has_success:
+        metrics["eval/success_rate"] = float(success.mean())
+    if "ThreeStateLine" in args.env_id:  # failure = never reaching B, i.e. hitting the time limit
+        metrics["eval/failure_rate"] = float(timed_out.mean())
+    return metrics
+
+
+def load_checkpoint(path: str | None) -> dict[str, torch.Tensor]:
+    if path is None:
+        raise SystemExit("error: --eval-only needs --checkpoint (a run directory or a model.safetensors file)")
+    file = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise SystemExit(f"error: checkpoint {file} does not exist")
+    try:
+        return load_file(str(file))
+    except Exception as e:  # safetensors raises its own error types on corrupt files
+        raise SystemExit(f"error: cannot read checkpoint {file}: {e}") from None
+
+
+def make_run_dir(args: Args) -> tuple[str, Path]:
+    run_name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir, suffix = Path(args.runs_dir) / run_name, 0
+    while run_dir.exists():  # never overwrite a run
+        suffix += 1
+        run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    return run_dir.name, run_dir
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    env_kwargs = parse_env_kwargs(args.env_kwargs)
+    if args.frame_stack < 1:
+        raise SystemExit(f"error: --frame-stack must be >= 1, got {args.frame_stack}")
+    if args.num_envs < 1 or args.eval_episodes < 1:
+        raise SystemExit("error: --num-envs and --eval-episodes must be >= 1")
+    if not 0.0 <= args.eval_epsilon <= 1.0:
+        raise SystemExit(f"error: --eval-epsilon must be in [0, 1], got {args.eval_epsilon}")
+    if not args.eval_only and args.learning_starts < args.batch_size:
+        raise SystemExit(f"error: --learning-starts ({args.learning_starts}) must be >= --batch-size")
+    check_env(args.env_id, env_kwargs)
+    state_dict = load_checkpoint(args.checkpoint) if args.eval_only else None
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    rng = np.random.default_rng(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+
+    # env setup: NEXT_STEP autoreset (gymnasium's default), see implementation detail 2
+    envs = gym.vector.SyncVectorEnv(
+        [make_env(args.env_id, env_kwargs) for _ in range(args.num_envs)],
+        autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
+    )
+    args.obs_dim = int(np.prod(envs.single_observation_space.shape))
+    num_actions = int(envs.single_action_space.n)
+    q_network = QNetwork(args.frame_stack * args.obs_dim, num_actions, args.hidden_size).to(device)
+
+    run_name, run_dir = make_run_dir(args)
+    writer = SummaryWriter(str(run_dir))
+    writer.add_text(
+        "hyperparameters",
+        "|param|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()),
+    )
+    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    start_time, global_step = time.time(), 0
+
+    if args.eval_only:
+        try:
+            q_network.load_state_dict(state_dict)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0]
+            raise SystemExit(
+                f"error: checkpoint does not fit this architecture (same --env-id/--frame-stack/--hidden-size?): "
+                f"{first}"
+            ) from None
+    else:
+        optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
+        target_network = QNetwork(args.frame_stack * args.obs_dim, num_actions, args.hidden_size).to(device)
+        target_network.load_state_dict(q_network.state_dict())
+        rb = FrameStackReplay(args.buffer_size // args.num_envs, args.num_envs, args.obs_dim, args.frame_stack)
+        num_iterations = args.total_timesteps // args.num_envs
+
+        obs, _ = envs.reset(seed=args.seed)
+        rb.reset(obs)
+        autoreset = np.zeros(args.num_envs, dtype=bool)  # True where the previous step ended an episode
+        ep_return, ep_length = np.zeros(args.num_envs), np.zeros(args.num_envs, dtype=np.int64)
+        num_updates = 0
+        for iteration in range(num_iterations):
+            # 1. act epsilon-greedily on the k-frame stacks built from the replay's newest slots
+            epsilon = linear_schedule(
+                args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step
+            )
+            with torch.no_grad():
+                q_values = q_network(torch.as_tensor(rb.current_stacks(), device=device))  # (N, A)
+            actions = q_values.argmax(dim=1).cpu().numpy()
+            explore = rng.random(args.num_envs) < epsilon
+            actions = np.where(explore, rng.integers(0, num_actions, size=args.num_envs), actions)
+
+            # 2. step the envs; in NEXT_STEP mode envs with autoreset=True ignore the action and return a reset obs
+            next_obs, rewards, terminated, truncated, infos = envs.step(actions)
+            global_step += args.num_envs
+
+            # 3. store: CRUCIAL step easy to overlook, the autoreset step is not a transition (valid = False)
+            rb.add(actions, rewards, terminated, next_obs, autoreset)
+
+            # 4. episode statistics (the autoreset step's reward is 0 and belongs to no episode)
+            ep_return += np.where(autoreset, 0.0, rewards)
+            ep_length += ~autoreset
+            done = terminated | truncated
+            for i in np.flatnonzero(done):
+                writer.add_scalar("charts/episodic_return", ep_return[i], global_step)
+                writer.add_scalar("charts/episodic_length", ep_length[i], global_step)
+                if "success" in infos and infos["_success"][i]:
+                    writer.add_scalar("charts/success", float(infos["success"][i]), global_step)
+            if done.any():
+                writer.add_scalar("charts/epsilon", epsilon, global_step)
+            ep_return[done], ep_length[done] = 0.0, 0
+            autoreset = done
+
+            # 5. training: one gradient step on a minibatch of stacked transitions
+            if global_step > args.learning_starts and iteration % args.train_frequency == 0:
+                if args.anneal_lr:
+                    optimizer.param_groups[0]["lr"] = args.learning_rate * (1.0 - iteration / num_iterations)
+                for _ in range(args.gradient_steps):
+                    batch = rb.sample(args.batch_size, rng)
+                    batch = {key: torch.as_tensor(value, device=device) for key, value in batch.items()}
+                    with torch.no_grad():
+                        next_q_target = target_network(batch["next_obs"])  # (B, A)
+                        next_q_online = q_network(batch["next_obs"]) if args.double_q else None  # (B, A)
+                        y = td_target(batch["rewards"], batch["terminated"], next_q_target, args.gamma, next_q_online)
+                    q_taken = q_network(batch["obs"]).gather(1, batch["actions"][:, None]).squeeze(1)  # (B,)
+                    loss = F.mse_loss(q_taken, y)
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+                    num_updates += 1
+                    if num_updates % LOG_EVERY_UPDATES == 0:
+                        sps = int(global_step / (time.time() - start_time))
+                        writer.add_scalar("losses/td_loss", loss.item(), global_step)
+                        writer.add_scalar("losses/q_values", q_taken.mean().item(), global_step)
+                        writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
+                        writer.add_scalar("charts/SPS", sps, global_step)
+                        print(f"global_step={global_step} epsilon={epsilon:.3f} td_loss={loss.item():.4f} SPS={sps}")
+
+            # 6. target network: hard copy (tau = 1) or Polyak average every target_network_frequency env steps
+            if (
+                global_step // args.target_network_frequency
+                != (global_step - args.num_envs) // args.target_network_frequency
+            ):
+                for target_param, param in zip(target_network.parameters(), q_network.parameters(), strict=True):
+                    target_param.data.copy_(args.tau * param.data + (1.0 - args.tau) * target_param.data)
+
+        save_file(q_network.state_dict(), str(run_dir / "model.safetensors"))
+    envs.close()
+    train_time = time.time() - start_time
+
+    # evaluation of the greedy policy (epsilon = eval_epsilon), then summary.json
+    metrics = evaluate(q_network, args, env_kwargs, device)
+    for key, value in metrics.items():
+        writer.add_scalar(key, value, global_step)
+    sps = global_step / train_time if global_step else 0.0
+    summary = {
+        "script": Path(__file__).stem,
+        "run_name": run_name,
+        "run_dir": str(run_dir),
+        "args": asdict(args),
+        "metrics": metrics,
+        "wall_time_s": time.time() - start_time,
+        "sps": sps,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    writer.close()
+    print(json.dumps(metrics))
+    print(f"run dir: {run_dir}")

@@ -1,0 +1,225 @@
+"""Tests of algos/dqn_framestack.py: stacks by index, replay validity, TD targets, autoreset, runs and errors."""
+
+import json
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from conftest import load_script, run_script
+
+dqn = load_script("dqn_framestack")
+
+TMAZE_STARTS = {(0.0, 1.0, 1.0), (1.0, 1.0, 0.0)}  # the two cue observations of TMaze, seen only at t = 0
+
+
+def scripted_replay():
+    """One env, D = 1, k = 3, capacity 6: episode 1 is 10, 11, 12 (terminated), episode 2 is 20, 21, 22, ..."""
+    rb = dqn.FrameStackReplay(capacity=6, num_envs=1, obs_dim=1, k=3)
+    no, yes = np.array([False]), np.array([True])
+    rb.reset(np.array([[10.0]]))  # slot 0
+    rb.add(np.array([1]), np.array([-1.0]), np.array([0.0]), np.array([[11.0]]), no)  # slot 1
+    rb.add(np.array([1]), np.array([5.0]), np.array([1.0]), np.array([[12.0]]), no)  # slot 2: final obs
+    rb.add(np.array([0]), np.array([0.0]), np.array([0.0]), np.array([[20.0]]), yes)  # slot 3: NEXT_STEP reset
+    for value in (21.0, 22.0):  # slots 4, 5
+        rb.add(np.array([1]), np.array([-1.0]), np.array([0.0]), np.array([[value]]), no)
+    return rb
+
+
+def stack_at(rb, slot):
+    return dqn.build_stacks(rb.obs, rb.ep_step, np.array([slot]), np.array([0]), rb.k)[0].tolist()
+
+
+def test_stacks_zero_pad_at_episode_start_and_never_show_the_previous_episode():
+    rb = scripted_replay()
+    assert stack_at(rb, 0) == [0.0, 0.0, 10.0]
+    assert stack_at(rb, 1) == [0.0, 10.0, 11.0]
+    assert stack_at(rb, 2) == [10.0, 11.0, 12.0]  # the final (terminal) observation of episode 1
+    assert stack_at(rb, 3) == [0.0, 0.0, 20.0]  # not [11, 12, 20]
+    assert stack_at(rb, 4) == [0.0, 20.0, 21.0]  # not [12, 20, 21]
+    assert stack_at(rb, 5) == [20.0, 21.0, 22.0]
+    assert rb.valid[:, 0].tolist() == [True, True, False, True, True, False]  # autoreset slot and newest: invalid
+
+
+def test_stacks_across_the_ring_wrap():
+    rb = scripted_replay()
+    for value in (23.0, 24.0):  # overwrite slots 0 and 1
+        rb.add(np.array([1]), np.array([-1.0]), np.array([0.0]), np.array([[value]]), np.array([False]))
+    assert rb.pos == 1 and rb.size == 6
+    assert stack_at(rb, 0) == [21.0, 22.0, 23.0]  # slots 4, 5, 0
+    assert stack_at(rb, 1) == [22.0, 23.0, 24.0]  # slots 5, 0, 1
+    assert rb.current_stacks()[0].tolist() == [22.0, 23.0, 24.0]
+
+
+def test_sampling_skips_autoreset_and_overwritten_windows():
+    rb = scripted_replay()
+    for value in (23.0, 24.0):
+        rb.add(np.array([1]), np.array([-1.0]), np.array([0.0]), np.array([[value]]), np.array([False]))
+    # ring now (slot: value) 0:23 1:24 2:12 3:20 4:21 5:22 with pos = 1. Ages 1..size-k = 1..3 -> slots 0, 5, 4;
+    # slot 2 (12, the autoreset slot) is invalid, slot 3 (20) is too old: its window would reach slot 1 (overwritten).
+    slots, _ = rb.sample_slots(2000, np.random.default_rng(0))
+    assert set(slots.tolist()) == {0, 5, 4}
+    batch = rb.sample(500, np.random.default_rng(1))
+    np.testing.assert_array_equal(batch["next_obs"][:, -1], batch["obs"][:, -1] + 1.0)  # one step, same episode
+    np.testing.assert_array_equal(batch["next_obs"][:, :-1], batch["obs"][:, 1:])  # the window shifts by one
+
+
+def test_sampled_terminal_transition_carries_reward_and_flag():
+    # k = 2, episode 1 is 10, 11, 12, 13 (the step 12 -> 13 terminates with reward 5), episode 2 is 20, 21
+    rb = dqn.FrameStackReplay(capacity=10, num_envs=1, obs_dim=1, k=2)
+    rb.reset(np.array([[10.0]]))
+    for value, reward, term, reset in [(11, -1, 0, 0), (12, -1, 0, 0), (13, 5, 1, 0), (20, 0, 0, 1), (21, -1, 0, 0)]:
+        rb.add(np.array([1]), np.array([reward]), np.array([term]), np.array([[value]]), np.array([bool(reset)]))
+    batch = rb.sample(500, np.random.default_rng(0))  # ages 1..4: slots 4, 3 (autoreset, rejected), 2, 1
+    assert set(batch["obs"][:, -1].tolist()) == {11.0, 12.0, 20.0}
+    terminal = batch["terminated"] == 1.0
+    assert terminal.any()
+    np.testing.assert_array_equal(batch["obs"][terminal], [[11.0, 12.0]] * terminal.sum())
+    np.testing.assert_array_equal(batch["next_obs"][terminal], [[12.0, 13.0]] * terminal.sum())
+    assert (batch["rewards"][terminal] == 5.0).all() and (batch["terminated"][~terminal] == 0.0).all()
+    first = batch["obs"][:, -1] == 20.0
+    np.testing.assert_array_equal(batch["obs"][first], [[0.0, 20.0]] * first.sum())  # zero-padded, not 13
+
+
+def test_td_target_termination_vs_truncation_by_hand():
+    rewards = torch.tensor([1.0, 2.0, 3.0])
+    terminated = torch.tensor([0.0, 1.0, 0.0])  # the third is a time-limit truncation: it bootstraps
+    next_q_target = torch.tensor([[1.0, 5.0], [2.0, 4.0], [7.0, 3.0]])
+    y = dqn.td_target(rewards, terminated, next_q_target, 0.9)
+    torch.testing.assert_close(y, torch.tensor([1.0 + 0.9 * 5.0, 2.0, 3.0 + 0.9 * 7.0]))
+
+
+def test_double_q_target_by_hand():
+    rewards = torch.tensor([1.0, 2.0, 3.0])
+    terminated = torch.tensor([0.0, 1.0, 0.0])
+    next_q_target = torch.tensor([[1.0, 5.0], [2.0, 4.0], [7.0, 3.0]])
+    next_q_online = torch.tensor([[9.0, 0.0], [0.0, 9.0], [0.0, 9.0]])  # online argmax: 0, 1, 1
+    y = dqn.td_target(rewards, terminated, next_q_target, 0.9, next_q_online)
+    torch.testing.assert_close(y, torch.tensor([1.0 + 0.9 * 1.0, 2.0, 3.0 + 0.9 * 3.0]))
+
+
+def drive(env_id, env_kwargs, num_envs, k, steps, policy, capacity=64):
+    """Run the script's collection loop (NEXT_STEP autoreset) and an independent rolling stack side by side."""
+    envs = gym.vector.SyncVectorEnv([dqn.make_env(env_id, env_kwargs) for _ in range(num_envs)])
+    obs, _ = envs.reset(seed=0)
+    rb = dqn.FrameStackReplay(capacity, num_envs, obs.shape[1], k)
+    rb.reset(obs)
+    rolling = dqn.roll_stack(np.zeros((num_envs, k, obs.shape[1]), dtype=np.float32), obs)
+    autoreset = np.zeros(num_envs, dtype=bool)
+    log = []
+    for t in range(steps):
+        np.testing.assert_array_equal(rb.current_stacks(), rolling.reshape(num_envs, -1))
+        actions = policy(t, num_envs)
+        next_obs, rewards, terminated, truncated, _ = envs.step(actions)
+        rb.add(actions, rewards, terminated, next_obs, autoreset)
+        log.append((autoreset.copy(), terminated.copy(), truncated.copy(), rewards.copy()))
+        rolling = dqn.roll_stack(rolling, next_obs)
+        rolling[autoreset] = dqn.roll_stack(np.zeros_like(rolling[autoreset]), next_obs[autoreset])
+        autoreset = terminated | truncated
+    envs.close()
+    return rb, log
+
+
+def test_autoreset_next_step_with_a_real_vector_env():
+    rng = np.random.default_rng(0)
+    rb, log = drive("seqrl/TMaze-v0", {"corridor_length": 1}, 3, 3, 60, lambda t, n: rng.integers(0, 4, size=n))
+    assert rb.size == 61 and rb.pos == 60
+    for slot in range(60):  # every slot of the unwrapped ring
+        autoreset, _, _, reward = log[slot]
+        # a reset observation (ep_step 0) is exactly the one returned by the autoreset step, or the first reset
+        np.testing.assert_array_equal(rb.ep_step[slot + 1] == 0, autoreset)
+        np.testing.assert_array_equal(rb.valid[slot], ~autoreset)  # the autoreset step is not a transition
+        assert (reward[autoreset] == 0.0).all()
+        starts = {tuple(o) for o in rb.obs[slot + 1][autoreset].tolist()}
+        assert starts <= TMAZE_STARTS
+        within = ~autoreset
+        np.testing.assert_array_equal(rb.ep_step[slot + 1][within], rb.ep_step[slot][within] + 1)
+    assert any(log[s][0].any() for s in range(60))  # episodes did end and restart
+
+
+def test_truncation_is_stored_as_a_bootstrapping_transition():
+    # ThreeStateLine with a 2-step limit, always "left": from A the agent bumps the wall and is truncated at t = 2,
+    # from C it reaches B at t = 1 (terminated).
+    rb, log = drive("seqrl/ThreeStateLine-v0", {"max_steps": 2}, 4, 2, 30, lambda t, n: np.zeros(n, dtype=np.int64))
+    terminated = np.array([entry[1] for entry in log])  # (T, N)
+    truncated = np.array([entry[2] for entry in log])  # (T, N)
+    assert truncated.any() and terminated.any()
+    np.testing.assert_array_equal(rb.terminated[:30], terminated.astype(np.float32))  # truncation stored as 0
+    np.testing.assert_array_equal(rb.valid[:30][truncated], True)  # the truncated step itself is sampled
+    np.testing.assert_array_equal(rb.valid[1:31][truncated], False)  # the slot of its final obs is not
+
+
+def test_linear_schedule():
+    assert dqn.linear_schedule(1.0, 0.05, 100, 0) == 1.0
+    assert dqn.linear_schedule(1.0, 0.05, 100, 50) == pytest.approx(0.525)
+    assert dqn.linear_schedule(1.0, 0.05, 100, 1000) == 0.05
+
+
+# CleanRL-like settings for the small discrete POMDPs (the script defaults are tuned for MaskedCartPole)
+TMAZE_CLEANRL_LIKE = ["--learning-rate", "5e-4", "--train-frequency", "1", "--gradient-steps", "1", "--batch-size",
+                      "128", "--exploration-fraction", "0.5", "--end-e", "0.05", "--hidden-size", "128"]  # fmt: skip
+TINY = ["--total-timesteps", "400", "--learning-starts", "128", "--batch-size", "32", "--num-envs", "2"]
+
+
+def test_smoke_tmaze_and_eval_only_roundtrip(runs_dir):
+    tmaze = ["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 2}', "--eval-episodes", "8"]
+    summary = run_script("dqn_framestack", *tmaze, *TINY, runs_dir=runs_dir, timeout=120)
+    metrics = summary["metrics"]
+    assert {"eval/episodic_return", "eval/episodic_length", "eval/success_rate"} <= set(metrics)
+    assert 0.0 <= metrics["eval/success_rate"] <= 1.0
+    assert all(isinstance(v, float) for v in metrics.values())
+    run_dir = summary["run_dir"]
+    assert json.loads((runs_dir / summary["run_name"] / "args.json").read_text())["frame_stack"] == 4
+    again = run_script("dqn_framestack", *tmaze, "--eval-only", "--checkpoint", run_dir, runs_dir=runs_dir, timeout=120)
+    assert again["run_dir"] != run_dir
+    assert again["metrics"] == metrics  # same weights, same eval seed, greedy policy
+
+
+def test_smoke_three_state_line_reports_failure_rate(runs_dir):
+    summary = run_script(
+        "dqn_framestack", "--env-id", "seqrl/ThreeStateLine-v0", "--frame-stack", "1", *TINY, "--double-q",
+        runs_dir=runs_dir, timeout=120,
+    )  # fmt: skip
+    metrics = summary["metrics"]
+    assert metrics["eval/failure_rate"] == metrics["eval/timeout_rate"]
+    assert -20.0 <= metrics["eval/episodic_return"] <= -1.0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--env-id", "seqrl/NoSuchEnv-v0"], "cannot make env"),
+        (["--env-id", "Pendulum-v1"], "only Discrete"),
+        (["--env-id", "seqrl/TMaze-v0", "--env-kwargs", "{corridor: 2}"], "not valid JSON"),
+        (["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 0}'], "corridor_length"),
+        (["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"no_such_kwarg": 1}'], "bad --env-kwargs"),
+        (["--frame-stack", "0"], "--frame-stack"),
+        (["--eval-only"], "needs --checkpoint"),
+        (["--eval-only", "--checkpoint", "/nonexistent/run"], "does not exist"),
+    ],
+)
+def test_clear_errors(runs_dir, args, message):
+    proc = run_script("dqn_framestack", *args, runs_dir=runs_dir, expect_fail=True, timeout=60)
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_clear_error_on_mismatched_checkpoint(runs_dir):
+    summary = run_script("dqn_framestack", "--env-id", "seqrl/TMaze-v0", *TINY, "--eval-episodes", "2",
+                         runs_dir=runs_dir, timeout=120)  # fmt: skip
+    proc = run_script(
+        "dqn_framestack", "--env-id", "seqrl/TMaze-v0", "--frame-stack", "2", "--eval-only",
+        "--checkpoint", summary["run_dir"], runs_dir=runs_dir, expect_fail=True, timeout=60,
+    )  # fmt: skip
+    assert "does not fit this architecture" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_tmaze_short_corridor_solved_with_a_stack_and_at_chance_without(runs_dir):
+    """TMaze corridor 2: k = 4 still sees the cue at the junction (success ~1); k = 1 cannot (success ~1/2)."""
+    common = ["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 2}', "--total-timesteps", "20000",
+              "--learning-starts", "1000", "--eval-episodes", "200", *TMAZE_CLEANRL_LIKE]  # fmt: skip
+    with_stack = run_script("dqn_framestack", *common, "--frame-stack", "4", runs_dir=runs_dir, timeout=300)
+    assert with_stack["metrics"]["eval/success_rate"] >= 0.9
+    memoryless = run_script("dqn_framestack", *common, "--frame-stack", "1", runs_dir=runs_dir, timeout=300)
+    assert 0.35 <= memoryless["metrics"]["eval/success_rate"] <= 0.65  # a coin flip (200 episodes: sd 0.035)
+    assert memoryless["metrics"]["eval/timeout_rate"] == 0.0  # it does reach the junction
