@@ -1,0 +1,929 @@
+"""RLHF with PPO and a KL penalty: the InstructGPT recipe end to end on the seqrl preference task.
+
+The lecture casts RLHF as a one-step bandit: the prompt is the state s, the whole completion is the action a,
+and pi_theta(a|s) = prod_t p(x_t | x_<t). One batch of slow generations funds K epochs of importance-weighted
+(PPO-clipped) minibatch updates against a frozen snapshot pi_bar. The reward is a learned Bradley-Terry reward
+model r_psi, an imperfect stand-in for the hidden human (`envs.preference.gold_utility`, which the policy never
+sees). Optimizing hard against r_psi is offline model-based RL and inherits its disease, over-optimization: with
+beta = 0 the proxy reward keeps rising while the gold reward rises, peaks and falls (Gao et al. 2022). Folding a
+KL penalty toward the supervised policy into the reward keeps the policy where r_psi is trustworthy.
+
+One command runs the four steps of the recipe (each inline, short, marked STEP 1..4 below):
+  1. SFT: a tiny GPT-2 (built from a config, seqrl vocabulary) trained by next-token cross-entropy on completions.
+  2. Preference data: K completions per prompt sampled from the SFT policy, ranked by the task's noisy labeler.
+  3. Reward model: the SFT transformer (as in InstructGPT) with a new scalar head at the last non-pad token,
+     Bradley-Terry loss on all C(K,2) pairs of each ranking (labeler temperature 0.3, 1024 prompts x K=4).
+  4. PPO with a per-token KL penalty toward the frozen SFT policy.
+`--sft-model-path` / `--reward-model-path` skip steps 1 / 2-3 by loading `save_pretrained` dirs of other runs.
+
+Key equations (per rollout of B prompts, completion tokens t = 1..T_i, EOS included):
+  kl_t        = log pi_theta(x_t|x_<t) - log pi_SFT(x_t|x_<t)                 (k1; k3: (rho-1) - log rho, rho=pi_SFT/pi)
+  r~_t        = -beta * kl_t  + [t = T_i] * (r_psi(s, a) - penalty * [no EOS])   (score at the EOS / last token)
+  i.e. sum_t r~_t = r_psi(s,a) + beta (log pi_SFT(a|s) - log pi_theta(a|s))   (the lecture's r~)
+  bandit:  A_t = R - mean_batch(R), R = sum_t r~_t                           (sequence-level, baseline = batch mean)
+  gae:     delta_t = r~_t + gamma V_{t+1} - V_t,  A_t = sum_l (gamma lam)^l delta_{t+l}   (gamma = 1 by default)
+  L_pg     = E_t max(-A_t rho_t, -A_t clip(rho_t, 1-eps, 1+eps)),  rho_t = pi_theta(x_t|.) / pi_bar(x_t|.)
+  L_vf     = 0.5 E_t max((V - G)^2, (clip(V, V_old - eps_v, V_old + eps_v) - G)^2)
+  adaptive beta (Ziegler et al.): beta <- beta (1 + clip(KL/KL_target - 1, -0.2, 0.2) * B / horizon)
+  best-of-n from SFT: KL_bon(n) = log n - (n-1)/n   (Stiennon et al. 2020), matched to the PPO policy's KL.
+
+Implementation details:
+  1. Logits are divided by the sampling temperature everywhere a log-prob is computed (rollout, pi_bar, pi_SFT,
+     update), so the ratio is exactly 1 at the first minibatch of every update (dropout is off for the same reason).
+  2. Prompts are left-padded so every completion starts at the same column; position ids come from the attention
+     mask (cumsum - 1), which is what makes left padding correct for GPT-2 and Llama alike.
+  3. Completions are cut after the first EOS; later positions are padding and masked out of every loss.
+  4. The reward model scores `prompt + " " + completion` re-tokenized with its own tokenizer, right-padded, read at
+     the last non-pad token, i.e. at the EOS token. A completion without EOS loses `missing_eos_penalty`.
+  5. Reward-model scores are normalized to mean 0, std 1 on SFT samples of the training prompts before PPO
+     (lm-human-preferences), so beta means the same thing for every reward model.
+  6. Advantages are whitened over the completion tokens of the batch; rewards optionally (`--whiten-rewards`).
+  7. GAE mode: a value head on the policy's last hidden state (shared backbone), with value clipping.
+  8. Approximate KL 0.5 E[(log rho)^2], the clip fraction and the ratio are logged with TRL's metric names.
+  9. Evaluation: one completion per held-out prompt with fixed sampling noise (common random numbers between
+     evaluations); gold reward (hidden utility), proxy reward (normalized r_psi) and KL(pi || pi_SFT) (the mean
+     sequence log-ratio on the policy's own samples) go to tensorboard and `curve.jsonl`.
+
+What was scaled down and why: a 2-layer, 64-dim GPT-2 and a closed vocabulary of a few hundred words instead of
+a 1.3B-175B model, a synthetic hidden "human" instead of labelers, and a few thousand comparisons, so the whole
+recipe fits in a few CPU minutes. The reward model is deliberately small and trained on few comparisons of
+on-distribution (SFT) samples: that is what makes it exploitable off-distribution, like any RM under enough
+optimization pressure. Generation uses a plain sampling loop with a KV cache (no top-k / top-p).
+
+References:
+  [1] Ouyang et al. 2022, Training language models to follow instructions with human feedback (InstructGPT).
+  [2] Ziegler et al. 2019, Fine-Tuning Language Models from Human Preferences (adaptive KL, reward normalization).
+  [3] Stiennon et al. 2020, Learning to summarize from human feedback (per-token KL, best-of-n KL formula).
+  [4] Gao et al. 2022, Scaling Laws for Reward Model Overoptimization (gold vs proxy reward against KL).
+  [5] Code: huggingface/trl `trl/trainer/ppo_trainer.py` (rollout, scores at EOS, missing-EOS penalty, k1/k3,
+      masked whitening, metric names); vwxyzjn/lm-human-preference-details `train_policy_accelerate.py`
+      (temperature-scaled logits, reward normalization, left padding + position ids, GAE, adaptive KL);
+      vwxyzjn/cleanrl `ppo.py` (clipped surrogate and clipped value loss, script layout).
+Reproduce (seed 1, ~5-7 contended CPU minutes each; the over-optimization figure is the pair of curve.jsonl files):
+  python algos/rlhf_ppo_kl.py --kl-coef 0.0   # gold: SFT -0.13 -> peak 0.81 at KL 1 -> -1.14 at KL 44; proxy rises
+  python algos/rlhf_ppo_kl.py --kl-coef 0.1   # gold 0.81 at KL 1.6 (peak 0.90), best-of-12 from SFT: 0.85
+"""
+
+import copy
+import inspect
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from safetensors.torch import save_file
+from torch.utils.tensorboard import SummaryWriter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
+import envs  # noqa: E402,F401  (registers the seqrl/ environments)
+from envs import preference  # noqa: E402
+from envs.tokenizer import build_tokenizer  # noqa: E402
+
+TASK_ID = "seqrl-preference"  # the task name in the run dir
+EPS = 1e-8  # numerical floor for variances in whitening
+BETA_STEP_CLIP = 0.2  # Ziegler et al.'s clip of the proportional adaptive-KL error
+LOG_STD_FLOOR = 1e-6  # floor for the reward-normalization std
+NORM_SAMPLES = 512  # SFT samples (cycling over the training prompts) that set the reward normalization
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (data, models, sampling)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = False
+    """use the GPU if `--cuda` and one is available"""
+    runs_dir: str = "runs"
+    """where run directories are created"""
+    eval_episodes: int = 160
+    """completions per evaluation, cycling over the held-out prompts"""
+    eval_only: bool = False
+    """only evaluate the run dir given by `--checkpoint` (its policy/, sft_model/, reward_model/)"""
+    checkpoint: str | None = None
+    """a run dir written by this script, for `--eval-only`"""
+
+    # models
+    model_name_or_path: str | None = None
+    """base causal LM to fine-tune (local dir or hub id); None: a tiny GPT-2 built from a config here"""
+    sft_model_path: str | None = None
+    """a `save_pretrained` dir of an SFT policy: skips STEP 1"""
+    reward_model_path: str | None = None
+    """a `save_pretrained` dir of a reward model (e.g. from rlhf_reward_model.py): skips STEPS 2-3"""
+    n_embd: int = 64
+    """width of the tiny GPT-2 (policy and reward model built here)"""
+    n_layer: int = 2
+    """layers of the tiny GPT-2"""
+    n_head: int = 4
+    """attention heads of the tiny GPT-2"""
+    n_positions: int = 64
+    """context length of the tiny GPT-2 (prompt + completion fit easily)"""
+
+    # STEP 1: supervised fine-tuning
+    sft_examples: int = 4000
+    """(prompt, completion) demonstrations from `make_sft_dataset`"""
+    sft_epochs: int = 10
+    """passes over the demonstrations"""
+    sft_lr: float = 1e-3
+    """Adam learning rate of SFT"""
+    sft_batch_size: int = 64
+    """SFT minibatch size"""
+
+    # STEPS 2-3: preference data and reward model
+    pref_prompts: int = 1024
+    """training prompts for which K SFT completions are sampled and ranked by the labeler"""
+    pref_k: int = 4
+    """completions per prompt (ranked; all C(K,2) pairs are used)"""
+    labeler_temperature: float = 0.3
+    """the labeler's Bradley-Terry temperature on the gold utility (noise of the human)"""
+    labeler_flip_prob: float = 0.0
+    """probability the labeler flips a comparison at random"""
+    rm_epochs: int = 6
+    """passes of the reward model over the pairs"""
+    rm_lr: float = 1e-3
+    """Adam learning rate of the reward model"""
+    rm_batch_size: int = 64
+    """pairs per reward-model minibatch"""
+
+    # STEP 4: PPO with a KL penalty
+    num_updates: int = 100
+    """PPO updates (each: one rollout batch, `update_epochs` epochs of minibatches)"""
+    batch_size: int = 64
+    """prompts (= completions) per rollout"""
+    num_minibatches: int = 4
+    """minibatches per epoch"""
+    update_epochs: int = 4
+    """K: epochs over each rollout batch (importance-weighted by pi_theta / pi_bar)"""
+    learning_rate: float = 2e-4
+    """Adam learning rate of PPO"""
+    temperature: float = 1.0
+    """sampling temperature (logits are divided by it for every log-prob)"""
+    max_new_tokens: int = 16
+    """completion length limit (a completion without EOS by then is penalized)"""
+    kl_coef: float = 0.1
+    """beta: weight of the per-token KL penalty toward pi_SFT (initial value if adaptive)"""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """per-token KL estimator: k1 = log pi - log pi_SFT, k3 = (rho - 1) - log rho with rho = pi_SFT / pi"""
+    adaptive_kl: bool = False
+    """adapt beta toward `target_kl` (Ziegler et al. 2019)"""
+    target_kl: float = 3.0
+    """target sequence KL (nats) of the adaptive controller"""
+    kl_horizon: int = 2000
+    """horizon (in samples) of the adaptive controller"""
+    advantage: Literal["bandit", "gae"] = "gae"
+    """bandit: one sequence-level advantage with a batch-mean baseline; gae: per-token GAE with a value head"""
+    gamma: float = 1.0
+    """discount over completion tokens (GAE)"""
+    lam: float = 0.95
+    """GAE lambda"""
+    cliprange: float = 0.2
+    """PPO ratio clip epsilon"""
+    cliprange_value: float = 0.2
+    """value clip range (GAE)"""
+    vf_coef: float = 0.1
+    """value-loss weight (GAE)"""
+    whiten_rewards: bool = False
+    """whiten the per-token rewards over the batch before GAE"""
+    missing_eos_penalty: float = 1.0
+    """subtracted from the normalized score of a completion that never emits EOS"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+    eval_every: int = 5
+    """evaluate (gold, proxy, KL; one `curve.jsonl` line) every this many updates"""
+    bon_max_n: int = 64
+    """largest n tried for best-of-n sampling at the final policy's KL"""
+
+    # filled in at runtime
+    minibatch_size: int = 0
+    """batch_size // num_minibatches"""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure functions (unit-tested in tests/test_rlhf_ppo_kl.py)
+# ---------------------------------------------------------------------------------------------------------------
+def response_logprobs(logits: torch.Tensor, response_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log pi(x_t | x_<t) of each completion token, with logits divided by the sampling temperature.
+
+    logits: (B, T, V) predicting the completion tokens; response_ids: (B, T). Returns (B, T)."""
+    logp = F.log_softmax(logits / temperature, dim=-1)  # (B, T, V)
+    return torch.gather(logp, 2, response_ids.unsqueeze(-1)).squeeze(-1)  # (B, T)
+
+
+def completion_mask(response_ids: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of completion tokens up to and including the first EOS, and whether an EOS was emitted.
+
+    response_ids: (B, T). Returns mask (B, T) bool, has_eos (B,) bool."""
+    is_eos = response_ids == eos_id  # (B, T)
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS strictly before t
+    return eos_before == 0, is_eos.any(dim=1)
+
+
+def per_token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) on samples from pi (Schulman's k1 / k3)."""
+    logr = ref_logprobs - logprobs  # log rho, rho = pi_ref / pi
+    if estimator == "k1":
+        return -logr
+    return torch.expm1(logr) - logr  # k3 >= 0, unbiased
+
+
+def kl_penalized_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    beta: float,
+    estimator: str = "k1",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards r~_t = -beta kl_t on completion tokens, plus the sequence score at the last token.
+
+    scores: (B,); logprobs, ref_logprobs: (B, T); mask: (B, T) bool (a prefix of each row).
+    Returns rewards (B, T) (zero outside the mask) and kl (B, T) (zero outside the mask)."""
+    kl = per_token_kl(logprobs, ref_logprobs, estimator) * mask  # (B, T)
+    rewards = -beta * kl  # (B, T)
+    last = mask.long().sum(dim=1) - 1  # (B,) index of the EOS / last completion token
+    rewards[torch.arange(len(scores)), last] += scores
+    return rewards, kl
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum()
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Unbiased variance of x over the masked entries."""
+    n = mask.sum()
+    mean = masked_mean(x, mask)
+    return ((x - mean) ** 2 * mask).sum() / (n - 1).clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / std over the masked entries (mean kept if not shift_mean, as TRL does for rewards)."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + EPS)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over completion tokens. rewards, values, mask: (B, T); values past the end count as 0.
+
+    Returns advantages (B, T) and returns = advantages + values (both zero outside the mask)."""
+    values = values * mask
+    T = rewards.shape[1]
+    lastgaelam = torch.zeros_like(rewards[:, 0])
+    advantages_reversed = []
+    for t in reversed(range(T)):
+        nextvalues = values[:, t + 1] if t < T - 1 else torch.zeros_like(values[:, 0])
+        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1) * mask  # (B, T)
+    return advantages, (advantages + values) * mask
+
+
+def bandit_advantages(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sequence-level advantage R - mean_batch(R), R = sum_t r~_t, given to every completion token."""
+    returns = rewards.sum(dim=1)  # (B,)
+    return (returns - returns.mean()).unsqueeze(1) * mask  # (B, T)
+
+
+def clipped_surrogate_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float,
+) -> tuple[torch.Tensor, dict]:
+    """PPO's clipped surrogate, a masked mean over completion tokens, and its diagnostics."""
+    logratio = new_logprobs - old_logprobs
+    ratio = torch.exp(logratio)
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.max(pg_losses, pg_losses2), mask)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((pg_losses2 > pg_losses).float(), mask).item(),
+            "approxkl": 0.5 * masked_mean(logratio**2, mask).item(),
+            "ratio": masked_mean(ratio, mask).item(),
+        }
+    return loss, stats
+
+
+def clipped_value_loss(
+    vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, cliprange_value: float
+) -> tuple[torch.Tensor, float]:
+    """0.5 max((V - G)^2, (clip(V, V_old +- eps) - G)^2), masked mean; also the value clip fraction."""
+    vpredclipped = old_values + torch.clamp(vpred - old_values, -cliprange_value, cliprange_value)
+    vf_losses1, vf_losses2 = (vpred - returns) ** 2, (vpredclipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
+    return loss, masked_mean((vf_losses2 > vf_losses1).float(), mask).item()
+
+
+def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
+    """-log sigma(r_chosen - r_rejected), the negative log-likelihood of the preference."""
+    return -F.logsigmoid(r_chosen - r_rejected).mean()
+
+
+def bon_kl(n: int) -> float:
+    """KL(best-of-n || base) = log n - (n - 1) / n (Stiennon et al. 2020)."""
+    return math.log(n) - (n - 1) / n
+
+
+def adaptive_kl_update(beta: float, kl: float, target: float, n_steps: int, horizon: int) -> float:
+    """Ziegler et al.'s proportional controller on beta."""
+    error = float(np.clip(kl / target - 1.0, -BETA_STEP_CLIP, BETA_STEP_CLIP))
+    return beta * (1.0 + error * n_steps / horizon)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Models, generation, scoring
+# ---------------------------------------------------------------------------------------------------------------
+class PolicyWithValue(nn.Module):
+    """Any causal LM plus a scalar value head on its last hidden state (shared backbone)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+        hidden = lm.config.get_text_config().hidden_size
+        self.v_head = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.v_head.weight)
+        nn.init.zeros_(self.v_head.bias)
+
+    def forward(self, query_ids, response_ids, pad_id):
+        """Logits predicting each completion token (B, T, V) and the value before each (B, T)."""
+        logits, hidden = lm_forward(self.lm, query_ids, response_ids, pad_id, hidden=True)
+        return logits, self.v_head(hidden).squeeze(-1)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """cumsum(mask) - 1, clamped at 0: positions that ignore left padding (GPT-2 and Llama alike)."""
+    return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+
+
+def lm_forward(lm, query_ids, response_ids, pad_id, hidden=False):
+    """Run the LM on [left-padded query, completion]; return the outputs at the positions predicting the completion.
+
+    query_ids: (B, Lq) left-padded; response_ids: (B, T) right-padded.
+    Returns logits (B, T, V) (and hidden (B, T, H))."""
+    input_ids = torch.cat([query_ids, response_ids], dim=1)  # (B, Lq + T)
+    attention_mask = input_ids != pad_id
+    out = lm(
+        input_ids=input_ids,
+        attention_mask=attention_mask.long(),
+        position_ids=position_ids_from_mask(attention_mask),
+        output_hidden_states=hidden,
+        use_cache=False,
+    )
+    Lq, T = query_ids.shape[1], response_ids.shape[1]
+    logits = out.logits[:, Lq - 1 : Lq + T - 1]  # (B, T, V): position i predicts token i + 1
+    if hidden:
+        return logits, out.hidden_states[-1][:, Lq - 1 : Lq + T - 1]
+    return logits
+
+
+@torch.no_grad()
+def generate(lm, query_ids, pad_id, eos_id, max_new_tokens, temperature, generator=None):
+    """Sample completions with a KV cache. query_ids: (B, Lq) left-padded. Returns (B, max_new_tokens) with
+    padding after the first EOS."""
+    B = query_ids.shape[0]
+    attention_mask = (query_ids != pad_id).long()  # (B, Lq)
+    position_ids = position_ids_from_mask(attention_mask)
+    # transformers >= 5.x names the KV cache `cache` (older: `past_key_values`)
+    cache_kw = "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
+    out = lm(input_ids=query_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+    past, next_logits = out[cache_kw], out.logits[:, -1]  # (B, V)
+    last_pos = position_ids[:, -1:]  # (B, 1)
+    done = torch.zeros(B, dtype=torch.bool, device=query_ids.device)
+    tokens = []
+    for _ in range(max_new_tokens):
+        probs = torch.softmax(next_logits.float() / temperature, dim=-1)
+        token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+        token = torch.where(done, torch.full_like(token, pad_id), token)
+        tokens.append(token)
+        done = done | (token == eos_id)
+        if done.all():
+            break
+        attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+        last_pos = last_pos + 1
+        out = lm(
+            input_ids=token[:, None],
+            attention_mask=attention_mask,
+            position_ids=last_pos,
+            use_cache=True,
+            **{cache_kw: past},
+        )
+        past, next_logits = out[cache_kw], out.logits[:, -1]
+    response = torch.stack(tokens, dim=1)  # (B, <= max_new_tokens)
+    return F.pad(response, (0, max_new_tokens - response.shape[1]), value=pad_id)
+
+
+def encode_prompts(tokenizer, prompts, device):
+    """Left-padded prompt ids (B, Lq), BOS first when the tokenizer has one."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    rows = [bos + tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    width = max(len(r) for r in rows)
+    ids = [[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows]
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def decode_completions(tokenizer, response_ids, mask):
+    """Completion texts up to and including EOS (the preference task's format: words, then ' <eos>')."""
+    return [
+        tokenizer.decode(ids[: int(m.sum())].tolist(), skip_special_tokens=False).strip()
+        for ids, m in zip(response_ids, mask, strict=False)
+    ]
+
+
+def rm_text(prompt: str, completion: str) -> str:
+    """The text a reward model scores (the same join as rlhf_reward_model.py: prompt, space, completion)."""
+    return f"{prompt} {completion}"
+
+
+@torch.no_grad()
+def rm_scores(rm, rm_tokenizer, prompts, completions, device, batch_size=256):
+    """Raw scalar scores (B,) of a sequence-classification RM, read at the last non-pad token (right padding)."""
+    scores = []
+    for i in range(0, len(prompts), batch_size):
+        texts = [
+            rm_text(p, c) for p, c in zip(prompts[i : i + batch_size], completions[i : i + batch_size], strict=False)
+        ]
+        rm_tokenizer.padding_side = "right"  # the score is read at the last non-pad token
+        enc = rm_tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False).to(device)
+        scores.append(rm(**enc).logits[:, 0].float())
+    return torch.cat(scores)
+
+
+def tiny_gpt2_config(vocab_size, args, tokenizer):
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=args.n_positions,
+        n_embd=args.n_embd,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,  # no dropout: ratio = 1 at start
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def load_pretrained(kind, path, what):
+    """from_pretrained with a clear one-line error on a missing / unreadable dir."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    if not Path(path).is_dir() or not (Path(path) / "config.json").exists():
+        raise SystemExit(f"error: {what} '{path}' is not a save_pretrained directory (no config.json)")
+    cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
+    try:
+        model = cls.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"error: could not load {what} from '{path}': {str(e).splitlines()[0]}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        tokenizer = build_tokenizer()  # a model saved without a tokenizer uses the seqrl one
+    return model, tokenizer
+
+
+def disable_dropout(model):
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# STEPS 1-3 of the recipe (short, inline)
+# ---------------------------------------------------------------------------------------------------------------
+def supervised_fine_tune(lm, tokenizer, args, device, writer):
+    """STEP 1: next-token cross-entropy on the completion tokens of demonstrations (prompt tokens masked)."""
+    data = preference.make_sft_dataset(args.sft_examples, seed=args.seed)
+    pad, bos = tokenizer.pad_token_id, tokenizer.bos_token_id
+    rows = []
+    for prompt, completion in data:
+        q = ([bos] if bos is not None else []) + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        c = tokenizer(completion, add_special_tokens=False)["input_ids"]
+        rows.append((q + c, [0] * len(q) + [1] * len(c)))
+    optimizer = torch.optim.Adam(lm.parameters(), lr=args.sft_lr)
+    step = 0
+    for epoch in range(args.sft_epochs):
+        perm = np.random.permutation(len(rows))
+        for start in range(0, len(rows), args.sft_batch_size):
+            batch = [rows[i] for i in perm[start : start + args.sft_batch_size]]
+            width = max(len(ids) for ids, _ in batch)
+            ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in batch], device=device)  # (B, L)
+            target_mask = torch.tensor([m + [0] * (width - len(m)) for _, m in batch], device=device)  # (B, L)
+            attention_mask = (ids != pad).long()
+            logits = lm(
+                input_ids=ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+            ).logits  # (B, L, V)
+            nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")  # (B, L - 1)
+            loss = masked_mean(nll, target_mask[:, 1:].float())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+        writer.add_scalar("losses/sft_nll", loss.item(), epoch)
+        print(f"[sft] epoch {epoch} nll {loss.item():.3f}")
+    return lm
+
+
+def sample_texts(lm, tokenizer, prompts, args, device, generator=None, batch_size=256):
+    """Sample one completion per prompt: (completion texts, mask, has_eos)."""
+    texts, has_eos_all = [], []
+    for i in range(0, len(prompts), batch_size):
+        q = encode_prompts(tokenizer, prompts[i : i + batch_size], device)
+        r = generate(
+            lm, q, tokenizer.pad_token_id, tokenizer.eos_token_id, args.max_new_tokens, args.temperature, generator
+        )
+        mask, has_eos = completion_mask(r, tokenizer.eos_token_id)
+        texts += decode_completions(tokenizer, r, mask)
+        has_eos_all.append(has_eos)
+    return texts, torch.cat(has_eos_all)
+
+
+def fit_reward_model(sft_lm, tokenizer, train_prompts, args, device, writer):
+    """STEPS 2-3: sample K completions per prompt from pi_SFT, let the labeler rank them, fit Bradley-Terry."""
+    from transformers import AutoModelForSequenceClassification
+
+    # STEP 2: K samples per prompt from the SFT policy, ranked by the (noisy) labeler (Plackett-Luce)
+    rng = np.random.default_rng(args.seed)
+    prompts = [train_prompts[i] for i in rng.integers(0, len(train_prompts), size=args.pref_prompts)]
+    repeated = [p for p in prompts for _ in range(args.pref_k)]
+    completions, _ = sample_texts(sft_lm, tokenizer, repeated, args, device)
+    groups = [completions[j * args.pref_k : (j + 1) * args.pref_k] for j in range(len(prompts))]
+    labeler = preference.Labeler(temperature=args.labeler_temperature, flip_prob=args.labeler_flip_prob, seed=args.seed)
+    rankings = labeler.rank_batch(prompts, groups)  # (pref_prompts, K) indices, best first
+    chosen, rejected, pair_prompts = [], [], []
+    for prompt, group, ranking in zip(prompts, groups, rankings, strict=False):
+        for a in range(args.pref_k):  # all C(K, 2) pairs of the ranking (InstructGPT)
+            for b in range(a + 1, args.pref_k):
+                pair_prompts.append(prompt)
+                chosen.append(group[ranking[a]])
+                rejected.append(group[ranking[b]])
+    # STEP 3: Bradley-Terry reward model, scalar head at the last non-pad token
+    # initialized from the SFT policy's transformer (InstructGPT, lm-human-preferences): it starts out knowing
+    # what the policy knows (the facts), the scalar head is new; works for any architecture via `base_model`
+    config = copy.deepcopy(sft_lm.config)
+    config.num_labels, config.pad_token_id = 1, tokenizer.pad_token_id
+    rm = AutoModelForSequenceClassification.from_config(config).to(device)
+    rm.base_model.load_state_dict(sft_lm.base_model.state_dict())
+    optimizer = torch.optim.Adam(rm.parameters(), lr=args.rm_lr)
+    n = len(chosen)
+    for epoch in range(args.rm_epochs):
+        perm, accs = np.random.permutation(n), []
+        for start in range(0, n, args.rm_batch_size):
+            idx = perm[start : start + args.rm_batch_size]
+            texts = [rm_text(pair_prompts[i], chosen[i]) for i in idx] + [
+                rm_text(pair_prompts[i], rejected[i]) for i in idx
+            ]
+            enc = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False).to(device)
+            r = rm(**enc).logits[:, 0]  # (2 B,)
+            loss = bradley_terry_loss(r[: len(idx)], r[len(idx) :])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            accs.append((r[: len(idx)] > r[len(idx) :]).float().mean().item())
+        writer.add_scalar("losses/rm_loss", loss.item(), epoch)
+        print(f"[rm] epoch {epoch} loss {loss.item():.3f} train acc {np.mean(accs):.3f} ({n} pairs)")
+    return rm.eval()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def sequence_kl(policy_lm, sft_lm, tokenizer, prompts, completions_ids, mask, args, device):
+    """Mean over samples of sum_t (log pi - log pi_SFT): KL(pi || pi_SFT) on the policy's own samples."""
+    q = encode_prompts(tokenizer, prompts, device)
+    lp = response_logprobs(
+        lm_forward(policy_lm, q, completions_ids, tokenizer.pad_token_id), completions_ids, args.temperature
+    )
+    ref = response_logprobs(
+        lm_forward(sft_lm, q, completions_ids, tokenizer.pad_token_id), completions_ids, args.temperature
+    )
+    return ((lp - ref) * mask).sum(1)  # (B,)
+
+
+@torch.no_grad()
+def evaluate(policy_lm, sft_lm, rm, rm_tokenizer, norm, tokenizer, prompts, args, device, seed):
+    """Gold reward, proxy reward (normalized r_psi) and KL(pi || pi_SFT) of one sample per held-out prompt."""
+    generator = torch.Generator(device=device).manual_seed(seed)  # common random numbers across evaluations
+    q = encode_prompts(tokenizer, prompts, device)
+    r = generate(
+        policy_lm, q, tokenizer.pad_token_id, tokenizer.eos_token_id, args.max_new_tokens, args.temperature, generator
+    )
+    mask, has_eos = completion_mask(r, tokenizer.eos_token_id)
+    texts = decode_completions(tokenizer, r, mask)
+    proxy = (rm_scores(rm, rm_tokenizer, prompts, texts, device) - norm[0]) / norm[1]
+    gold = preference.gold_utility_batch(prompts, texts)
+    kl = sequence_kl(policy_lm, sft_lm, tokenizer, prompts, r, mask, args, device)
+    proxy_np = proxy.cpu().numpy()
+    corr = float(np.corrcoef(proxy_np, gold)[0, 1]) if proxy_np.std() > 0 and gold.std() > 0 else 0.0
+    return {
+        "eval/proxy_gold_corr": corr,
+        "eval/gold_reward": float(np.mean(gold)),
+        "eval/gold_reward_std": float(np.std(gold)),
+        "eval/proxy_reward": float(proxy.mean()),
+        "eval/kl": float(kl.mean()),
+        "eval/eos_rate": float(has_eos.float().mean()),
+        "eval/completion_length": float(mask.sum(1).float().mean()),
+    }, texts
+
+
+@torch.no_grad()
+def best_of_n(sft_lm, rm, rm_tokenizer, tokenizer, prompts, n, args, device, seed):
+    """Best-of-n from pi_SFT: n samples per prompt, keep the one r_psi scores highest; its gold reward."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    repeated = [p for p in prompts for _ in range(n)]
+    texts, _ = sample_texts(sft_lm, tokenizer, repeated, args, device, generator)
+    scores = rm_scores(rm, rm_tokenizer, repeated, texts, device).view(len(prompts), n)
+    best = scores.argmax(1).cpu().numpy()
+    best_texts = [texts[i * n + int(b)] for i, b in enumerate(best)]
+    return float(np.mean(preference.gold_utility_batch(prompts, best_texts)))
+
+
+def make_run_dir(args):
+    run_name = f"{TASK_ID}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir, suffix = Path(args.runs_dir) / run_name, 0
+    while run_dir.exists():
+        suffix += 1
+        run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    return run_dir.name, run_dir
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    # validate early: one clear line, never a deep traceback
+    if args.batch_size % args.num_minibatches != 0:
+        raise SystemExit(
+            f"error: --batch-size {args.batch_size} not divisible by --num-minibatches {args.num_minibatches}"
+        )
+    args.minibatch_size = args.batch_size // args.num_minibatches
+    for flag, path in (
+        ("--reward-model-path", args.reward_model_path),
+        ("--sft-model-path", args.sft_model_path),
+        ("--model-name-or-path", args.model_name_or_path),
+    ):
+        if path is not None and flag != "--model-name-or-path" and not Path(path).is_dir():
+            raise SystemExit(f"error: {flag} '{path}' does not exist or is not a directory")
+    if args.eval_only and (args.checkpoint is None or not (Path(args.checkpoint) / "policy").is_dir()):
+        raise SystemExit(f"error: --eval-only needs --checkpoint RUN_DIR with policy/ inside (got {args.checkpoint})")
+    if args.temperature <= 0 or args.kl_coef < 0:
+        raise SystemExit("error: --temperature must be > 0 and --kl-coef >= 0")
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    run_name, run_dir = make_run_dir(args)
+    writer = SummaryWriter(str(run_dir))
+    writer.add_text(
+        "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+    )
+    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    start_time = time.time()
+    train_prompts, heldout_prompts = list(preference.train_prompts()), list(preference.heldout_prompts())
+    eval_prompts = [heldout_prompts[i % len(heldout_prompts)] for i in range(args.eval_episodes)]
+    if args.eval_only:  # a run dir of this script: its policy, SFT reference and reward model
+        ckpt = Path(args.checkpoint)
+        args.sft_model_path = args.sft_model_path or str(ckpt / "sft_model")
+        args.reward_model_path = args.reward_model_path or str(ckpt / "reward_model")
+
+    # ---- STEP 1: the SFT policy (loaded, or fine-tuned here from a base model) ----
+    if args.sft_model_path is not None:
+        sft_lm, tokenizer = load_pretrained("causal", args.sft_model_path, "--sft-model-path")
+    else:
+        if args.model_name_or_path is not None:
+            base_lm, tokenizer = load_pretrained("causal", args.model_name_or_path, "--model-name-or-path")
+        else:
+            from transformers import AutoModelForCausalLM
+
+            tokenizer = build_tokenizer()
+            base_lm = AutoModelForCausalLM.from_config(tiny_gpt2_config(len(tokenizer), args, tokenizer))
+        if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+            raise SystemExit("error: the tokenizer needs a pad token distinct from its EOS token")
+        sft_lm = supervised_fine_tune(disable_dropout(base_lm).to(device), tokenizer, args, device, writer)
+    sft_lm = disable_dropout(sft_lm).to(device).eval()
+    for p in sft_lm.parameters():
+        p.requires_grad_(False)
+
+    # ---- STEPS 2-3: the reward model (loaded, or fit here on SFT samples ranked by the labeler) ----
+    if args.reward_model_path is not None:
+        rm, rm_tokenizer = load_pretrained("classifier", args.reward_model_path, "--reward-model-path")
+        rm = rm.to(device).eval()
+        if rm.config.pad_token_id is None:
+            rm.config.pad_token_id = rm_tokenizer.pad_token_id
+    else:
+        rm, rm_tokenizer = fit_reward_model(sft_lm, tokenizer, train_prompts, args, device, writer), tokenizer
+    for p in rm.parameters():
+        p.requires_grad_(False)
+    # normalize r_psi to mean 0, std 1 on SFT samples of the training prompts (lm-human-preferences)
+    norm_prompts = [train_prompts[i % len(train_prompts)] for i in range(NORM_SAMPLES)]
+    norm_texts, _ = sample_texts(sft_lm, tokenizer, norm_prompts, args, device)
+    raw = rm_scores(rm, rm_tokenizer, norm_prompts, norm_texts, device)
+    norm = (raw.mean().item(), max(raw.std().item(), LOG_STD_FLOOR))
+
+    policy = PolicyWithValue(copy.deepcopy(sft_lm)).to(device)
+    if args.eval_only:
+        policy.lm = disable_dropout(load_pretrained("causal", str(Path(args.checkpoint) / "policy"), "policy")[0])
+        policy = policy.to(device)
+    for p in policy.parameters():
+        p.requires_grad_(True)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-5)  # CleanRL's Adam eps
+    curve_file = open(run_dir / "curve.jsonl", "w")
+
+    def run_eval(step):
+        policy.eval()
+        metrics, texts = evaluate(
+            policy.lm, sft_lm, rm, rm_tokenizer, norm, tokenizer, eval_prompts, args, device, seed=args.seed + 10_000
+        )
+        policy.train()
+        for k, v in metrics.items():
+            writer.add_scalar(k, v, step)
+        curve_file.write(
+            json.dumps(
+                {
+                    "step": step,
+                    "kl": metrics["eval/kl"],
+                    "proxy_reward": metrics["eval/proxy_reward"],
+                    "gold_reward": metrics["eval/gold_reward"],
+                }
+            )
+            + "\n"
+        )
+        curve_file.flush()
+        print(
+            f"[eval] update {step}: gold {metrics['eval/gold_reward']:.3f} proxy {metrics['eval/proxy_reward']:.3f} "
+            f"kl {metrics['eval/kl']:.2f} corr {metrics['eval/proxy_gold_corr']:.2f} "
+            f"eos {metrics['eval/eos_rate']:.2f} | {eval_prompts[0]} -> {texts[0]}"
+        )
+        return metrics
+
+    sft_metrics = run_eval(0)
+    metrics = sft_metrics
+    beta = args.kl_coef
+    num_updates = 0 if args.eval_only else args.num_updates
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    prompt_rng = np.random.default_rng(args.seed)
+    for update in range(1, num_updates + 1):
+        # ---- STEP 4: PPO with a KL penalty ----
+        # 4.1 sample a batch of completions with pi_theta
+        prompts = [train_prompts[i] for i in prompt_rng.choice(len(train_prompts), args.batch_size)]
+        query_ids = encode_prompts(tokenizer, prompts, device)  # (B, Lq), left-padded
+        policy.eval()
+        response_ids = generate(policy.lm, query_ids, pad_id, eos_id, args.max_new_tokens, args.temperature)  # (B, T)
+        mask, has_eos = completion_mask(response_ids, eos_id)  # (B, T), (B,)
+        maskf = mask.float()
+        with torch.no_grad():
+            # 4.2 score with r_psi (at the EOS token), normalized; penalize a missing EOS
+            texts = decode_completions(tokenizer, response_ids, mask)
+            scores = (rm_scores(rm, rm_tokenizer, prompts, texts, device) - norm[0]) / norm[1]  # (B,)
+            scores = scores - args.missing_eos_penalty * (~has_eos).float()
+            # 4.3 snapshot pi_bar: log-probs and values of the batch under the current policy; pi_SFT log-probs
+            logits, values = policy(query_ids, response_ids, pad_id)  # (B, T, V), (B, T)
+            old_logprobs = response_logprobs(logits, response_ids, args.temperature)  # (B, T)
+            ref_logprobs = response_logprobs(
+                lm_forward(sft_lm, query_ids, response_ids, pad_id), response_ids, args.temperature
+            )  # (B, T)
+            logp_all = F.log_softmax(logits / args.temperature, dim=-1)
+            entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, T)
+            # 4.4 KL penalty folded into the reward: -beta kl_t per token, the score at the last token
+            rewards, kl = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask, beta, args.kl_estimator)
+            if args.whiten_rewards:
+                rewards = masked_whiten(rewards, maskf, shift_mean=False)
+            # 4.5 advantages: sequence-level (bandit) or per-token GAE with the value head
+            if args.advantage == "gae":
+                advantages, returns = gae(rewards, values, maskf, args.gamma, args.lam)
+            else:
+                advantages, returns = bandit_advantages(rewards, maskf), torch.zeros_like(rewards)
+            advantages = masked_whiten(advantages, maskf)
+        # 4.6 K epochs of minibatch updates with the clipped importance ratio pi_theta / pi_bar
+        policy.train()
+        stats = {k: [] for k in ("approxkl", "clipfrac", "ratio", "pg_loss", "vf_loss", "vf_clipfrac")}
+        ratios = []
+        for _epoch in range(args.update_epochs):
+            perm = torch.randperm(args.batch_size, device=device)
+            for start in range(0, args.batch_size, args.minibatch_size):
+                mb = perm[start : start + args.minibatch_size]
+                mb_mask = maskf[mb]
+                new_logits, vpred = policy(query_ids[mb], response_ids[mb], pad_id)
+                new_logprobs = response_logprobs(new_logits, response_ids[mb], args.temperature)
+                pg_loss, pg_stats = clipped_surrogate_loss(
+                    new_logprobs, old_logprobs[mb], advantages[mb], mb_mask, args.cliprange
+                )
+                loss = pg_loss
+                if args.advantage == "gae":
+                    vf_loss, vf_clipfrac = clipped_value_loss(
+                        vpred, values[mb], returns[mb], mb_mask, args.cliprange_value
+                    )
+                    loss = loss + args.vf_coef * vf_loss
+                    stats["vf_loss"].append(vf_loss.item())
+                    stats["vf_clipfrac"].append(vf_clipfrac)
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                optimizer.step()
+                stats["pg_loss"].append(pg_loss.item())
+                for k in ("approxkl", "clipfrac", "ratio"):
+                    stats[k].append(pg_stats[k])
+        # 4.7 logging (TRL's metric names) and the adaptive KL controller
+        seq_kl = kl.sum(1).mean().item()
+        step = update * args.batch_size
+        log = {
+            "objective/kl": seq_kl,
+            "objective/kl_coef": beta,
+            "objective/entropy": (entropy * maskf).sum(1).mean().item(),
+            "objective/non_score_reward": (-beta * kl.sum(1)).mean().item(),
+            "objective/scores": scores.mean().item(),
+            "objective/rlhf_reward": (scores - beta * kl.sum(1)).mean().item(),
+            "policy/approxkl_avg": float(np.mean(stats["approxkl"])),
+            "policy/clipfrac_avg": float(np.mean(stats["clipfrac"])),
+            "policy/entropy_avg": masked_mean(entropy, maskf).item(),
+            "losses/policy_avg": float(np.mean(stats["pg_loss"])),
+            "val/ratio": float(np.mean(stats["ratio"])),
+            "val/ratio_var": float(np.var(stats["ratio"])),
+            "val/num_eos_tokens": has_eos.float().sum().item(),
+            "charts/episodic_length": mask.sum(1).float().mean().item(),
+            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            "charts/SPS": step / (time.time() - start_time),
+        }
+        if args.advantage == "gae":
+            log["losses/value_avg"] = float(np.mean(stats["vf_loss"]))
+            log["val/clipfrac_avg"] = float(np.mean(stats["vf_clipfrac"]))
+        for k, v in log.items():
+            writer.add_scalar(k, v, update)
+        if args.adaptive_kl:
+            beta = adaptive_kl_update(beta, seq_kl, args.target_kl, args.batch_size, args.kl_horizon)
+        if update % args.eval_every == 0 or update == num_updates:
+            metrics = run_eval(update)
+        elif update % max(1, args.eval_every // 2) == 0:
+            print(
+                f"update {update}: scores {log['objective/scores']:.3f} kl {seq_kl:.2f} beta {beta:.3f} "
+                f"clipfrac {log['policy/clipfrac_avg']:.3f} approxkl {log['policy/approxkl_avg']:.4f}"
+            )
+    curve_file.close()
+
+    # best-of-n from pi_SFT at the KL of the final policy (n capped at --bon-max-n)
+    final_kl = max(metrics["eval/kl"], 0.0)
+    bon_n = 1
+    while bon_n < args.bon_max_n and bon_kl(bon_n + 1) <= final_kl:
+        bon_n += 1
+    if bon_n < args.bon_max_n and abs(bon_kl(bon_n + 1) - final_kl) < abs(bon_kl(bon_n) - final_kl):
+        bon_n += 1
+    bon_gold = best_of_n(sft_lm, rm, rm_tokenizer, tokenizer, eval_prompts, bon_n, args, device, args.seed + 20_000)
+    print(f"[bon] n={bon_n} (KL {bon_kl(bon_n):.2f}) gold {bon_gold:.3f}")
+    wall = time.time() - start_time
+    summary_metrics = {
+        "eval/episodic_return": metrics["eval/gold_reward"],
+        **metrics,
+        "eval/sft_gold_reward": sft_metrics["eval/gold_reward"],
+        "eval/sft_proxy_reward": sft_metrics["eval/proxy_reward"],
+        "eval/bon_gold_reward": bon_gold,
+        "eval/bon_n": float(bon_n),
+        "eval/bon_kl": bon_kl(bon_n),
+        "eval/max_gold_reward": max(json.loads(line)["gold_reward"] for line in open(run_dir / "curve.jsonl")),
+        "model/final_kl_coef": float(beta),
+    }
+    for k in ("eval/bon_gold_reward", "eval/bon_n", "eval/bon_kl"):
+        writer.add_scalar(k, summary_metrics[k], num_updates)
+    summary = {
+        "script": Path(__file__).stem,
+        "run_name": run_name,
+        "run_dir": str(run_dir),
+        "args": asdict(args),
+        "metrics": summary_metrics,
+        "wall_time_s": wall,
+        "sps": num_updates * args.batch_size / wall,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    # save: the final policy (+ value head), the SFT reference and the reward model, each with the tokenizer
+    policy.lm.save_pretrained(run_dir / "policy")
+    tokenizer.save_pretrained(run_dir / "policy")
+    save_file({k: v.contiguous() for k, v in policy.v_head.state_dict().items()}, run_dir / "value_head.safetensors")
+    sft_lm.save_pretrained(run_dir / "sft_model")
+    tokenizer.save_pretrained(run_dir / "sft_model")
+    rm.save_pretrained(run_dir / "reward_model")
+    rm_tokenizer.save_pretrained(run_dir / "reward_model")
+    writer.close()
+    print(json.dumps(summary_metrics, indent=1))
