@@ -34,8 +34,31 @@ done
 # The experiments, one per line:  id | claim | script and arguments | metrics (comma-separated) | lecture predicts
 # Lines starting with `quick:` run in --quick mode too; `full:` lines only in full mode.
 EXPERIMENTS=$(cat <<'EOF'
+quick: ssm_twodoors | TwoDoors (Problem 21.2): after a failed try the latent model predicts retry-same ~0, other ~1 | ssm_vae_q --env-id seqrl/TwoDoors-v0 | model/p_pass_retry_same_door,model/p_pass_other_door | 0 and 1
+quick: ssm_twodoors | TwoDoors (Problem 21.2): a Markovian model p(o'|o,a) predicts the same for both doors | ssm_vae_q --env-id seqrl/TwoDoors-v0 | model/markov_p_pass_same_door,model/markov_p_pass_other_door | 0.5 and 0.5
+quick: ssm_twodoors | TwoDoors: Q-learning on the latent belief is memory-optimal | ssm_vae_q --env-id seqrl/TwoDoors-v0 | eval/episodic_return | 0.95 (memoryless best 0.90)
+quick: ssm_tmaze5 | TMaze (corridor 5): Q-learning on the latent belief remembers the cue | ssm_vae_q --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 5}' --seq-len 16 --total-timesteps 30000 | eval/success_rate,eval/one_step_obs_error | success 1 (memoryless 0.5)
+full: ssm_maskedcartpole | MaskedCartPole: latent-belief DQN within a ~10 min CPU budget (30k steps) | ssm_vae_q --env-id seqrl/MaskedCartPole-v0 --total-timesteps 30000 --seq-len 16 --obs-std 0.05 --learning-starts 5000 --exploration-fraction 0.2 --target-network-frequency 250 --eval-episodes 10 | eval/episodic_return | 500 with memory (budget-limited here)
+quick: dqn_cartpole_k4 | MaskedCartPole: a 4-frame stack recovers the velocities | dqn_framestack --frame-stack 4 | eval/episodic_return | >= 475
+quick: dqn_cartpole_k1 | MaskedCartPole: Q-learning on single observations fails | dqn_framestack --frame-stack 1 --total-timesteps 40000 | eval/episodic_return | far below 475
+quick: dqn_line_k1 | ThreeStateLine (Problem 21.1): the greedy Q policy on o is deterministic and fails half the episodes | dqn_framestack --env-id seqrl/ThreeStateLine-v0 --frame-stack 1 --total-timesteps 30000 DQN_SMALL_ARGS | eval/failure_rate,eval/episodic_return | failure 0.5 (stochastic optimum: 0, return -2)
+quick: dqn_tmaze_k4_corridor_sweep1 | TMaze, 4-frame stack, corridor 1 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 1}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS | eval/success_rate | 1 (cue inside the window)
+quick: dqn_tmaze_k4_corridor_sweep2 | TMaze, 4-frame stack, corridor 2 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 2}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS | eval/success_rate | 1 (cue inside the window)
+quick: dqn_tmaze_k4_corridor_sweep3 | TMaze, 4-frame stack, corridor 3 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 3}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS | eval/success_rate | 1 only on the shortest path (window edge)
+quick: dqn_tmaze_k4_corridor_sweep4 | TMaze, 4-frame stack, corridor 4 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 4}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS | eval/success_rate | 0.5 (cue out of the window)
+quick: dqn_tmaze_k4_corridor_sweep6 | TMaze, 4-frame stack, corridor 6 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 6}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS | eval/success_rate | 0.5 (chance)
+quick: dqn_tmaze_k4_corridor_sweep8 | TMaze, 4-frame stack, corridor 8 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 8}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS | eval/success_rate | 0.5 (chance)
+quick: rlhf_kl_sweep0.0 | RLHF without a KL penalty (beta=0): proxy reward rises, gold reward peaks then falls (over-optimization) | rlhf_ppo_kl --kl-coef 0.0 | eval/gold_reward,eval/max_gold_reward,eval/proxy_reward,eval/kl,eval/sft_gold_reward | final gold below its peak and below SFT
+quick: rlhf_kl_sweep0.1 | RLHF with a KL penalty (beta=0.1): gold reward ends well above SFT, no collapse | rlhf_ppo_kl --kl-coef 0.1 | eval/gold_reward,eval/sft_gold_reward,eval/kl,eval/bon_gold_reward,eval/bon_n | gold well above SFT; best-of-n at matched KL comparable
+full: rlhf_kl_sweep0.01 | RLHF, beta=0.01 | rlhf_ppo_kl --kl-coef 0.01 | eval/gold_reward,eval/kl | between beta=0 and beta=0.1
+full: rlhf_kl_sweep0.03 | RLHF, beta=0.03 | rlhf_ppo_kl --kl-coef 0.03 | eval/gold_reward,eval/kl | between beta=0 and beta=0.1
+full: rlhf_kl_sweep0.3 | RLHF, beta=0.3 | rlhf_ppo_kl --kl-coef 0.3 | eval/gold_reward,eval/kl | small KL, gold above SFT
+full: rlhf_bandit | RLHF, sequence-level (bandit) advantages instead of per-token GAE | rlhf_ppo_kl --advantage bandit | eval/gold_reward,eval/sft_gold_reward,eval/kl | about the same as GAE
 EOF
 )
+# Settings shared by the small discrete-observation DQN runs (TMaze, ThreeStateLine), substituted above.
+DQN_SMALL_ARGS="--learning-rate 5e-4 --train-frequency 1 --gradient-steps 1 --batch-size 128 --exploration-fraction 0.5 --end-e 0.05 --hidden-size 128 --target-network-frequency 500"
+EXPERIMENTS="${EXPERIMENTS//DQN_SMALL_ARGS/$DQN_SMALL_ARGS}"
 
 OUT="results/$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$OUT/runs" "$OUT/logs"
@@ -47,7 +70,7 @@ printf '%s\n' "$EXPERIMENTS" | grep -v '^\s*$' | while IFS= read -r line; do
   if [ -n "$ONLY" ] && [[ "$id" != *"$ONLY"* ]]; then continue; fi
   echo "$spec" >>"$OUT/experiments.txt"
 done
-N_EXP=$(($(wc -l <"$OUT/experiments.txt") - 1))
+N_EXP=$(tail -n +2 "$OUT/experiments.txt" | cut -d'|' -f1 | sort -u | wc -l)
 N_SEEDS=$(echo $SEEDS | wc -w)
 TOTAL=$((N_EXP * N_SEEDS))
 echo "benchmark: $N_EXP experiments x $N_SEEDS seed(s) = $TOTAL runs, $JOBS at a time -> $OUT"
@@ -66,9 +89,12 @@ run_one() {  # id seed args... ; prints one progress line
 
 T0=$SECONDS
 i=0
+declare -A SEEN=()
 while IFS='|' read -r id claim cmd metrics prediction; do
   [[ "$id" == \#* ]] && continue
   id=$(echo "$id" | xargs)
+  [ -z "${SEEN[$id]:-}" ] || continue  # several claims (lines) may read the same run
+  SEEN[$id]=1
   for seed in $SEEDS; do
     i=$((i + 1))
     while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
@@ -123,7 +149,9 @@ for exp_id, claim, cmd, metrics, prediction in experiments:
             cell = f"{m:.3f} ± {s:.3f} (n={len(values)})"
         elif summaries:
             status += f"; metric {metric} missing"
-        rows.append(f"| {claim} | `python algos/{cmd}` | `{metric}` | {cell} | {prediction} | {status} |")
+        script, _, script_args = cmd.partition(" ")
+        command = f"python algos/{script}.py {script_args}"
+        rows.append(f"| {claim} | `{command}` | `{metric}` | {cell} | {prediction} | {status} |")
         # sweeps: ids like `<name>_sweep<X>` are plotted as metric against X
         if "_sweep" in exp_id and values:
             name, x = exp_id.rsplit("_sweep", 1)
