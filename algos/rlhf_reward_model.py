@@ -14,6 +14,15 @@ Key equations:
   normalization after training:   r <- (r - mean_SFT) / std_SFT, folded into the saved weights
 
 Implementation details:
+  0. The reward model starts from a supervised fine-tuned backbone (InstructGPT initializes it from the SFT
+     model): step 1 trains a causal LM of the same config on `make_sft_dataset` demonstrations (next-token loss on
+     prompt + completion, the reward model's exact input format) and copies its `base_model` into the
+     `AutoModelForSequenceClassification` (GPT-2: the shared `transformer.*` weights); the scalar head is new.
+     Why it matters here: the SFT LM must learn the fact table ("capital of france ?" -> "paris") to predict the
+     demonstrations, so the Bradley-Terry step only has to learn to read it out. From scratch, the noisy pairwise
+     labels teach "right vs wrong city" very slowly ("london" scored like "paris"; held-out accuracy 0.69, within-
+     prompt ρ 0.69 at 1,500 prompts x 4 epochs; seed 1, default: 0.747 vs ceiling 0.748, ρ 0.90 with it). The
+     "<eos>" and rude/idk distinctions are learned either way. `--sft-epochs 0` turns it off.
   1. Reward = a transformer backbone + linear head `score` read at the LAST NON-PAD token
      (`AutoModelForSequenceClassification`, num_labels=1). The pad token (<pad>, id 0) is distinct from <eos>,
      so the pooled token of a finished completion is its <eos>; a wrong pooled token is the most common reason
@@ -32,9 +41,10 @@ Implementation details:
      in `config.seqrl_reward_offset` (add it). mean/std are also kept in `config.seqrl_reward_mean/_std`.
   6. No dropout in the tiny GPT-2 (tiny data, short runs; dropout only slowed convergence here).
 
-What was scaled down and why: a 2-layer, 64-wide GPT-2 trained from scratch on the 113-word task vocabulary
-instead of a 6B pretrained model, and 3,000 ranked prompts of K=4 from a simulated labeler instead of human
-labels: it fits in a few minutes on a CPU and the gold utility is known.
+What was scaled down and why: a 2-layer, 64-wide GPT-2 on the task vocabulary, SFT'd for ~750 steps on 4,000
+simulated demonstrations instead of a pretrained 6B model SFT'd on human demonstrations, and 3,000 ranked prompts
+of K=4 from a simulated labeler instead of human labels: it fits in a few minutes on a CPU and the gold utility
+is known.
 
 References:
   [1] Christiano et al. 2017, Deep RL from human preferences. [2] Ziegler et al. 2019, Fine-tuning LMs from human
@@ -44,6 +54,7 @@ References:
 Reproduce: python algos/rlhf_reward_model.py --seed 1
 """
 
+import copy
 import json
 import os
 import random
@@ -105,6 +116,17 @@ class Args:
     n_head: int = 4
     """tiny GPT-2: attention heads"""
 
+    # 1. supervised fine-tuning of the backbone (InstructGPT initializes the reward model from the SFT model)
+    sft_epochs: int = 12
+    """epochs of causal-LM training on demonstrations before the preference training (0 = start from the
+    (random or `--model-name-or-path`) backbone as is)"""
+    sft_examples: int = 4000
+    """(prompt, completion) demonstrations from `envs/preference.make_sft_dataset` (training prompts)"""
+    sft_learning_rate: float = 3e-3
+    """AdamW learning rate of the SFT step (linearly decayed to 0)"""
+    sft_batch_size: int = 64
+    """demonstrations per SFT minibatch"""
+
     # preference data (envs/preference.py)
     n_train_prompts: int = 3000
     """ranked comparisons to train on (each: K completions of one training prompt)"""
@@ -126,7 +148,7 @@ class Args:
     """margin m in -log σ(r_c - r_r - m)"""
     center_coef: float = 0.0
     """reward-centering coefficient λ_c on (sum of an element's rewards)^2"""
-    epochs: int = 12
+    epochs: int = 8
     """passes over the preference data"""
     batch_size: int = 64
     """rankings per minibatch (kwise) or pairs per minibatch (pairwise)"""
@@ -310,6 +332,56 @@ def build_model(args, device):
     return model.to(device), tokenizer
 
 
+def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, mean over the predicted real tokens. (B, L, V), (B, L), (B, L) -> ()"""
+    nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), input_ids[:, 1:], reduction="none")  # (B, L-1)
+    target = attention_mask[:, 1:].float()  # (B, L-1): predict every real token after the first
+    return (nll * target).sum() / target.sum().clamp(min=1.0)
+
+
+def supervised_fine_tune(model, tokenizer, args, device, writer) -> float:
+    """STEP 1: causal-LM training of the reward model's backbone on demonstrations; returns the last epoch's NLL.
+
+    A causal LM is built on the same config, its backbone (`base_model`) loaded from the reward model's, trained
+    on the reward model's exact input format (`rm_text`: prompt + completion, right padded, no special tokens
+    added), and its backbone copied back; the LM head is dropped, the scalar `score` head stays as initialized.
+    Predicting "paris" after "what is the capital of france ?" makes the backbone learn the fact table.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    lm = AutoModelForCausalLM.from_config(config).to(device)
+    lm.base_model.load_state_dict(model.base_model.state_dict())  # also the embeddings an LM head may tie to
+    demos = preference.make_sft_dataset(args.sft_examples, seed=args.seed + 30_000, split="train")
+    enc = encode(tokenizer, [d[0] for d in demos], [d[1] for d in demos])
+    ids, mask = enc["input_ids"], enc["attention_mask"]  # (N, L)
+    steps_per_epoch = (len(ids) + args.sft_batch_size - 1) // args.sft_batch_size
+    num_updates = args.sft_epochs * steps_per_epoch
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=args.sft_learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / num_updates)
+    lm.train()
+    epoch_nll = float("nan")
+    for epoch in range(args.sft_epochs):
+        perm, total, count = torch.randperm(len(ids)), 0.0, 0
+        for start in range(0, len(ids), args.sft_batch_size):
+            mb = perm[start : start + args.sft_batch_size]
+            width = int(mask[mb].sum(-1).max())  # right padding: drop all-pad columns
+            mb_ids, mb_mask = ids[mb, :width].to(device), mask[mb, :width].to(device)  # (B, W)
+            logits = lm(input_ids=mb_ids, attention_mask=mb_mask, position_ids=position_ids_from_mask(mb_mask)).logits
+            loss = causal_lm_loss(logits, mb_ids, mb_mask)  # logits: (B, W, V)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(lm.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            total, count = total + loss.item() * len(mb), count + len(mb)
+        epoch_nll = total / count
+        writer.add_scalar("losses/sft_nll", epoch_nll, epoch)
+        print(f"[sft] epoch {epoch + 1}/{args.sft_epochs}: nll {epoch_nll:.4f}")
+    model.base_model.load_state_dict(lm.base_model.state_dict())
+    return epoch_nll
+
+
 def load_checkpoint(path: str, device):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -400,6 +472,8 @@ if __name__ == "__main__":
         raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or its reward_model/ dir)")
     if args.checkpoint is not None and not Path(args.checkpoint).exists():
         raise SystemExit(f"error: --checkpoint '{args.checkpoint}' does not exist")
+    if args.sft_epochs < 0 or args.sft_examples < 1 or args.sft_batch_size < 1:
+        raise SystemExit("error: need --sft-epochs >= 0 and positive --sft-examples, --sft-batch-size")
     if args.k < 2 or args.n_train_prompts < 1 or args.eval_episodes < 1 or args.epochs < 1 or args.batch_size < 1:
         raise SystemExit("error: need --k >= 2 and positive --n-train-prompts, --eval-episodes, --epochs, --batch-size")
     if args.temperature <= 0 or not 0 <= args.flip_prob <= 1:
@@ -434,6 +508,11 @@ if __name__ == "__main__":
             args.n_train_prompts, args.k, args.seed, args.temperature, args.flip_prob, split="train"
         )
         model, tokenizer = build_model(args, device)
+        # 1b. supervised fine-tuning of the backbone on demonstrations (the reward model starts from the SFT model)
+        sft_nll = None
+        if args.sft_epochs > 0:
+            sft_nll = supervised_fine_tune(model, tokenizer, args, device, writer)
+            print(f"SFT: {args.sft_examples} demos x {args.sft_epochs} epochs ({time.time() - start_time:.0f}s)")
         if args.loss == "pairwise":  # every pair its own example: (prompt, chosen, rejected)
             p, c, r = preference.to_pairs(data)
             enc = encode(tokenizer, p + p, c + r)
@@ -484,6 +563,8 @@ if __name__ == "__main__":
 
         # 3. evaluate on the Bradley-Terry scale (calibration is not invariant to the normalization)
         metrics, report = evaluate(model, tokenizer, heldout, args, device)
+        if sft_nll is not None:
+            metrics["model/sft_nll"] = sft_nll
         # 4. normalize to mean 0 / std 1 on SFT demonstrations, folded into the saved weights
         demos = preference.make_sft_dataset(args.n_norm_samples, seed=args.seed + 20_000)
         raw = score_texts(model, tokenizer, [d[0] for d in demos], [d[1] for d in demos], device)

@@ -9,7 +9,8 @@ import torch
 from conftest import load_script, run_script
 
 rm = load_script("rlhf_reward_model")
-TINY = ("--n-train-prompts", "48", "--epochs", "1", "--eval-episodes", "16", "--n-norm-samples", "64")
+TINY = ("--n-train-prompts", "48", "--epochs", "1", "--eval-episodes", "16", "--n-norm-samples", "64",
+        "--sft-epochs", "1", "--sft-examples", "64")  # fmt: skip
 
 
 def test_bradley_terry_loss_is_the_nll_by_hand():
@@ -66,6 +67,30 @@ def test_reward_is_padding_invariant_and_matches_hf_forward():
     torch.testing.assert_close(r_right, r_left, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(r_right, single.squeeze(-1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(r_right, hf, atol=1e-5, rtol=1e-5)
+
+
+def test_causal_lm_loss_by_hand():
+    logits = torch.log(torch.tensor([[[0.5, 0.25, 0.25], [0.1, 0.8, 0.1], [1 / 3, 1 / 3, 1 / 3]]]))  # (1, 3, V=3)
+    ids, mask = torch.tensor([[2, 1, 0]]), torch.tensor([[1, 1, 0]])  # last token is padding: not a target
+    # targets: position 0 predicts ids[1] = 1 (p = 0.25); position 1 predicts ids[2] = pad (masked out)
+    assert rm.causal_lm_loss(logits, ids, mask).item() == pytest.approx(-math.log(0.25), abs=1e-6)
+    mask = torch.tensor([[1, 1, 1]])  # now both: mean of -log 0.25 and -log 0.1
+    assert rm.causal_lm_loss(logits, ids, mask).item() == pytest.approx(-(math.log(0.25) + math.log(0.1)) / 2)
+
+
+def test_sft_step_trains_the_backbone_and_keeps_the_head(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    torch.manual_seed(0)
+    args = rm.Args(sft_epochs=2, sft_examples=128, sft_batch_size=32)
+    model, tok = rm.build_model(args, "cpu")
+    backbone = {k: v.clone() for k, v in model.base_model.state_dict().items()}
+    head = model.score.weight.detach().clone()
+    nll = rm.supervised_fine_tune(model, tok, args, "cpu", SummaryWriter(str(tmp_path)))
+    assert math.isfinite(nll) and nll < math.log(len(tok))  # below the uniform guess after 8 updates
+    changed = [k for k, v in model.base_model.state_dict().items() if not torch.equal(v, backbone[k])]
+    assert "wte.weight" in changed and any(k.startswith("h.1.") for k in changed)  # the trained weights came back
+    torch.testing.assert_close(model.score.weight, head)  # the scalar head is untouched
 
 
 def test_spearman_and_rankdata():
@@ -151,10 +176,12 @@ def test_bad_input_gives_clear_error(runs_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_reward_model_learns_far_above_chance(runs_dir):
-    summary = run_script("rlhf_reward_model", "--n-train-prompts", "1500", "--epochs", "4", runs_dir=runs_dir,
+def test_reward_model_learns_near_the_bayes_ceiling(runs_dir):
+    # reduced settings (half the preference data): ~40 s alone on 2 cores, SFT backbone as in the default run
+    summary = run_script("rlhf_reward_model", "--n-train-prompts", "1500", "--epochs", "8", runs_dir=runs_dir,
                          timeout=600)  # fmt: skip
     m = summary["metrics"]
-    assert m["eval/preference_accuracy"] > 0.62  # chance is 0.5 (ceiling ≈ 0.75)
-    assert m["eval/spearman_gold"] > 0.5
+    assert m["eval/preference_accuracy"] > m["eval/bayes_accuracy"] - 0.06  # chance is 0.5, ceiling ≈ 0.75
+    assert m["eval/spearman_gold_within_prompt"] > 0.7
+    assert m["eval/score_lecture_0"] > m["eval/score_lecture_3"]  # "paris" > "london": the facts were learned
     assert m["eval/score_lecture_0"] > m["eval/score_lecture_4"] + 1.0  # "paris" >> rude
