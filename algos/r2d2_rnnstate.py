@@ -1,0 +1,669 @@
+"""R2D2: recurrent Q-learning from replayed sequences that resume from a *stored* LSTM state.
+
+Q-learning on o_t is invalid in a POMDP (the value of o depends on how you got there); Q-learning on the history
+is valid, and an LSTM summarizes the history in h_t. Replaying whole histories costs O(T^2) memory (each of T
+steps carries up to T observations). The lecture's trick, from R2D2 [1]: store each step once (O(T)) together
+with the actor's recurrent state, cut the stream into fixed-length sequences, and start each replayed sequence
+from the state stored at its start, an *approximate* state that goes stale as the network trains. A burn-in
+prefix unrolled without gradients reduces the staleness. Shown here: TMaze with a 20-step corridor is
+solved (a 4-frame window is at chance, dqn_framestack.py), MaskedCartPole, and the paper's ablation
+(`--state-init zero|stored`, `--burn-in`) with its Q-value discrepancy Delta-Q.
+
+Key equations (sequence of rows t = t0 .. t0+m-1 after a burn-in of l rows, n-step, double Q, target net Q^-):
+    h(x) = sign(x) (sqrt(|x| + 1) - 1) + eps x
+    h^-1(x) = sign(x) (((sqrt(1 + 4 eps (|x| + 1 + eps)) - 1) / (2 eps))^2 - 1)
+    y_t = h( sum_{k<n'} gamma^k r_{t+k} + gamma^n' (1 - terminal) h^-1(Q^-(t+n', argmax_a Q(t+n', a))) ),
+          n' = n, or fewer steps if the episode ends first (no bootstrap if it terminated, bootstrap on truncation)
+    loss = mean_i w_i * sum_t mask_t (y_t - Q(t, a_t))^2 / (2 sum_t mask_t),   w_i = (N P(i))^-beta / max_j w_j
+    priority p_i = eta max_t |delta_t| + (1 - eta) mean_t |delta_t|   (eta = 0.9),   P(i) = p_i^alpha / sum_j p_j^alpha
+    eps_i = eps^(1 + alpha_eps i / (N - 1))   (per-environment exploration, Ape-X [2])
+    Delta-Q = ||q(h_stored-or-zero; theta) - q(h_true; theta)||_2 / max_a |q(h_true; theta)_a|,  h_true recomputed
+              from the episode's first step with the current network (paper Sec. 3), at the first and the last
+              trained step of each sequence.
+Implementation details:
+ 1. Storage is a ring buffer of *rows* (num_envs columns, all steps at once): obs, action, reward, the flags
+    first (reset obs) / final (an episode's last obs) / terminal, the previous action and reward, and the LSTM
+    state (h, c) the actor had *before* reading that row, so memory is O(T) in the steps stored.
+ 2. Vector envs use gymnasium's default `AutoresetMode.NEXT_STEP`: the step that ends an episode returns the true
+    final obs (stored as a `final` row, used to bootstrap on truncation) and the *next* step() is the reset
+    step whose action is ignored and whose reward is dropped: a `final` row is never a training position and
+    its reward never enters a return.
+ 3. Sequences: their trained part starts ("anchor" t0) at each episode's first step and every
+    m - overlap steps after it; the stored window is [t0 - l, t0 + m + n): burn-in, m trained steps, n more rows
+    for the targets. Burn-in is clipped at the episode start (the LSTM state is reset to zero at a `first` row,
+    which is the exact state there). Rows after the episode's final row are masked (never mixed in); an episode
+    shorter than the window gives a padded sequence. A sequence enters replay once its rows are written.
+ 4. Prioritized sequence replay: new sequences get the largest priority seen; the sum over priorities uses a
+    numpy cumsum (a sum-tree gives O(log N) sampling; at these buffer sizes the vectorized scan is as fast).
+    Sequences whose first needed row was overwritten by the ring are given probability 0.
+ 5. The burn-in runs in a step loop (it resets at episode starts) under no_grad for both networks; the trained
+    part runs through one nn.LSTM call (no episode start can lie inside it: t0 is at or after the start).
+ 6. The LSTM input is [o_t, onehot(a_{t-1}), r_{t-1}] as in the paper (zeros at an episode's first step).
+    Dueling head. Adam, gradient clipping, target network copied every `--target-network-frequency` updates.
+ 7. Delta-Q (`model/delta_q_first`, `model/delta_q_last`) is measured every `--delta-q-frequency` updates on the
+    sampled batch, for sequences whose episode start is still in the buffer (episode starts are kept per
+    sequence). It is computed on the network outputs (the rescaled value space). `--state-init zero` starts every
+    sequence (and its Delta-Q) from zeros: at t0 = episode start that *is* the true state. The replay holds the
+    whole default run (100k steps), so the oldest stored states come from a nearly untrained network.
+What was scaled down from the paper and why: one process instead of 256 actors + a learner (the vector env is
+the actors, the ring buffer the replay), 64 LSTM units on vector observations instead of a CNN + 512-unit LSTM;
+m = 30 trained steps with overlap 15 and burn-in 10 instead of 80 / 40 / 40 (the paper's burn-in is part of the
+80 steps; here it is an extra prefix so the ablation compares the same trained steps). The trained length must
+cover the memory span the network has to *learn*: backpropagation never reaches a cue that lies in the burn-in
+or before the stored state, and in TMaze the cue (step 0) and the turn (step L) must share a trained window.
+With m = 20 < L + 1 = 21 TMaze-20 stayed at chance; with m = 30 it is solved. n = 5 and eps = 1e-3 as in the
+paper, gamma = 0.99 (paper 0.997: episodes here are 20-500 steps). Replay 100k steps, target copy every 200
+updates (paper 2500), learning rate 1e-3 (paper 1e-4), one update per 32 env steps, so a run takes minutes.
+References: [1] S. Kapturowski et al., "Recurrent Experience Replay in Distributed Reinforcement Learning", ICLR
+2019. [2] D. Horgan et al., "Distributed Prioritized Experience Replay" (Ape-X), ICLR 2018. [3] T. Schaul et al.,
+"Prioritized Experience Replay", ICLR 2016. [4] T. Pohlen et al., "Observe and Look Further", 2018 (h(x)).
+[5] CleanRL dqn.py and ppo_atari_lstm.py (github.com/vwxyzjn/cleanrl): the loop layout, done-masked LSTM state.
+Reproduce (TMaze-20: success 1.00 in 3/3 seeds; MaskedCartPole: 498 greedy return, seed 1; ablation: add
+`--state-init zero --burn-in 0` or `--burn-in 0` to the TMaze command):
+    python algos/r2d2_rnnstate.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}'
+    python algos/r2d2_rnnstate.py --env-id seqrl/MaskedCartPole-v0 --total-timesteps 150000 --eval-episodes 20
+"""
+
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch.utils.tensorboard import SummaryWriter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
+import envs  # noqa: E402, F401  (registers the seqrl/ environments)
+
+NO_ACTION = -1  # "previous action" at an episode's first step: encoded as an all-zero one-hot
+DELTA_Q_EPS = 1e-6  # keeps the Delta-Q normalization finite when all true Q-values are 0
+MAX_EVAL_STEPS = 10_000  # guard for envs without a time limit: an evaluation episode stops after this many steps
+ARCH_FIELDS = ("env_id", "env_kwargs", "hidden_size")  # read from a checkpoint's args.json for --eval-only
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (python, numpy, torch, and the envs)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = False
+    """use the GPU if `--cuda` and one is available (these tiny models run fastest on CPU)"""
+    threads: int = 1
+    """torch.set_num_threads: 1 is fastest for 64-unit networks and leaves cores to parallel runs"""
+    runs_dir: str = "runs"
+    """the folder where run directories (tensorboard, summary.json, model) are written"""
+    eval_episodes: int = 100
+    """number of greedy evaluation episodes at the end of training"""
+    eval_only: bool = False
+    """skip training: load `--checkpoint` and evaluate it"""
+    checkpoint: str | None = None
+    """run dir or model.safetensors to load with `--eval-only` (env and hidden size come from its args.json)"""
+
+    # Environment
+    env_id: str = "seqrl/TMaze-v0"
+    """any gymnasium id with a Discrete action space and a Box/Discrete observation space"""
+    env_kwargs: str = "{}"
+    """keyword arguments for gym.make as a JSON object, e.g. '{"corridor_length": 20}'"""
+    num_envs: int = 8
+    """the number of parallel environments (the actors; each gets its own exploration epsilon)"""
+
+    # Model
+    hidden_size: int = 64
+    """width of the encoder layer and of the LSTM state"""
+
+    # R2D2
+    total_timesteps: int = 100_000
+    """total environment steps of training (summed over envs)"""
+    learning_rate: float = 1e-3
+    """the Adam learning rate"""
+    adam_eps: float = 1e-3
+    """Adam epsilon (R2D2 uses 1e-3)"""
+    buffer_size: int = 100_000
+    """replay capacity in environment steps (rows), summed over envs"""
+    batch_size: int = 32
+    """sequences per gradient update"""
+    seq_len: int = 30
+    """m: trained steps per replayed sequence (paper 80 incl. burn-in); must cover the memory span to be learned"""
+    seq_overlap: int = 15
+    """steps shared by the trained parts of consecutive sequences of an episode (paper 40)"""
+    burn_in: int = 10
+    """l: steps unrolled without gradient before the trained part, to refresh the stored state (paper 40)"""
+    state_init: Literal["stored", "zero"] = "stored"
+    """the LSTM state a replayed sequence starts from: the one the actor had there, or zeros"""
+    n_step: int = 5
+    """n of the n-step double-Q targets"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    value_rescaling_eps: float = 1e-3
+    """eps of h(x) = sign(x)(sqrt(|x|+1)-1) + eps x; 0 switches the rescaling off (plain targets)"""
+    priority_exponent: float = 0.9
+    """alpha of prioritized replay, P(i) ~ p_i^alpha (paper 0.9)"""
+    importance_exponent: float = 0.6
+    """beta of the importance weights (N P(i))^-beta (paper 0.6)"""
+    priority_eta: float = 0.9
+    """eta of p = eta max|delta| + (1 - eta) mean|delta| over a sequence (paper 0.9)"""
+    target_network_frequency: int = 200
+    """gradient updates between copies of the online network into the target network (paper 2500)"""
+    train_frequency: int = 4
+    """vector-env steps between gradient updates (each vector step adds num_envs steps)"""
+    learning_starts: int = 5_000
+    """environment steps collected before learning starts"""
+    exploration_eps: float = 0.4
+    """Ape-X epsilon: env i explores with eps^(1 + alpha i / (N - 1))"""
+    exploration_alpha: float = 7.0
+    """Ape-X alpha (7 in Ape-X/R2D2): the spread of the per-env epsilons"""
+    max_grad_norm: float = 10.0
+    """global gradient-norm clipping"""
+    delta_q_frequency: int = 50
+    """gradient updates between Delta-Q measurements (recomputing states from the episode start)"""
+
+    # filled in at runtime
+    num_updates: int = 0
+    """the number of gradient updates (computed)"""
+
+
+# ALGO LOGIC: small pure functions (imported by the tests)
+def value_rescale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """h(x) = sign(x)(sqrt(|x| + 1) - 1) + eps x  (Pohlen et al. 2018), invertible for eps >= 0."""
+    return torch.sign(x) * (torch.sqrt(x.abs() + 1.0) - 1.0) + eps * x
+
+
+def inverse_value_rescale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """h^-1(x), the exact inverse of `value_rescale` (the positive root of a quadratic in sqrt(|y|+1))."""
+    if eps == 0.0:
+        return torch.sign(x) * ((x.abs() + 1.0) ** 2 - 1.0)
+    root = (torch.sqrt(1.0 + 4.0 * eps * (x.abs() + 1.0 + eps)) - 1.0) / (2.0 * eps)
+    return torch.sign(x) * (root**2 - 1.0)
+
+
+def ape_x_epsilons(num_envs: int, eps: float, alpha: float) -> np.ndarray:
+    """Per-env exploration epsilons eps_i = eps^(1 + alpha i / (N - 1)), i = 0..N-1 (N = 1: just eps)."""
+    i = np.arange(num_envs)
+    return eps ** (1.0 + alpha * i / max(num_envs - 1, 1))
+
+
+def nstep_rescaled_targets(rewards, final, terminal, boot_values, gamma: float, n: int, num_positions: int, eps: float):
+    """n-step double-Q targets y_t (in the rescaled space) for rows t = 0..num_positions-1 of a sequence.
+
+    All inputs are (T, B) with T >= num_positions + n; row j holds: rewards[j], the reward of the action taken at
+    row j; final[j] = 1 if row j is an episode's final observation (no action: its reward is ignored);
+    terminal[j] = 1 if that final observation is terminal (no bootstrap); boot_values[j] = h^-1(Q^-(j, a*_j)).
+    The return stops at the first final row f after t: bootstrap with gamma^(f-t) boot_values[f] if f was
+    truncated, nothing if terminal; otherwise bootstrap at t + n. Returns (num_positions, B).
+    """
+    P = num_positions
+    running = 1.0 - final[:P]  # (P, B) 1 while the episode of row t goes on
+    ret = torch.zeros_like(running)
+    boot = torch.zeros_like(running)
+    discount = torch.ones_like(running)
+    for k in range(n):
+        ret = ret + running * discount * rewards[k : k + P]
+        discount = discount * gamma
+        next_final = final[k + 1 : k + 1 + P]
+        ended = running * next_final  # the episode ends at row t+k+1
+        boot = boot + ended * discount * (1.0 - terminal[k + 1 : k + 1 + P]) * boot_values[k + 1 : k + 1 + P]
+        running = running * (1.0 - next_final)
+    boot = boot + running * discount * boot_values[n : n + P]
+    return value_rescale(ret + boot, eps)
+
+
+def sequence_priority(abs_td: torch.Tensor, mask: torch.Tensor, eta: float) -> torch.Tensor:
+    """p = eta max_t |delta_t| + (1 - eta) mean_t |delta_t| over the valid (mask = 1) steps; (T, B) -> (B,)."""
+    masked = abs_td * mask
+    mean = masked.sum(0) / mask.sum(0).clamp(min=1.0)
+    return eta * masked.max(0).values + (1.0 - eta) * mean
+
+
+def delta_q(q: torch.Tensor, q_true: torch.Tensor) -> torch.Tensor:
+    """Q-value discrepancy ||q - q_true||_2 / max_a |q_true_a| (R2D2 Sec. 3), (..., A) -> (...)."""
+    return (q - q_true).norm(dim=-1) / q_true.abs().max(-1).values.clamp(min=DELTA_Q_EPS)
+
+
+class SequenceReplay:
+    """O(T) ring buffer of rows (capacity rows per env column) plus a prioritized table of sequences.
+
+    A sequence is identified by its env column, its anchor t0 (first trained row, absolute step index) and its
+    episode's first row; its window is rows [t0 - burn_in, t0 + seq_len + n_step).
+    """
+
+    def __init__(self, capacity, num_envs, obs_dim, hidden_size, seq_len, overlap, burn_in, n_step):
+        self.cap, self.E = capacity, num_envs
+        self.m, self.stride, self.burn_in, self.n = seq_len, seq_len - overlap, burn_in, n_step
+        self.window = burn_in + seq_len + n_step
+        self.obs = np.zeros((capacity, num_envs, obs_dim), dtype=np.float32)
+        self.action = np.zeros((capacity, num_envs), dtype=np.int64)
+        self.reward = np.zeros((capacity, num_envs), dtype=np.float32)
+        self.prev_action = np.full((capacity, num_envs), NO_ACTION, dtype=np.int64)
+        self.prev_reward = np.zeros((capacity, num_envs), dtype=np.float32)
+        self.first = np.zeros((capacity, num_envs), dtype=bool)
+        self.final = np.zeros((capacity, num_envs), dtype=bool)
+        self.terminal = np.zeros((capacity, num_envs), dtype=bool)
+        self.h = np.zeros((capacity, num_envs, hidden_size), dtype=np.float32)  # actor state before the row
+        self.c = np.zeros((capacity, num_envs, hidden_size), dtype=np.float32)
+        self.t = 0  # absolute index of the next row (the same for every env column)
+        self.ep_start = np.zeros(num_envs, dtype=np.int64)  # absolute first row of each column's current episode
+        # sequence table: a ring as well; at most one anchor per 2 rows (an episode has >= 1 step + its final row)
+        self.seq_cap = capacity * num_envs // min(self.stride, 2) + num_envs
+        self.seq_env = np.zeros(self.seq_cap, dtype=np.int64)
+        self.seq_anchor = np.zeros(self.seq_cap, dtype=np.int64)
+        self.seq_ep_start = np.zeros(self.seq_cap, dtype=np.int64)
+        self.priority = np.zeros(self.seq_cap, dtype=np.float64)  # 0 = empty slot
+        self.seq_ptr, self.max_priority = 0, 1.0
+
+    def add(self, obs, first, final, terminal, prev_action, prev_reward, h, c, action, reward):
+        """Write one row per env (all (E, ...) arrays) and register the sequences whose windows are complete."""
+        r = self.t % self.cap
+        self.ep_start[first] = self.t
+        for name, value in (("obs", obs), ("first", first), ("final", final), ("terminal", terminal),
+                            ("prev_action", prev_action), ("prev_reward", prev_reward), ("h", h), ("c", c),
+                            ("action", action), ("reward", reward)):  # fmt: skip
+            getattr(self, name)[r] = value
+        # a window is complete when its last row (t0 + m + n - 1) is written ...
+        span = self.m + self.n - 1
+        since_anchor = self.t - self.ep_start - span  # (E,) steps since the last row of anchor ep_start
+        done_envs = np.nonzero((since_anchor >= 0) & (since_anchor % self.stride == 0))[0]
+        for e in done_envs:
+            self._register(e, self.t - span)
+        # ... or when the episode's final row is written: register its remaining anchors (padded, masked windows)
+        for e in np.nonzero(final)[0]:
+            first_k = max(0, (self.t - span - self.ep_start[e]) // self.stride + 1)  # anchors > t - span
+            for anchor in range(self.ep_start[e] + first_k * self.stride, self.t, self.stride):
+                if anchor > self.t - span:
+                    self._register(e, anchor)
+        self.t += 1
+
+    def _register(self, env, anchor):
+        i = self.seq_ptr
+        self.seq_env[i], self.seq_anchor[i], self.seq_ep_start[i] = env, anchor, self.ep_start[env]
+        self.priority[i] = self.max_priority
+        self.seq_ptr = (self.seq_ptr + 1) % self.seq_cap
+
+    def valid(self) -> np.ndarray:
+        """Sequences whose needed rows (from max(t0 - burn_in, episode start)) are still in the ring."""
+        oldest = self.t - self.cap  # rows >= oldest are present
+        start = np.maximum(self.seq_anchor - self.burn_in, self.seq_ep_start)
+        return (self.priority > 0) & (start >= oldest)
+
+    def num_sequences(self) -> int:
+        return int(self.valid().sum())
+
+    def sample(self, batch_size, alpha, beta, rng):
+        """Proportional sampling: (sequence ids, importance weights (B,)), P(i) = p_i^alpha / sum_j p_j^alpha."""
+        p = np.where(self.valid(), self.priority, 0.0) ** alpha
+        probs = p / p.sum()
+        ids = rng.choice(self.seq_cap, size=batch_size, p=probs)
+        weights = (np.count_nonzero(p) * probs[ids]) ** -beta
+        return ids, weights / weights.max()
+
+    def update_priorities(self, ids, priorities):
+        self.priority[ids] = np.maximum(priorities, DELTA_Q_EPS)  # keep sampled sequences alive (p > 0)
+        self.max_priority = max(self.max_priority, float(priorities.max()))
+
+    def gather(self, ids, prefix: int = 0) -> dict:
+        """The windows of sequences `ids` as (W, B, ...) arrays, W = prefix + burn_in + m + n, starting at
+        t0 - burn_in - prefix (rows before the episode start are reset away by the `first` flag)."""
+        offsets = np.arange(-self.burn_in - prefix, self.m + self.n)  # (W,)
+        rows = (self.seq_anchor[ids][None, :] + offsets[:, None]) % self.cap  # (W, B)
+        cols = np.broadcast_to(self.seq_env[ids][None, :], rows.shape)  # (W, B)
+        names = ("obs", "action", "reward", "prev_action", "prev_reward", "first", "final", "terminal")
+        out = {name: getattr(self, name)[rows, cols] for name in names}  # (W, B, ...)
+        out["h0"], out["c0"] = self.h[rows[0], cols[0]], self.c[rows[0], cols[0]]  # (B, H) stored state at start
+        return out
+
+
+class RecurrentQNetwork(nn.Module):
+    """[o_t, onehot(a_{t-1}), r_{t-1}] -> Linear+ReLU -> LSTM -> dueling head Q(h_t, .)."""
+
+    def __init__(self, obs_dim: int, num_actions: int, hidden_size: int):
+        super().__init__()
+        self.num_actions, self.hidden_size = num_actions, hidden_size
+        self.encoder = nn.Sequential(nn.Linear(obs_dim + num_actions + 1, hidden_size), nn.ReLU())
+        self.lstm = nn.LSTM(hidden_size, hidden_size)
+        self.value = nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.ReLU(), nn.Linear(hidden_size, 1))
+        self.advantage = nn.Sequential(
+            nn.Linear(hidden_size, hidden_size), nn.ReLU(), nn.Linear(hidden_size, num_actions)
+        )
+
+    def encode(self, obs, prev_action, prev_reward):
+        """(T, B, obs_dim), (T, B), (T, B) -> (T, B, H); prev_action = NO_ACTION gives a zero one-hot."""
+        onehot = F.one_hot(prev_action.clamp(min=0), self.num_actions).float() * (prev_action >= 0)[..., None]
+        return self.encoder(torch.cat([obs, onehot, prev_reward[..., None]], dim=-1))
+
+    def head(self, out):
+        """(T, B, H) -> Q (T, B, A), dueling: V + A - mean_a A."""
+        adv = self.advantage(out)
+        return self.value(out) + adv - adv.mean(-1, keepdim=True)
+
+    def core(self, z, state):
+        """One nn.LSTM call over (T, B, H) features from state ((B, H), (B, H)); no resets inside."""
+        out, (h, c) = self.lstm(z, (state[0][None], state[1][None]))
+        return out, (h[0], c[0])
+
+    def core_with_resets(self, z, first, state):
+        """Step loop over (T, B, H) that zeroes the state before every row with first = 1 (episode starts)."""
+        outputs = []
+        for t in range(z.shape[0]):
+            keep = (~first[t]).float()[:, None]  # (B, 1)
+            state = (state[0] * keep, state[1] * keep)
+            out, state = self.core(z[t : t + 1], state)
+            outputs.append(out)
+        return torch.cat(outputs) if outputs else z[:0], state
+
+
+def unroll(net, win: dict, state, skip: int):
+    """Q-values of the rows after the first `skip` rows of a window: the first `skip` rows (burn-in, or an
+    episode prefix) are unrolled without gradient with resets at episode starts, then the rest in one LSTM call.
+    Returns (q (W - skip, B, A), the state at row `skip`)."""
+    z = net.encode(win["obs"], win["prev_action"], win["prev_reward"])  # (W, B, H)
+    with torch.no_grad():
+        _, state = net.core_with_resets(z[:skip].detach(), win["first"][:skip], state)
+    keep = (~win["first"][skip]).float()[:, None]  # the anchor itself may be an episode start
+    state = (state[0].detach() * keep, state[1].detach() * keep)
+    out, _ = net.core(z[skip:], state)
+    return net.head(out), state
+
+
+def next_row_flags(final, terminated, truncated):
+    """Flags (first, final, terminal) of the row that the obs returned by a NEXT_STEP-autoreset step() fills.
+
+    If the current row was final, that step() was the reset step: the new row is a reset obs (`first`), and
+    gymnasium reports terminated = truncated = False for it. Otherwise an ended episode makes the new row final.
+    """
+    done = (terminated | truncated) & ~final
+    return final.copy(), done, terminated & ~final
+
+
+@torch.no_grad()
+def actor_step(net, obs, prev_action, prev_reward, first, state):
+    """One acting step for E envs: zero the state where an episode starts, then Q(h_t, .) from
+    [o_t, a_{t-1}, r_{t-1}]. Returns (q (E, A), the new state, the state *before* the step as numpy (stored
+    with the row: the sequence-start state R2D2 replays from))."""
+    device = state[0].device
+    keep = torch.as_tensor(~first, dtype=torch.float32, device=device)[:, None]  # (E, 1)
+    state = (state[0] * keep, state[1] * keep)
+    before = (state[0].cpu().numpy(), state[1].cpu().numpy())
+    z = net.encode(
+        torch.as_tensor(obs, dtype=torch.float32, device=device)[None],
+        torch.as_tensor(prev_action, device=device)[None],
+        torch.as_tensor(prev_reward, dtype=torch.float32, device=device)[None],
+    )  # (1, E, H)
+    out, state = net.core(z, state)
+    return net.head(out)[0], state, before
+
+
+def to_torch(win: dict, device) -> dict:
+    return {key: torch.as_tensor(value, device=device) for key, value in win.items()}
+
+
+def make_vec_env(env_id: str, env_kwargs: dict, num_envs: int) -> gym.vector.SyncVectorEnv:
+    """Validate the env's spaces once, then build `num_envs` copies with the default NEXT_STEP autoreset."""
+    try:
+        probe = gym.make(env_id, **env_kwargs)
+    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # unknown id / kwargs
+        raise SystemExit(f"error: cannot make env {env_id!r} with kwargs {env_kwargs}: {err}") from None
+    obs_space, act_space = probe.observation_space, probe.action_space
+    probe.close()
+    if not isinstance(act_space, gym.spaces.Discrete):
+        raise SystemExit(f"error: {env_id} has action space {act_space}; only Discrete action spaces are supported")
+    if not isinstance(obs_space, (gym.spaces.Box, gym.spaces.Discrete)):
+        raise SystemExit(f"error: {env_id} has observation space {obs_space}; supported: Box or Discrete")
+
+    def thunk():
+        # Discrete observations become one-hot vectors, Box observations are flattened
+        return gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs))
+
+    return gym.vector.SyncVectorEnv([thunk] * num_envs, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
+
+
+@torch.no_grad()
+def evaluate(net, env_id: str, env_kwargs: dict, episodes: int, seed: int, device) -> dict:
+    """Greedy episodes, one after the other in a single env: returns, lengths, success (NaN where undefined)."""
+    env = gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs))
+    returns, lengths, successes = [], [], []
+    for ep in range(episodes):
+        obs, _ = env.reset(seed=seed + ep)
+        state = (torch.zeros(1, net.hidden_size, device=device), torch.zeros(1, net.hidden_size, device=device))
+        prev_action, prev_reward, total, success = NO_ACTION, 0.0, 0.0, np.nan
+        for length in range(1, MAX_EVAL_STEPS + 1):  # noqa: B007  (read after the loop)
+            z = net.encode(
+                torch.as_tensor(obs, dtype=torch.float32, device=device)[None, None],
+                torch.tensor([[prev_action]], device=device),
+                torch.tensor([[prev_reward]], dtype=torch.float32, device=device),
+            )  # (1, 1, H)
+            out, state = net.core(z, state)
+            action = int(net.head(out)[0, 0].argmax())
+            obs, reward, terminated, truncated, info = env.step(action)
+            total, prev_action, prev_reward = total + float(reward), action, float(reward)
+            if terminated or truncated:
+                success = float(info["success"]) if "success" in info else np.nan
+                break
+        returns.append(total)
+        lengths.append(length)
+        successes.append(success)
+    env.close()
+    return dict(ret=np.array(returns), length=np.array(lengths), success=np.array(successes))
+
+
+def load_checkpoint(path_str: str) -> tuple[dict, dict]:
+    """(state_dict, saved args or {}) from a run dir or a .safetensors file; clear errors for bad paths/files."""
+    path = Path(path_str)
+    model_path = path / "model.safetensors" if path.is_dir() else path
+    if not model_path.is_file():
+        raise SystemExit(f"error: checkpoint {model_path} not found (give a run dir or a model.safetensors file)")
+    try:
+        state_dict = load_file(str(model_path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise SystemExit(f"error: cannot read checkpoint {model_path}: {err}") from None
+    args_path = model_path.parent / "args.json"
+    return state_dict, json.loads(args_path.read_text()) if args_path.is_file() else {}
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.eval_only:
+        if args.checkpoint is None:
+            raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or a model.safetensors file)")
+        ckpt_state, ckpt_args = load_checkpoint(args.checkpoint)
+        for field in ARCH_FIELDS:  # rebuild the env and the architecture the checkpoint was trained with
+            setattr(args, field, ckpt_args.get(field, getattr(args, field)))
+    try:
+        env_kwargs = json.loads(args.env_kwargs)
+        assert isinstance(env_kwargs, dict)
+    except (json.JSONDecodeError, AssertionError):
+        raise SystemExit(f"error: --env-kwargs must be a JSON object, got {args.env_kwargs!r}") from None
+    if not 0 <= args.seq_overlap < args.seq_len:
+        raise SystemExit(f"error: need 0 <= --seq-overlap < --seq-len, got {args.seq_overlap} and {args.seq_len}")
+    if args.burn_in < 0 or args.n_step < 1 or args.num_envs < 1 or args.batch_size < 1:
+        raise SystemExit("error: need --burn-in >= 0, --n-step >= 1, --num-envs >= 1, --batch-size >= 1")
+    window = args.burn_in + args.seq_len + args.n_step
+    capacity = args.buffer_size // args.num_envs  # rows per env column
+    if capacity < 4 * window:
+        raise SystemExit(f"error: --buffer-size {args.buffer_size} gives {capacity} rows per env; need at least "
+                         f"4 windows of {window} rows (burn-in + seq-len + n-step)")  # fmt: skip
+    args.num_updates = max(0, (args.total_timesteps - args.learning_starts) // (args.num_envs * args.train_frequency))
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+
+    vec_env = make_vec_env(args.env_id, env_kwargs, args.num_envs)
+    obs_dim, num_actions = vec_env.single_observation_space.shape[0], int(vec_env.single_action_space.n)
+    if args.eval_only:  # the hidden size is read from the weights, so any checkpoint of this script loads
+        if "lstm.weight_hh_l0" in ckpt_state:
+            args.hidden_size = int(ckpt_state["lstm.weight_hh_l0"].shape[1])
+    q_network = RecurrentQNetwork(obs_dim, num_actions, args.hidden_size).to(device)
+    if args.eval_only:
+        try:
+            q_network.load_state_dict(ckpt_state)
+        except RuntimeError as err:
+            first_lines = " ".join(str(err).strip().splitlines()[:3])
+            raise SystemExit(f"error: checkpoint does not fit this network on {args.env_id} (obs dim {obs_dim}, "
+                             f"{num_actions} actions, hidden {args.hidden_size}): {first_lines}") from None  # fmt: skip
+    target_network = RecurrentQNetwork(obs_dim, num_actions, args.hidden_size).to(device)
+    target_network.load_state_dict(q_network.state_dict())
+    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, eps=args.adam_eps)
+
+    run_name = f"{args.env_id.replace('/', '-').replace(':', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir, suffix = Path(args.runs_dir) / run_name, 0
+    while run_dir.exists():  # never overwrite a run
+        suffix += 1
+        run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    writer = SummaryWriter(str(run_dir))
+    table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+
+    E, H, B, L, m, n = args.num_envs, args.hidden_size, args.batch_size, args.burn_in, args.seq_len, args.n_step
+    rb = SequenceReplay(capacity, E, obs_dim, H, m, args.seq_overlap, L, n)
+    epsilons = ape_x_epsilons(E, args.exploration_eps, args.exploration_alpha)  # (E,)
+    eps_v = args.value_rescaling_eps
+
+    # TRY NOT TO MODIFY: start the game
+    global_step, num_updates_done, start_time = 0, 0, time.time()
+    delta_q_log = []  # (first, last) Delta-Q measurements
+    ep_returns, ep_lengths = [], []
+    if not args.eval_only:
+        obs, _ = vec_env.reset(seed=args.seed)
+        first = np.ones(E, dtype=bool)  # row holds a reset observation
+        final = np.zeros(E, dtype=bool)  # row holds an episode's final observation (its action is ignored)
+        terminal = np.zeros(E, dtype=bool)
+        prev_action = np.full(E, NO_ACTION, dtype=np.int64)
+        prev_reward = np.zeros(E, dtype=np.float32)
+        h, c = torch.zeros(E, H, device=device), torch.zeros(E, H, device=device)
+        ep_return, ep_length = np.zeros(E), np.zeros(E, dtype=int)
+        num_vector_steps = args.total_timesteps // E
+        for step in range(num_vector_steps):
+            # 1. act: zero the state at episode starts, epsilon-greedy per env on Q(h_t, .)
+            prev_action[first], prev_reward[first] = NO_ACTION, 0.0
+            q, (h, c), (h_before, c_before) = actor_step(q_network, obs, prev_action, prev_reward, first, (h, c))
+            greedy = q.argmax(-1).cpu().numpy()  # (E,)
+            explore = rng.random(E) < epsilons
+            action = np.where(explore, rng.integers(num_actions, size=E), greedy)
+
+            # 2. step the envs (NEXT_STEP autoreset: after a final row, this step is the reset step)
+            next_obs, reward, term, trunc, infos = vec_env.step(action)
+            reward = np.where(final, 0.0, reward).astype(np.float32)  # the reset step's reward is not a reward
+            rb.add(obs, first, final, terminal, prev_action, prev_reward, h_before, c_before, action, reward)
+            global_step += E
+            ep_return += reward
+            ep_length += ~final
+            for e in np.nonzero(final)[0]:  # the previous step ended these episodes; log them
+                ep_returns.append(ep_return[e])
+                ep_lengths.append(ep_length[e])
+                writer.add_scalar("charts/episodic_return", ep_return[e], global_step)
+                writer.add_scalar("charts/episodic_length", ep_length[e], global_step)
+                ep_return[e], ep_length[e] = 0.0, 0
+            first, final, terminal = next_row_flags(final, term, trunc)
+            obs, prev_action, prev_reward = next_obs, action, reward
+
+            # 3. learn: sample prioritized sequences, burn in, n-step double-Q targets on h-rescaled values
+            if global_step < args.learning_starts or step % args.train_frequency != 0 or rb.num_sequences() == 0:
+                continue
+            ids, weights = rb.sample(B, args.priority_exponent, args.importance_exponent, rng)
+            win = to_torch(rb.gather(ids), device)
+            if args.state_init == "stored":
+                state0 = (win["h0"], win["c0"])
+            else:
+                state0 = (torch.zeros(B, H, device=device), torch.zeros(B, H, device=device))
+            q_all, _ = unroll(q_network, win, state0, L)  # (m + n, B, A) online Q of anchor .. end
+            with torch.no_grad():
+                q_target_all, _ = unroll(target_network, win, state0, L)  # (m + n, B, A)
+                best = q_all.argmax(-1, keepdim=True)  # double Q: online argmax, target evaluation
+                boot_values = inverse_value_rescale(q_target_all.gather(-1, best).squeeze(-1), eps_v)  # (m + n, B)
+                final_f, terminal_f = win["final"][L:].float(), win["terminal"][L:].float()
+                targets = nstep_rescaled_targets(
+                    win["reward"][L:], final_f, terminal_f, boot_values, args.gamma, n, m, eps_v
+                )  # (m, B)
+                mask = torch.cumprod(1.0 - final_f[:m], dim=0)  # (m, B) 1 up to the episode's last action
+            q_taken = q_all[:m].gather(-1, win["action"][L : L + m, :, None]).squeeze(-1)  # (m, B)
+            td = targets - q_taken
+            w = torch.as_tensor(weights, dtype=torch.float32, device=device)
+            per_seq = 0.5 * (td**2 * mask).sum(0) / mask.sum(0).clamp(min=1.0)  # (B,)
+            loss = (w * per_seq).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(q_network.parameters(), args.max_grad_norm)
+            optimizer.step()
+            new_priorities = sequence_priority(td.detach().abs(), mask, args.priority_eta)
+            rb.update_priorities(ids, new_priorities.cpu().numpy().astype(np.float64))
+            num_updates_done += 1
+            if num_updates_done % args.target_network_frequency == 0:
+                target_network.load_state_dict(q_network.state_dict())
+
+            # 4. Delta-Q: the learner's Q (stored/zero state + burn-in) vs Q from the state recomputed from the
+            #    episode's first row with the current network, for sequences whose episode start is still stored
+            if num_updates_done % args.delta_q_frequency == 0:
+                keep_ids = ids[rb.seq_ep_start[ids] >= rb.t - rb.cap]
+                if len(keep_ids):
+                    prefix = int((rb.seq_anchor[keep_ids] - rb.seq_ep_start[keep_ids]).max())  # rows before t0
+                    full = to_torch(rb.gather(keep_ids, prefix=max(prefix - L, 0)), device)
+                    zeros = (torch.zeros(len(keep_ids), H, device=device),) * 2
+                    with torch.no_grad():
+                        q_true, _ = unroll(q_network, full, zeros, max(prefix - L, 0) + L)  # (m + n, b, A)
+                        sel = np.nonzero(rb.seq_ep_start[ids] >= rb.t - rb.cap)[0]  # keep_ids = ids[sel]
+                        q_learner = q_all.detach()[:, sel]  # (m + n, b, A)
+                        last = (mask[:, sel].sum(0).long() - 1).clamp(min=0)  # last trained valid row
+                        dq_first = delta_q(q_learner[0], q_true[0]).mean().item()
+                        cols = torch.arange(len(sel), device=device)
+                        dq_last = delta_q(q_learner[last, cols], q_true[last, cols]).mean().item()
+                    delta_q_log.append((dq_first, dq_last))
+                    writer.add_scalar("model/delta_q_first", dq_first, global_step)
+                    writer.add_scalar("model/delta_q_last", dq_last, global_step)
+
+            if num_updates_done % 100 == 0:
+                sps = int(global_step / (time.time() - start_time))
+                writer.add_scalar("losses/td_loss", loss.item(), global_step)
+                writer.add_scalar("losses/q_values", q_taken.mean().item(), global_step)
+                writer.add_scalar("charts/SPS", sps, global_step)
+                writer.add_scalar("charts/learning_rate", args.learning_rate, global_step)
+                recent = np.mean(ep_returns[-50:]) if ep_returns else float("nan")
+                print(f"global_step={global_step} updates={num_updates_done} return(last 50)={recent:.2f} "
+                      f"loss={loss.item():.4f} dq={delta_q_log[-1] if delta_q_log else None} SPS={sps}")  # fmt: skip
+    vec_env.close()
+
+    # 5. greedy evaluation, summary.json, save
+    wall_time = time.time() - start_time
+    result = evaluate(q_network, args.env_id, env_kwargs, args.eval_episodes, args.seed + 10_000, device)
+    metrics = {
+        "eval/episodic_return": result["ret"].mean(),
+        "eval/episodic_return_std": result["ret"].std(),
+        "eval/episodic_length": result["length"].mean(),
+    }
+    if not np.isnan(result["success"]).all():  # the env reports info["success"] (TMaze, Tiger)
+        metrics["eval/success_rate"] = np.nanmean(result["success"])
+    if delta_q_log:  # averaged over the last quarter of training's measurements
+        tail = np.array(delta_q_log[-max(1, len(delta_q_log) // 4) :])
+        metrics["model/delta_q"] = tail[:, 0].mean()
+        metrics["model/delta_q_first"] = tail[:, 0].mean()
+        metrics["model/delta_q_last"] = tail[:, 1].mean()
+    metrics = {key: float(value) for key, value in metrics.items()}
+    for key, value in metrics.items():
+        writer.add_scalar(key, value, global_step)
+    summary = {
+        "script": Path(__file__).stem, "run_name": run_dir.name, "run_dir": str(run_dir), "args": asdict(args),
+        "metrics": metrics, "wall_time_s": wall_time, "sps": global_step / max(wall_time, 1e-9),
+    }  # fmt: skip
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    save_file(q_network.state_dict(), str(run_dir / "model.safetensors"))
+    writer.close()
+    print(json.dumps(metrics, indent=2))
+    print(f"run dir: {run_dir}")

@@ -1,0 +1,275 @@
+"""R2D2 (algos/r2d2_rnnstate.py): rescaling, n-step targets, priorities, sequence replay with NEXT_STEP autoreset,
+stored-state round trip, smoke runs, clear errors, and a slow learning test."""
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from conftest import load_script, run_script
+
+r2d2 = load_script("r2d2_rnnstate")
+
+
+# ---------------------------------------------------------------- math
+@pytest.mark.parametrize("eps", [1e-3, 1e-2, 0.0])
+def test_value_rescale_and_inverse_are_inverses(eps):
+    x = torch.cat([torch.linspace(-1e4, 1e4, 2001), torch.linspace(-3, 3, 601)]).double()
+    np.testing.assert_allclose(r2d2.inverse_value_rescale(r2d2.value_rescale(x, eps), eps), x, rtol=1e-9, atol=1e-7)
+    np.testing.assert_allclose(r2d2.value_rescale(r2d2.inverse_value_rescale(x / 100, eps), eps), x / 100, atol=1e-9)
+    # hand values: h(3) = sqrt(4) - 1 + 3 eps, h(-8) = -(3 - 1) - 8 eps
+    h = r2d2.value_rescale(torch.tensor([3.0, -8.0, 0.0]).double(), eps)
+    np.testing.assert_allclose(h, [1 + 3 * eps, -2 - 8 * eps, 0.0], atol=1e-12)
+
+
+def reference_targets(rewards, final, terminal, boot, gamma, n, positions, eps):
+    """Plain loop: walk from t until n rewards are summed or the episode's final row is reached."""
+    T, B = rewards.shape
+    y = np.zeros((positions, B))
+    for b in range(B):
+        for t in range(positions):
+            if final[t, b]:
+                continue  # not a training position; the script gives h(0) = 0 there
+            ret, j = 0.0, t
+            while j < t + n and not final[j, b]:
+                ret += gamma ** (j - t) * rewards[j, b]
+                j += 1
+            if not (final[j, b] and terminal[j, b]):
+                ret += gamma ** (j - t) * boot[j, b]  # j = t + n, or the truncated final row
+            y[t, b] = ret
+    return r2d2.value_rescale(torch.tensor(y), eps).numpy()
+
+
+def test_nstep_rescaled_targets_match_plain_loop():
+    rng = np.random.default_rng(0)
+    T, B, n, gamma, eps = 30, 16, 5, 0.97, 1e-3
+    final = rng.random((T, B)) < 0.15
+    terminal = final & (rng.random((T, B)) < 0.5)
+    rewards, boot = rng.normal(size=(T, B)) * 3, rng.normal(size=(T, B)) * 10
+    positions = T - n
+    got = r2d2.nstep_rescaled_targets(
+        torch.tensor(rewards), torch.tensor(final).double(), torch.tensor(terminal).double(),
+        torch.tensor(boot), gamma, n, positions, eps,
+    )  # fmt: skip
+    np.testing.assert_allclose(got.numpy(), reference_targets(rewards, final, terminal, boot, gamma, n, positions, eps))
+    # one hand case: rewards 1, 2 then a terminal final row: y_0 = h(1 + 0.5 * 2), no bootstrap
+    r = torch.tensor([[1.0], [2.0], [9.0], [9.0]])
+    f = torch.tensor([[0.0], [0.0], [1.0], [0.0]])
+    y = r2d2.nstep_rescaled_targets(r, f, f, torch.full((4, 1), 100.0), 0.5, 3, 1, 0.0)
+    assert y.item() == pytest.approx(np.sqrt(2 + 1) - 1)
+    # the same but truncated: + 0.25 * boot of the final row
+    y = r2d2.nstep_rescaled_targets(r, f, torch.zeros(4, 1), torch.full((4, 1), 100.0), 0.5, 3, 1, 0.0)
+    assert y.item() == pytest.approx(np.sqrt(2 + 25 + 1) - 1)
+
+
+def test_priority_formula_and_ape_x_epsilons():
+    td = torch.tensor([[1.0, 0.5], [3.0, 9.0], [2.0, 0.5]])  # (T=3, B=2)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])  # the 9 is masked out
+    p = r2d2.sequence_priority(td, mask, 0.9)
+    np.testing.assert_allclose(p.numpy(), [0.9 * 3 + 0.1 * 2, 0.9 * 0.5 + 0.1 * 0.5], rtol=1e-6)
+    eps = r2d2.ape_x_epsilons(8, 0.4, 7.0)
+    np.testing.assert_allclose(eps[[0, 1, 7]], [0.4, 0.4**2, 0.4**8])
+    assert r2d2.ape_x_epsilons(1, 0.4, 7.0)[0] == pytest.approx(0.4)
+    q_true, q = torch.tensor([[1.0, -4.0]]), torch.tensor([[4.0, 0.0]])
+    assert r2d2.delta_q(q, q_true).item() == pytest.approx(5.0 / 4.0)
+
+
+# ---------------------------------------------------------------- replay with a real NEXT_STEP vector env
+class CounterEnv(gym.Env):
+    """obs = [episode id, step in episode]; reward = 10 * episode id + step; random lengths, ends either way."""
+
+    def __init__(self, env_index):
+        self.observation_space = gym.spaces.Box(-1e9, 1e9, shape=(2,), dtype=np.float32)
+        self.action_space = gym.spaces.Discrete(2)
+        self.env_index, self.episode = env_index, -1
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.episode += 1
+        self.t, self.length = 0, int(self.np_random.integers(1, 13))
+        self.truncates = bool(self.np_random.random() < 0.5)
+        return self._obs(), {}
+
+    def _obs(self):
+        return np.array([1000 * self.env_index + self.episode, self.t], dtype=np.float32)
+
+    def step(self, action):
+        reward = 10.0 * self.episode + self.t
+        self.t += 1
+        ended = self.t >= self.length
+        return self._obs(), reward, ended and not self.truncates, ended and self.truncates, {}
+
+
+def fill_replay(num_vector_steps=300, burn_in=3, seq_len=6, overlap=2, n_step=3, hidden=8, capacity=4000):
+    """Drive the script's actor and replay exactly as its main loop does, on CounterEnvs (default NEXT_STEP)."""
+    E = 4
+    vec = gym.vector.SyncVectorEnv([lambda i=i: CounterEnv(i) for i in range(E)])
+    assert vec.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP
+    torch.manual_seed(0)
+    net = r2d2.RecurrentQNetwork(2, 2, hidden)
+    rb = r2d2.SequenceReplay(capacity, E, 2, hidden, seq_len, overlap, burn_in, n_step)
+    rng = np.random.default_rng(0)
+    obs, _ = vec.reset(seed=0)
+    first, final, terminal = np.ones(E, bool), np.zeros(E, bool), np.zeros(E, bool)
+    prev_action, prev_reward = np.full(E, r2d2.NO_ACTION), np.zeros(E, np.float32)
+    state = (torch.zeros(E, hidden), torch.zeros(E, hidden))
+    truth = {}  # (episode id, t) -> (reward, terminated, truncated) straight from the env
+    for _ in range(num_vector_steps):
+        prev_action[first], prev_reward[first] = r2d2.NO_ACTION, 0.0
+        _, state, (h_before, c_before) = r2d2.actor_step(net, obs, prev_action, prev_reward, first, state)
+        action = rng.integers(2, size=E)
+        next_obs, reward, term, trunc, _ = vec.step(action)
+        for e in np.nonzero(~final)[0]:
+            truth[(int(obs[e, 0]), int(obs[e, 1]))] = (reward[e], term[e], trunc[e])
+        reward = np.where(final, 0.0, reward).astype(np.float32)
+        rb.add(obs, first, final, terminal, prev_action, prev_reward, h_before, c_before, action, reward)
+        first, final, terminal = r2d2.next_row_flags(final, term, trunc)
+        obs, prev_action, prev_reward = next_obs, action, reward
+    return rb, net, truth
+
+
+def test_sequences_never_cross_episode_boundaries_and_targets_match_env_truth():
+    burn_in, m, n, gamma = 3, 6, 3, 0.9
+    rb, _, truth = fill_replay(burn_in=burn_in, seq_len=m, overlap=2, n_step=n)
+    ids = np.nonzero(rb.valid())[0]
+    assert len(ids) > 100
+    win = rb.gather(ids)
+    obs = win["obs"][burn_in:]  # (m + n, S, 2) rows from the anchor on
+    final = torch.tensor(win["final"][burn_in:]).double()
+    mask = torch.cumprod(1 - final[:m], 0).numpy()  # the training positions
+    episode, t = obs[..., 0], obs[..., 1]
+    assert (mask[0] == 1).all()  # the anchor is a real step
+    # every unmasked row is a step of the anchor's episode, consecutive in time
+    assert np.all((episode[:m] == episode[0]) | (mask == 0))
+    assert np.all((t[:m] == t[0] + np.arange(m)[:, None]) | (mask == 0))
+    # the n-step targets see only the anchor's episode: compare with returns built from the env's own records
+    boot = torch.tensor(1000.0 * episode + t).double()  # a recognizable bootstrap value per row
+    y = r2d2.nstep_rescaled_targets(
+        torch.tensor(win["reward"][burn_in:]).double(), final, torch.tensor(win["terminal"][burn_in:]).double(),
+        boot, gamma, n, m, 0.0,
+    )  # fmt: skip
+    returns = r2d2.inverse_value_rescale(y, 0.0).numpy()
+    checked = 0
+    for s in range(len(ids)):
+        for p in np.nonzero(mask[:, s])[0]:
+            ep, t0 = int(episode[p, s]), int(t[p, s])
+            expected, k = 0.0, 0
+            while k < n:
+                reward, term, trunc = truth[(ep, t0 + k)]
+                expected += gamma**k * reward
+                k += 1
+                if term or trunc:
+                    break
+            if not term:  # bootstrap at the truncated final obs or at t + n
+                expected += gamma**k * (1000.0 * ep + t0 + k)
+            assert returns[p, s] == pytest.approx(expected, rel=1e-9), (ep, t0)
+            checked += 1
+    assert checked > 500
+    # every real step of the (still stored) episodes is a training position of some sequence
+    trained = {(int(episode[p, s]), int(t[p, s])) for s in range(len(ids)) for p in np.nonzero(mask[:, s])[0]}
+    current = {}  # env index -> id of its episode still running at the end
+    for ep, _ in truth:
+        current[ep // 1000] = max(current.get(ep // 1000, 0), ep)
+    complete = {key for key in truth if key[0] < current[key[0] // 1000]}  # finished episodes
+    assert len(complete) > 500 and complete <= trained
+
+
+def test_stored_state_round_trip_and_zero_delta_q():
+    burn_in = 2
+    rb, net, _ = fill_replay(burn_in=burn_in)
+    ids = np.nonzero(rb.valid())[0][:200]
+    anchors, starts = rb.seq_anchor[ids], rb.seq_ep_start[ids]
+    prefix = int((anchors - starts).max())
+    win = r2d2.to_torch(rb.gather(ids, prefix=prefix), "cpu")
+    zeros = (torch.zeros(len(ids), 8), torch.zeros(len(ids), 8))
+    with torch.no_grad():
+        q_true, state = r2d2.unroll(net, win, zeros, prefix + burn_in)  # recomputed from the episode start
+        stored = torch.tensor(rb.h[anchors % rb.cap, rb.seq_env[ids]])
+        # the state stored with the anchor row is the state the actor had there
+        np.testing.assert_allclose(state[0].numpy(), stored.numpy(), atol=1e-5)
+        assert stored.abs().sum() > 0 and (anchors > starts).any()
+        # learner path (stored state at t0 - burn_in, then burn-in) = the true path: Delta-Q = 0 (same network)
+        short = r2d2.to_torch(rb.gather(ids), "cpu")
+        q_stored, _ = r2d2.unroll(net, short, (short["h0"], short["c0"]), burn_in)
+        assert r2d2.delta_q(q_stored, q_true).max().item() < 1e-4
+        no_burn_in = {key: value[burn_in:] for key, value in short.items() if key not in ("h0", "c0")}
+        q_zero, _ = r2d2.unroll(net, no_burn_in, zeros, 0)  # zero state, no burn-in: wrong where t0 > episode start
+        dq = r2d2.delta_q(q_zero[0], q_true[0])
+        assert dq[torch.tensor(anchors == starts)].max() < 1e-4 and dq[torch.tensor(anchors > starts)].mean() > 1e-3
+
+
+def test_prioritized_sampling_follows_priorities():
+    rb, _, _ = fill_replay(num_vector_steps=100)
+    valid = np.nonzero(rb.valid())[0]
+    rb.update_priorities(valid, np.full(len(valid), 1e-6))
+    rb.update_priorities(valid[:1], np.array([1e3]))
+    ids, weights = rb.sample(64, 0.9, 0.6, np.random.default_rng(0))
+    assert (ids == valid[0]).mean() > 0.9
+    assert weights[ids == valid[0]].min() == pytest.approx(weights.min())  # the likeliest gets the smallest weight
+    assert weights.max() == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------- subprocess runs
+TINY = ["--total-timesteps", "2400", "--learning-starts", "800", "--num-envs", "4", "--buffer-size", "2000",
+        "--batch-size", "8", "--eval-episodes", "4", "--delta-q-frequency", "5", "--env-kwargs",
+        '{"corridor_length": 3}']  # fmt: skip
+
+
+def test_smoke_run_and_eval_only_round_trip(runs_dir):
+    summary = run_script("r2d2_rnnstate", *TINY, runs_dir=runs_dir, timeout=120)
+    metrics = summary["metrics"]
+    for key in ("eval/episodic_return", "eval/success_rate", "eval/episodic_length", "model/delta_q_first"):
+        assert np.isfinite(metrics[key]), key
+    assert 0.0 <= metrics["eval/success_rate"] <= 1.0 and metrics["model/delta_q_first"] >= 0.0
+    assert summary["sps"] > 0
+    run = summary["run_dir"]
+    again = run_script("r2d2_rnnstate", "--eval-only", "--checkpoint", run, "--eval-episodes", "4",
+                       runs_dir=runs_dir, timeout=120)  # fmt: skip
+    assert again["run_dir"] != run
+    assert again["args"]["env_kwargs"] == '{"corridor_length": 3}'  # the env comes from the checkpoint
+    assert again["metrics"]["eval/episodic_return"] == pytest.approx(metrics["eval/episodic_return"])
+
+
+def test_zero_state_without_burn_in_runs(runs_dir):
+    summary = run_script("r2d2_rnnstate", *TINY, "--state-init", "zero", "--burn-in", "0", runs_dir=runs_dir)
+    assert summary["args"]["state_init"] == "zero" and np.isfinite(summary["metrics"]["model/delta_q_first"])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--env-id", "seqrl/NoSuchEnv-v0"], "cannot make env"),
+        (["--env-id", "Pendulum-v1", "--env-kwargs", "{}"], "only Discrete action spaces"),
+        (["--env-kwargs", "[1, 2]"], "must be a JSON object"),
+        (["--env-kwargs", '{"corridor_lenght": 3}'], "cannot make env"),
+        (["--seq-len", "4", "--seq-overlap", "4"], "seq-overlap"),
+        (["--buffer-size", "100"], "buffer-size"),
+        (["--eval-only"], "needs --checkpoint"),
+        (["--eval-only", "--checkpoint", "/nonexistent/run"], "not found"),
+    ],
+)
+def test_clear_errors(runs_dir, args, message):
+    proc = run_script("r2d2_rnnstate", *args, runs_dir=runs_dir, expect_fail=True, timeout=60)
+    assert message in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+def test_corrupt_or_mismatched_checkpoint(runs_dir, tmp_path):
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    proc = run_script("r2d2_rnnstate", "--eval-only", "--checkpoint", str(bad), runs_dir=runs_dir, expect_fail=True)
+    assert "cannot read checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+    from safetensors.torch import save_file
+
+    save_file({"lstm.weight_hh_l0": torch.zeros(32, 8), "foo": torch.zeros(1)}, str(bad))
+    proc = run_script("r2d2_rnnstate", "--eval-only", "--checkpoint", str(bad), runs_dir=runs_dir, expect_fail=True)
+    assert "does not fit" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- learning
+@pytest.mark.slow
+def test_learns_tmaze_corridor_5(runs_dir):
+    summary = run_script(
+        "r2d2_rnnstate", "--env-kwargs", '{"corridor_length": 5}', "--total-timesteps", "30000",
+        "--learning-starts", "2000", "--eval-episodes", "100", runs_dir=runs_dir, timeout=400,
+    )  # fmt: skip
+    assert summary["metrics"]["eval/success_rate"] >= 0.9
