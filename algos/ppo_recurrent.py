@@ -1,0 +1,586 @@
+"""Recurrent PPO: PPO whose policy and value function read the observation history through an LSTM/GRU.
+
+In a POMDP the observation o_t does not determine the state. The lecture's claims shown here: (1) a memoryless
+policy pi(a|o_t) can only reach the best *reactive* policy, which may have to be stochastic (ThreeStateLine:
+p(right) = 1/2, 2 steps, while every deterministic one fails half the episodes); (2) a policy on the history
+(o_1, a_1, ..., o_t), summarized by an RNN state h_t, is Markov again and reaches the optimum with memory
+(ThreeStateLine 1.5 steps, TMaze success 1, MaskedCartPole 500, Tiger: listen, then open, return 5.01);
+(3) the policy gradient never used the Markov property, so it stays valid on o_t with Monte Carlo returns
+(`--gae-lambda 1.0`) and any baseline V(o_t); only a critic that *bootstraps* on o_t (lambda < 1) is biased.
+
+Key equations (per step t of env b; d_t = 1 if the episode ended at step t):
+    h_t = RNN(h_{t-1} * (1 - start_t), [o_t, onehot(a_{t-1}), r_{t-1}]),  pi(a|h_t), V(h_t)
+    delta_t = r_t + gamma V(h_{t+1}) (1 - d_t) - V(h_t)
+    A_t = delta_t + gamma lambda (1 - d_t) A_{t+1}      (GAE; lambda = 1: A_t + V(h_t) = Monte Carlo return)
+    L = -E[min(rho A, clip(rho, 1-eps, 1+eps) A)] + c_v E[max((V-R)^2, (V_old + clip(V-V_old, -eps, eps) - R)^2)] / 2
+        - c_e E[entropy],   rho = pi(a|h) / pi_old(a|h)
+Implementation details:
+ 1. The RNN input is [o_t, onehot(a_{t-1}), r_{t-1}] (previous reward: `--prev-reward`, off by default: in this
+    suite it is constant until the episode ends). ThreeStateLine's observation is constant, so all the agent
+    can remember is its own past actions; feeding a_{t-1} makes that memory explicit. `--rnn none` is a
+    memoryless 2-layer MLP on o_t alone (no previous action, which would already be one step of memory).
+ 2. The recurrent state is carried across rollouts and zeroed where an episode starts (multiply by 1 - start
+    per step, as CleanRL's ppo_atari_lstm.py); a_{t-1} and r_{t-1} are zeroed there too.
+ 3. Minibatches are whole env sequences: tensors stay (T, B, ...) and a minibatch is a subset of the B env
+    columns, replayed from the rollout's initial state, so each env's time order is kept by construction.
+ 4. Vector envs use `AutoresetMode.SAME_STEP`: the step that ends an episode returns the reset observation and
+    puts the last one in `infos["final_obs"]`, so every stored step is a real transition (no NEXT_STEP dummy
+    step whose reward and action must be masked). On truncation (time limit, not termination) we bootstrap
+    with r_t += gamma V(final_obs) (`--bootstrap-truncated`); on termination we never bootstrap.
+ 5. From CleanRL [2, 3]: orthogonal init (actor gain 0.01, critic 1), Adam eps 1e-5, advantage normalization per
+    minibatch, value clipping, entropy bonus, global gradient clipping, linear learning-rate annealing.
+ 6. Observations are normalized by a running mean/std kept as buffers in the model (saved with it), updated
+    after each PPO update so that a rollout and its update see the same normalization (as SB3's VecNormalize).
+ 7. Policy and value share the torso (as [2]), so large returns would let the value loss drown the policy
+    gradient under one global gradient-norm clip: `--reward-scale` shrinks rewards for learning (CartPole 0.01,
+    Tiger 0.1; logged returns are unscaled).
+ 8. Evaluation runs `--eval-episodes` envs in parallel and scores each env's first episode only (no bias to
+    short episodes); it samples from the policy (the optimal memoryless policy is stochastic) and also reports
+    the greedy (argmax) policy with the `eval/greedy_` prefix.
+What was scaled down: small MLP/RNN (64 units) on vector observations instead of a CNN on Atari frames, and
+the whole rollout (64 steps) as the BPTT window, so a default run takes a few minutes on 2 CPU cores.
+References: [1] J. Schulman et al., "Proximal Policy Optimization Algorithms", 2017. [2] CleanRL ppo_atari_lstm.py
+(github.com/vwxyzjn/cleanrl): done-masked LSTM state, env-wise minibatches. [3] CleanRL ppo.py: the PPO loop and
+its details. [4] S. Huang et al., "The 37 Implementation Details of PPO", ICLR blog track 2022. [5] B. Bakker,
+"Reinforcement Learning with Long Short-Term Memory", NeurIPS 2001 (T-maze).
+Reproduce (seed 1; the same command with `--rnn none` gives the memoryless baseline):
+   python algos/ppo_recurrent.py --env-id seqrl/ThreeStateLine-v0 --rnn gru --total-timesteps 50000
+   python algos/ppo_recurrent.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 10}' --rnn gru
+   python algos/ppo_recurrent.py --env-id seqrl/Tiger-v0 --rnn gru --reward-scale 0.1 --no-bootstrap-truncated
+        --total-timesteps 150000 --eval-episodes 1000  (the 10-step horizon is part of the task: no bootstrap)
+   python algos/ppo_recurrent.py --env-id seqrl/MaskedCartPole-v0 --rnn gru --reward-scale 0.01 --total-timesteps 300000
+"""
+
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch.distributions import Categorical
+from torch.utils.tensorboard import SummaryWriter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
+from envs.pomdp import ThreeStateLineEnv, TigerEnv  # noqa: E402  (importing envs registers the seqrl/ environments)
+
+ADAM_EPS = 1e-5  # CleanRL's Adam epsilon for PPO (the 37-details blog, item 3)
+ADV_NORM_EPS = 1e-8  # keeps advantage normalization finite when all advantages are equal
+OBS_NORM_EPS = 1e-8  # variance floor of the observation normalization (constant features map to 0)
+OBS_CLIP = 10.0  # normalized observations are clipped to [-10, 10] (as SB3's VecNormalize)
+ACTOR_INIT_STD = 0.01  # small policy-head weights: near-uniform initial policy (CleanRL)
+EVAL_SEED_STRIDE = 10_000  # eval env i of training seed s gets seed 10_000 (s + 1) + i: disjoint sets per seed
+MAX_EVAL_STEPS = 10_000  # guard for envs without a time limit: evaluation stops after this many steps
+# Args that `--eval-only` takes from the checkpoint's args.json: they fix the env, the network and its inputs
+ARCH_FIELDS = ("env_id", "env_kwargs", "rnn", "hidden_size", "prev_action", "prev_reward", "norm_obs", "reward_scale")
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (python, numpy, torch, and the envs)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = False
+    """use the GPU if `--cuda` and one is available (these tiny models run fastest on CPU)"""
+    threads: int = 1
+    """torch.set_num_threads: 1 is fastest for 64-unit networks and leaves cores to parallel runs"""
+    runs_dir: str = "runs"
+    """the folder where run directories (tensorboard, summary.json, model) are written"""
+    eval_episodes: int = 100
+    """number of evaluation episodes at the end of training (each in its own env, run in parallel)"""
+    eval_only: bool = False
+    """skip training: load `--checkpoint` and evaluate it"""
+    checkpoint: str | None = None
+    """run dir or model.safetensors to load with `--eval-only` (env and architecture come from its args.json)"""
+
+    # Environment
+    env_id: str = "seqrl/TMaze-v0"
+    """any gymnasium id with a Discrete action space and a Box/Discrete observation space (also `module:EnvId`)"""
+    env_kwargs: str = "{}"
+    """keyword arguments for gym.make as a JSON object, e.g. '{"corridor_length": 20}'"""
+
+    # Model
+    rnn: Literal["lstm", "gru", "none"] = "gru"
+    """the memory: an LSTM or GRU over the history, or `none` for a memoryless MLP on the current observation"""
+    hidden_size: int = 64
+    """width of the encoder layer and of the RNN state"""
+    prev_action: bool = True
+    """feed the previous action (one-hot) into the RNN (ignored with `--rnn none`)"""
+    prev_reward: bool = False
+    """feed the previous reward into the RNN (ignored with `--rnn none`)"""
+    norm_obs: bool = True
+    """normalize observations by running mean/std (kept in the model's state dict, updated after each update)"""
+
+    # PPO
+    total_timesteps: int = 100_000
+    """total environment steps of training"""
+    learning_rate: float = 1e-3
+    """the learning rate of the optimizer"""
+    anneal_lr: bool = True
+    """linearly anneal the learning rate to 0 over training"""
+    num_envs: int = 16
+    """the number of parallel environments (SyncVectorEnv)"""
+    num_steps: int = 64
+    """steps per env per rollout (also the BPTT length: the RNN is unrolled over the whole rollout)"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    gae_lambda: float = 0.95
+    """the GAE lambda; 1.0 gives Monte Carlo returns (no bootstrapping within an episode)"""
+    bootstrap_truncated: bool = True
+    """on truncation (time limit) add gamma * V(final obs) to the last reward; terminations never bootstrap"""
+    reward_scale: float = 1.0
+    """multiply rewards by this before learning (logged returns are unscaled)"""
+    num_minibatches: int = 4
+    """the number of minibatches per epoch; each holds num_envs / num_minibatches whole env sequences"""
+    update_epochs: int = 4
+    """the number of epochs over each rollout"""
+    norm_adv: bool = True
+    """normalize advantages per minibatch"""
+    clip_coef: float = 0.2
+    """the surrogate clipping coefficient epsilon (also clips the value change)"""
+    clip_vloss: bool = True
+    """use PPO's clipped value loss"""
+    ent_coef: float = 0.01
+    """coefficient of the entropy bonus"""
+    vf_coef: float = 0.5
+    """coefficient of the value loss"""
+    max_grad_norm: float = 0.5
+    """the maximum global gradient norm"""
+    target_kl: float | None = None
+    """stop the epochs of an update early when the approximate KL exceeds this"""
+
+    # filled in at runtime
+    batch_size: int = 0
+    """num_envs * num_steps"""
+    envs_per_minibatch: int = 0
+    """num_envs // num_minibatches"""
+    num_iterations: int = 0
+    """total_timesteps // batch_size"""
+
+
+# ALGO LOGIC: advantages, losses and minibatches as small pure functions (tested in tests/test_ppo_recurrent.py)
+def compute_gae(rewards, values, dones, next_value, gamma: float, gae_lambda: float):
+    """GAE-lambda over a (T, B) rollout; `dones[t] = 1` if the episode ended at step t (no bootstrap across it).
+
+    `next_value` (B,) is V of the observation after the last step. Returns (advantages, returns), both (T, B).
+    """
+    advantages = torch.zeros_like(rewards)
+    last_gae = torch.zeros_like(next_value)
+    for t in reversed(range(rewards.shape[0])):
+        next_values = next_value if t == rewards.shape[0] - 1 else values[t + 1]
+        not_done = 1.0 - dones[t]
+        delta = rewards[t] + gamma * next_values * not_done - values[t]  # the TD error delta_t
+        last_gae = delta + gamma * gae_lambda * not_done * last_gae  # A_t = delta_t + gamma lambda A_{t+1}
+        advantages[t] = last_gae
+    return advantages, advantages + values
+
+
+def clipped_policy_loss(new_logprob, old_logprob, advantages, clip_coef: float):
+    """PPO's clipped surrogate (to minimize); also returns the approximate KL and the clipped fraction."""
+    logratio = new_logprob - old_logprob
+    ratio = logratio.exp()
+    pg_loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_coef, 1 + clip_coef)).mean()
+    with torch.no_grad():
+        approx_kl = ((ratio - 1) - logratio).mean()  # http://joschu.net/blog/kl-approx.html
+        clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
+    return pg_loss, approx_kl, clipfrac
+
+
+def value_loss(new_value, old_value, returns, clip_coef: float, clip: bool = True):
+    """0.5 * squared error; with `clip`, the pessimistic max with the error of a value moved at most clip_coef."""
+    unclipped = (new_value - returns) ** 2
+    if not clip:
+        return 0.5 * unclipped.mean()
+    clipped = (old_value + (new_value - old_value).clamp(-clip_coef, clip_coef) - returns) ** 2
+    return 0.5 * torch.max(unclipped, clipped).mean()
+
+
+def env_minibatches(num_envs: int, num_minibatches: int, rng: np.random.Generator) -> np.ndarray:
+    """A random partition of the env columns: (num_minibatches, num_envs // num_minibatches) env indices."""
+    return rng.permutation(num_envs).reshape(num_minibatches, -1)
+
+
+def layer_init(layer, std: float = 2**0.5, bias_const: float = 0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Agent(nn.Module):
+    """Actor-critic with a shared torso: encoder -> RNN cell (or a 2nd MLP layer for `none`) -> policy/value heads.
+
+    The recurrent state is one tensor (B, S): S = H for a GRU, 2H for an LSTM (h and c concatenated), 0 for none.
+    """
+
+    def __init__(self, obs_dim, num_actions, rnn: str, hidden_size: int, prev_action, prev_reward, norm_obs=True):
+        super().__init__()
+        self.rnn, self.hidden_size, self.num_actions, self.norm_obs = rnn, hidden_size, num_actions, norm_obs
+        self.register_buffer("obs_mean", torch.zeros(obs_dim))  # running observation statistics (saved)
+        self.register_buffer("obs_var", torch.ones(obs_dim))
+        self.register_buffer("obs_count", torch.tensor(OBS_NORM_EPS))
+        self.prev_action, self.prev_reward = prev_action and rnn != "none", prev_reward and rnn != "none"
+        in_dim = obs_dim + num_actions * self.prev_action + self.prev_reward
+        self.encoder = nn.Sequential(layer_init(nn.Linear(in_dim, hidden_size)), nn.Tanh())
+        if rnn == "none":
+            self.core = nn.Sequential(layer_init(nn.Linear(hidden_size, hidden_size)), nn.Tanh())
+        else:
+            self.core = (nn.LSTMCell if rnn == "lstm" else nn.GRUCell)(hidden_size, hidden_size)
+            for name, param in self.core.named_parameters():  # CleanRL's LSTM init: orthogonal weights, zero biases
+                if "weight" in name:
+                    nn.init.orthogonal_(param, 1.0)
+                else:
+                    nn.init.constant_(param, 0.0)
+        self.actor = layer_init(nn.Linear(hidden_size, num_actions), std=ACTOR_INIT_STD)
+        self.critic = layer_init(nn.Linear(hidden_size, 1), std=1.0)
+
+    @torch.no_grad()
+    def update_obs_stats(self, obs: torch.Tensor):
+        """Merge a batch (N, D) into the running mean/variance (parallel algorithm, as SB3/CleanRL RunningMeanStd)."""
+        count, mean, var = obs.shape[0], obs.mean(0), obs.var(0, unbiased=False)
+        delta, total = mean - self.obs_mean, self.obs_count + count
+        m2 = self.obs_var * self.obs_count + var * count + delta**2 * self.obs_count * count / total
+        self.obs_mean += delta * count / total
+        self.obs_var.copy_(m2 / total)
+        self.obs_count.copy_(total)
+
+    def initial_state(self, batch: int) -> torch.Tensor:
+        size = {"lstm": 2 * self.hidden_size, "gru": self.hidden_size, "none": 0}[self.rnn]
+        return torch.zeros(batch, size, device=self.actor.weight.device)  # (B, S)
+
+    def forward(self, obs, prev_action, prev_reward, state, starts):
+        """obs (T, B, D), prev_action (T, B) long, prev_reward (T, B), state (B, S), starts (T, B) in {0, 1}.
+
+        Returns logits (T, B, A), values (T, B) and the state after the last step (B, S).
+        """
+        keep = 1.0 - starts  # (T, B): 0 where obs[t] is the first observation of an episode
+        if self.norm_obs:
+            obs = ((obs - self.obs_mean) / torch.sqrt(self.obs_var + OBS_NORM_EPS)).clamp(-OBS_CLIP, OBS_CLIP)
+        inputs = [obs]
+        if self.prev_action:
+            inputs.append(F.one_hot(prev_action, self.num_actions).float() * keep[..., None])  # (T, B, A)
+        if self.prev_reward:
+            inputs.append((prev_reward * keep)[..., None])  # (T, B, 1)
+        x = self.encoder(torch.cat(inputs, dim=-1))  # (T, B, H)
+        if self.rnn == "none":
+            hidden = self.core(x)  # (T, B, H): memoryless
+        else:
+            outputs = []
+            for t in range(x.shape[0]):
+                state = state * keep[t, :, None]  # CRUCIAL: forget the previous episode at its boundary
+                if self.rnn == "lstm":
+                    h, c = self.core(x[t], (state[:, : self.hidden_size], state[:, self.hidden_size :]))
+                    state = torch.cat([h, c], dim=-1)  # (B, 2H)
+                else:
+                    h = state = self.core(x[t], state)  # (B, H)
+                outputs.append(h)
+            hidden = torch.stack(outputs)  # (T, B, H)
+        return self.actor(hidden), self.critic(hidden).squeeze(-1), state
+
+
+def make_vec_env(env_id: str, env_kwargs: dict, num_envs: int) -> gym.vector.SyncVectorEnv:
+    """Validate the env's spaces once, then build `num_envs` copies that autoreset in the SAME step."""
+    try:
+        probe = gym.make(env_id, **env_kwargs)
+    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # bad id, module, kwargs
+        raise SystemExit(f"error: cannot make env {env_id!r} with kwargs {env_kwargs}: {err}") from None
+    obs_space, act_space = probe.observation_space, probe.action_space
+    probe.close()
+    if not isinstance(act_space, gym.spaces.Discrete):
+        raise SystemExit(f"error: {env_id} has action space {act_space}; only Discrete action spaces are supported")
+    if not isinstance(obs_space, (gym.spaces.Box, gym.spaces.Discrete)):
+        raise SystemExit(f"error: {env_id} has observation space {obs_space}; supported: Box or Discrete")
+
+    def thunk():
+        # Discrete observations become one-hot vectors, Box observations are flattened
+        return gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs))
+
+    return gym.vector.SyncVectorEnv([thunk] * num_envs, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+
+@torch.no_grad()
+def evaluate(agent, env_id: str, env_kwargs: dict, episodes: int, seed: int, greedy: bool, reward_scale: float):
+    """Play one episode in each of `episodes` parallel envs; return per-episode arrays (only first episodes count)."""
+    envs = make_vec_env(env_id, env_kwargs, episodes)
+    device = agent.actor.weight.device
+    obs, _ = envs.reset(seed=seed)
+    state, start = agent.initial_state(episodes), torch.ones(episodes, device=device)
+    prev_action = torch.zeros(episodes, dtype=torch.long, device=device)
+    prev_reward = torch.zeros(episodes, device=device)
+    finished = np.zeros(episodes, dtype=bool)
+    ret, length, success = np.zeros(episodes), np.zeros(episodes, dtype=int), np.full(episodes, np.nan)
+    counts = np.zeros((episodes, agent.num_actions))  # how often each action was taken per episode
+    first_probs, first_actions = [], []  # action probabilities (episodes, A) and actions at episode steps 0, 1
+    entropies = []
+    for _ in range(MAX_EVAL_STEPS):
+        obs_t = torch.as_tensor(obs, dtype=torch.float32, device=device)
+        logits, _, state = agent(obs_t[None], prev_action[None], prev_reward[None], state, start[None])
+        dist = Categorical(logits=logits[0])
+        action = logits[0].argmax(-1) if greedy else dist.sample()
+        if len(first_probs) < 2:
+            first_probs.append(dist.probs.cpu().numpy())
+            first_actions.append(action.cpu().numpy())
+        active = ~finished
+        entropies.append(dist.entropy().cpu().numpy()[active])
+        obs, reward, terminated, truncated, infos = envs.step(action.cpu().numpy())
+        done = terminated | truncated
+        ret[active] += reward[active]
+        length[active] += 1
+        counts[active, action.cpu().numpy()[active]] += 1
+        if "final_info" in infos and "success" in infos["final_info"]:
+            ended = active & done & infos["final_info"]["_success"]
+            success[ended] = infos["final_info"]["success"][ended]
+        finished |= done
+        if finished.all():
+            break
+        start = torch.as_tensor(done, dtype=torch.float32, device=device)
+        prev_action = action
+        prev_reward = torch.as_tensor(reward * reward_scale, dtype=torch.float32, device=device)
+    envs.close()
+    switched = first_actions[1] != first_actions[0] if len(first_actions) > 1 else np.zeros(episodes, dtype=bool)
+    return dict(
+        ret=ret, length=length, success=success, counts=counts, entropy=np.concatenate(entropies).mean(),
+        probs0=first_probs[0], switched=switched[length > 1],  # 2nd action differs from the 1st (episodes >= 2 steps)
+    )  # fmt: skip
+
+
+def eval_metrics(result: dict, env_id: str, prefix: str) -> dict:
+    """Summary metrics (means over episodes) of an `evaluate` result, with the env-specific ones."""
+    m = {f"{prefix}episodic_return": result["ret"].mean(), f"{prefix}episodic_return_std": result["ret"].std()}
+    m[f"{prefix}episodic_length"] = result["length"].mean()
+    m[f"{prefix}policy_entropy"] = result["entropy"]
+    if not np.isnan(result["success"]).all():  # the env reports info["success"] (TMaze, Tiger)
+        m[f"{prefix}success_rate"] = np.nanmean(result["success"])
+    if env_id.endswith("ThreeStateLine-v0"):  # memoryless optimum: p(right) = 0.5 at every step, independently
+        m[f"{prefix}p_right_first_step"] = result["probs0"][:, ThreeStateLineEnv.RIGHT].mean()
+        if len(result["switched"]):  # with memory: after a bump into the wall, reverse (p = 1); memoryless: 0.5
+            m[f"{prefix}p_reverse_second_step"] = result["switched"].mean()
+    if env_id.endswith("Tiger-v0"):  # information gathering: listens before opening a door
+        m[f"{prefix}listens_per_episode"] = result["counts"][:, TigerEnv.LISTEN].mean()
+    return {key: float(value) for key, value in m.items()}
+
+
+def load_checkpoint(path_str: str) -> tuple[dict, dict]:
+    """(state_dict, saved args or {}) from a run dir or a .safetensors file; clear errors for bad paths/files."""
+    path = Path(path_str)
+    model_path = path / "model.safetensors" if path.is_dir() else path
+    if not model_path.is_file():
+        raise SystemExit(f"error: checkpoint {model_path} not found (give a run dir or a model.safetensors file)")
+    try:
+        state_dict = load_file(str(model_path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise SystemExit(f"error: cannot read checkpoint {model_path}: {err}") from None
+    args_path = model_path.parent / "args.json"
+    return state_dict, json.loads(args_path.read_text()) if args_path.is_file() else {}
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.eval_only:
+        if args.checkpoint is None:
+            raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or a model.safetensors file)")
+        ckpt_state, ckpt_args = load_checkpoint(args.checkpoint)
+        for field in ARCH_FIELDS:  # rebuild the env and the architecture the checkpoint was trained with
+            setattr(args, field, ckpt_args.get(field, getattr(args, field)))
+    try:
+        env_kwargs = json.loads(args.env_kwargs)
+    except json.JSONDecodeError:
+        env_kwargs = None
+    if not isinstance(env_kwargs, dict):
+        raise SystemExit(f"error: --env-kwargs must be a JSON object, got {args.env_kwargs!r}")
+    if args.num_envs % args.num_minibatches != 0:
+        raise SystemExit(f"error: --num-envs {args.num_envs} not divisible by --num-minibatches {args.num_minibatches}")
+    args.batch_size = args.num_envs * args.num_steps
+    args.envs_per_minibatch = args.num_envs // args.num_minibatches
+    args.num_iterations = 0 if args.eval_only else args.total_timesteps // args.batch_size
+    if not args.eval_only and args.num_iterations < 1:
+        raise SystemExit(f"error: --total-timesteps {args.total_timesteps} < one rollout ({args.batch_size} steps)")
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+
+    envs = make_vec_env(args.env_id, env_kwargs, args.num_envs)
+    obs_dim, num_actions = envs.single_observation_space.shape[0], int(envs.single_action_space.n)
+    arch = (args.rnn, args.hidden_size, args.prev_action, args.prev_reward, args.norm_obs)
+    agent = Agent(obs_dim, num_actions, *arch).to(device)
+    if args.eval_only:
+        try:
+            agent.load_state_dict(ckpt_state)
+        except RuntimeError as err:
+            arch = f"--rnn {args.rnn} --hidden-size {args.hidden_size}, {obs_dim}-dim obs, {num_actions} actions"
+            raise SystemExit(f"error: checkpoint does not fit {arch}: {str(err).splitlines()[0]}") from None
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=ADAM_EPS)
+
+    run_name = f"{args.env_id.replace('/', '-').replace(':', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir, suffix = Path(args.runs_dir) / run_name, 0
+    while run_dir.exists():  # never overwrite a run
+        suffix += 1
+        run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    writer = SummaryWriter(str(run_dir))
+    table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+
+    # ALGO LOGIC: rollout storage, all (T, B) = (num_steps, num_envs)
+    T, B = args.num_steps, args.num_envs
+    obs = torch.zeros((T, B, obs_dim), device=device)
+    prev_actions = torch.zeros((T, B), dtype=torch.long, device=device)  # a_{t-1} (zeroed in the net at starts)
+    prev_rewards = torch.zeros((T, B), device=device)  # r_{t-1}, scaled
+    starts = torch.zeros((T, B), device=device)  # 1 where obs[t] is the first observation of an episode
+    actions = torch.zeros((T, B), dtype=torch.long, device=device)
+    logprobs, rewards, dones, values = (torch.zeros((T, B), device=device) for _ in range(4))
+
+    # TRY NOT TO MODIFY: start the game
+    global_step, start_time = 0, time.time()
+    next_obs = torch.as_tensor(envs.reset(seed=args.seed)[0], dtype=torch.float32, device=device)
+    next_start = torch.ones(B, device=device)
+    next_prev_action = torch.zeros(B, dtype=torch.long, device=device)
+    next_prev_reward = torch.zeros(B, device=device)
+    next_state = agent.initial_state(B)  # (B, S), carried across rollouts
+    ep_return, ep_length = np.zeros(B), np.zeros(B, dtype=int)
+    recent_returns = []
+
+    for iteration in range(1, args.num_iterations + 1):
+        initial_state = next_state.clone()  # the update replays each sequence from here
+        if args.anneal_lr:
+            optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / args.num_iterations) * args.learning_rate
+
+        # 1. collect T steps in each env
+        for step in range(T):
+            global_step += B
+            obs[step], starts[step] = next_obs, next_start
+            prev_actions[step], prev_rewards[step] = next_prev_action, next_prev_reward
+            with torch.no_grad():
+                logits, value, next_state = agent(
+                    next_obs[None], next_prev_action[None], next_prev_reward[None], next_state, next_start[None]
+                )
+                dist = Categorical(logits=logits[0])
+                action = dist.sample()
+            actions[step], logprobs[step], values[step] = action, dist.log_prob(action), value[0]
+
+            next_obs_np, reward, terminated, truncated, infos = envs.step(action.cpu().numpy())
+            done = terminated | truncated
+            scaled_reward = torch.as_tensor(reward * args.reward_scale, dtype=torch.float32, device=device)
+            rewards[step], dones[step] = scaled_reward, torch.as_tensor(done, dtype=torch.float32, device=device)
+            # CRUCIAL: with SAME_STEP autoreset next_obs_np is already the reset obs where done; on truncation the
+            # episode did not really end, so bootstrap from V(final obs), computed from the unreset memory
+            cut_np = np.flatnonzero(truncated & ~terminated) if args.bootstrap_truncated else np.zeros(0, dtype=int)
+            if len(cut_np):
+                cut = torch.as_tensor(cut_np, device=device)
+                final_obs = torch.as_tensor(np.stack(infos["final_obs"][cut_np]), dtype=torch.float32, device=device)
+                with torch.no_grad():
+                    _, final_value, _ = agent(
+                        final_obs[None], action[cut][None], scaled_reward[cut][None], next_state[cut],
+                        torch.zeros(1, len(cut), device=device),
+                    )  # fmt: skip
+                rewards[step, cut] += args.gamma * final_value[0]
+            next_obs = torch.as_tensor(next_obs_np, dtype=torch.float32, device=device)
+            next_start, next_prev_action, next_prev_reward = dones[step], action, scaled_reward
+
+            ep_return += reward
+            ep_length += 1
+            for i in np.flatnonzero(done):
+                writer.add_scalar("charts/episodic_return", ep_return[i], global_step)
+                writer.add_scalar("charts/episodic_length", ep_length[i], global_step)
+                recent_returns.append(ep_return[i])
+            ep_return[done], ep_length[done] = 0.0, 0
+
+        # 2. advantages: GAE-lambda, bootstrapped from the value of the observation after the rollout
+        with torch.no_grad():
+            _, next_value, _ = agent(
+                next_obs[None], next_prev_action[None], next_prev_reward[None], next_state, next_start[None]
+            )
+            advantages, returns = compute_gae(rewards, values, dones, next_value[0], args.gamma, args.gae_lambda)
+
+        # 3. PPO update on minibatches of whole env sequences, each replayed from its initial recurrent state
+        clipfracs = []
+        for _epoch in range(args.update_epochs):
+            for mb in env_minibatches(B, args.num_minibatches, rng):
+                mb_t = torch.as_tensor(mb, device=device)
+                logits, new_value, _ = agent(
+                    obs[:, mb_t], prev_actions[:, mb_t], prev_rewards[:, mb_t], initial_state[mb_t], starts[:, mb_t]
+                )  # (T, b, A), (T, b)
+                dist = Categorical(logits=logits)
+                mb_advantages = advantages[:, mb_t]
+                if args.norm_adv:
+                    mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + ADV_NORM_EPS)
+                pg_loss, approx_kl, clipfrac = clipped_policy_loss(
+                    dist.log_prob(actions[:, mb_t]), logprobs[:, mb_t], mb_advantages, args.clip_coef
+                )
+                v_loss = value_loss(new_value, values[:, mb_t], returns[:, mb_t], args.clip_coef, args.clip_vloss)
+                entropy = dist.entropy().mean()
+                loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
+
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                optimizer.step()
+                clipfracs.append(clipfrac.item())
+            if args.target_kl is not None and approx_kl > args.target_kl:
+                break
+
+        if args.norm_obs:  # after the update, so that each rollout and its update see the same normalization
+            agent.update_obs_stats(obs.reshape(T * B, obs_dim))
+
+        # 4. log
+        var_returns = returns.var().item()
+        explained_var = np.nan if var_returns == 0 else 1 - (returns - values).var().item() / var_returns
+        sps = int(global_step / (time.time() - start_time))
+        for tag, scalar in [
+            ("charts/learning_rate", optimizer.param_groups[0]["lr"]), ("charts/SPS", sps),
+            ("losses/value_loss", v_loss.item()), ("losses/policy_loss", pg_loss.item()),
+            ("losses/entropy", entropy.item()), ("losses/approx_kl", approx_kl.item()),
+            ("losses/clipfrac", np.mean(clipfracs)), ("losses/explained_variance", explained_var),
+        ]:  # fmt: skip
+            writer.add_scalar(tag, scalar, global_step)
+        if iteration % max(1, args.num_iterations // 20) == 0 or iteration == args.num_iterations:
+            mean_ret = np.mean(recent_returns) if recent_returns else float("nan")
+            print(f"iter {iteration}/{args.num_iterations} step={global_step} return={mean_ret:.3f} SPS={sps}")
+            recent_returns = []
+    envs.close()
+    train_time = time.time() - start_time
+
+    # 5. evaluate (sampling, then greedy), write summary.json and save the model
+    agent.eval()
+    metrics = {}
+    for greedy, prefix in [(False, "eval/"), (True, "eval/greedy_")]:
+        result = evaluate(
+            agent,
+            args.env_id,
+            env_kwargs,
+            args.eval_episodes,
+            EVAL_SEED_STRIDE * (args.seed + 1),
+            greedy,
+            args.reward_scale,
+        )
+        metrics.update(eval_metrics(result, args.env_id, prefix))
+    for key, value in metrics.items():
+        writer.add_scalar(key, value, global_step)
+    summary = {
+        "script": Path(__file__).stem, "run_name": run_dir.name, "run_dir": str(run_dir), "args": asdict(args),
+        "metrics": metrics, "wall_time_s": time.time() - start_time,
+        "sps": global_step / train_time if global_step else 0.0,
+    }  # fmt: skip
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    save_file(agent.state_dict(), str(run_dir / "model.safetensors"))
+    writer.close()
+    print(json.dumps(metrics, indent=2))
+    print(f"run dir: {run_dir}")

@@ -1,0 +1,312 @@
+"""algos/ppo_recurrent.py: GAE against plain loops, recurrent-state resets, sequence minibatches, autoreset
+handling, smoke runs, clear errors, and (slow) learning the T-maze with memory."""
+
+import json
+import runpy
+import shutil
+import sys
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, load_script, run_script
+
+ppo = load_script("ppo_recurrent")
+TINY = ["--total-timesteps", "256", "--num-envs", "4", "--num-steps", "16", "--num-minibatches", "2"]
+TINY += ["--update-epochs", "1", "--eval-episodes", "8"]
+
+
+def random_rollout(T=9, B=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rewards, values = torch.randn(T, B, generator=g), torch.randn(T, B, generator=g)
+    dones = torch.zeros(T, B)
+    dones[2, 0] = dones[5, 0] = dones[3, 1] = dones[T - 1, 1] = 1.0  # episode ends inside and at the end
+    return rewards, values, dones, torch.randn(B, generator=g)
+
+
+def reference_gae(rewards, values, dones, next_value, gamma, lam):
+    """Forward definition A_t = sum_l (gamma lam)^l delta_{t+l}, stopping after the step that ends the episode."""
+    T, B = rewards.shape
+    adv = np.zeros((T, B))
+    for b in range(B):
+        for t in range(T):
+            for k in range(t, T):
+                v_next = 0.0 if dones[k, b] else (next_value[b] if k == T - 1 else values[k + 1, b])
+                adv[t, b] += (gamma * lam) ** (k - t) * (rewards[k, b] + gamma * v_next - values[k, b])
+                if dones[k, b]:
+                    break
+    return adv
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.9, 1.0])
+def test_gae_matches_reference_loop(lam):
+    rewards, values, dones, next_value = random_rollout()
+    adv, ret = ppo.compute_gae(rewards, values, dones, next_value, gamma=0.9, gae_lambda=lam)
+    expected = reference_gae(rewards.numpy(), values.numpy(), dones.numpy(), next_value.numpy(), 0.9, lam)
+    np.testing.assert_allclose(adv.numpy(), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ret.numpy(), expected + values.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_gae_lambda_one_is_monte_carlo_return():
+    rewards, values, dones, next_value = random_rollout()
+    gamma, (T, B) = 0.9, rewards.shape
+    _, ret = ppo.compute_gae(rewards, values, dones, next_value, gamma=gamma, gae_lambda=1.0)
+    for b in range(B):
+        for t in range(T):
+            mc, k = 0.0, t
+            while True:  # discounted sum of rewards to the episode end, or bootstrapped at the rollout end
+                mc += gamma ** (k - t) * rewards[k, b].item()
+                if dones[k, b]:
+                    break
+                if k == T - 1:
+                    mc += gamma ** (T - t) * next_value[b].item()
+                    break
+                k += 1
+            assert ret[t, b].item() == pytest.approx(mc, rel=1e-5, abs=1e-6)
+    # episodes that end inside the rollout do not depend on the critic at all (the MC return of the lecture)
+    _, ret2 = ppo.compute_gae(rewards, values + 5.0, dones, next_value + 5.0, gamma=gamma, gae_lambda=1.0)
+    assert torch.allclose(ret[:6, 0], ret2[:6, 0]) and not torch.allclose(ret[6:, 0], ret2[6:, 0])
+
+
+def test_losses_by_hand():
+    adv, old = torch.tensor([1.0, -1.0]), torch.zeros(2)
+    new = torch.log(torch.tensor([1.5, 1.5]))  # ratio 1.5: clipped to 1.2 for A > 0, not clipped for A < 0
+    loss, _, clipfrac = ppo.clipped_policy_loss(new, old, adv, clip_coef=0.2)
+    assert loss.item() == pytest.approx((-1.2 + 1.5) / 2) and clipfrac.item() == 1.0
+    v = ppo.value_loss(torch.tensor([2.0]), torch.tensor([0.0]), torch.tensor([1.0]), clip_coef=0.2)
+    assert v.item() == pytest.approx(0.5 * max((2 - 1) ** 2, (0.2 - 1) ** 2))
+
+
+def make_agent(rnn, obs_dim=3, num_actions=2, seed=0):
+    torch.manual_seed(seed)
+    return ppo.Agent(obs_dim, num_actions, rnn, hidden_size=8, prev_action=True, prev_reward=True)
+
+
+def random_inputs(agent, T=6, B=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    obs = torch.randn(T, B, 3, generator=g)
+    prev_action = torch.randint(0, agent.num_actions, (T, B), generator=g)
+    prev_reward = torch.randn(T, B, generator=g)
+    state = torch.randn(B, agent.initial_state(B).shape[1], generator=g)  # a non-zero carried-over state
+    return obs, prev_action, prev_reward, state
+
+
+@pytest.mark.parametrize("rnn", ["gru", "lstm"])
+def test_recurrent_state_resets_at_episode_start(rnn):
+    agent = make_agent(rnn)
+    obs, prev_action, prev_reward, state = random_inputs(agent)
+    starts = torch.zeros(6, 2)
+    starts[3, 0] = 1.0  # env 0: a new episode begins at t = 3
+    with torch.no_grad():
+        logits, values, _ = agent(obs, prev_action, prev_reward, state, starts)
+        fresh_prev_action = prev_action.clone()
+        fresh_prev_action[3, 0] = (prev_action[3, 0] + 1) % agent.num_actions  # must be ignored at the start step
+        fresh, fresh_v, _ = agent(obs[3:], fresh_prev_action[3:], prev_reward[3:], agent.initial_state(2), starts[3:])
+    assert torch.allclose(logits[3:, 0], fresh[:, 0], atol=1e-6) and torch.allclose(values[3:, 0], fresh_v[:, 0])
+    assert not torch.allclose(logits[3:, 1], fresh[:, 1], atol=1e-4)  # env 1 did not reset: it remembers
+
+
+def test_memoryless_agent_ignores_history():
+    agent = make_agent("none")
+    obs, prev_action, prev_reward, state = random_inputs(agent)
+    assert state.shape == (2, 0) and agent.encoder[0].in_features == 3  # no previous action/reward inputs
+    with torch.no_grad():
+        logits, _, _ = agent(obs, prev_action, prev_reward, state, torch.zeros(6, 2))
+        reversed_logits, _, _ = agent(obs.flip(0), prev_action, prev_reward, state, torch.zeros(6, 2))
+    assert torch.allclose(logits, reversed_logits.flip(0))
+
+
+def test_running_obs_stats_match_numpy():
+    agent = make_agent("gru")
+    batches = [torch.randn(n, 3) * 4 + 2 for n in (5, 17, 40)]
+    for batch in batches:
+        agent.update_obs_stats(batch)
+    everything = torch.cat(batches).numpy()
+    np.testing.assert_allclose(agent.obs_mean.numpy(), everything.mean(0), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(agent.obs_var.numpy(), everything.var(0), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rnn", ["gru", "lstm"])
+def test_sequence_minibatches_replay_the_rollout(rnn):
+    """Step the agent one step at a time as in the rollout, then replay env-wise minibatches from the initial
+    state: the logits must match exactly, which needs each env's time order and resets to be kept."""
+    T, B = 10, 4
+    agent = make_agent(rnn)
+    obs, prev_action, prev_reward, initial_state = random_inputs(agent, T=T, B=B)
+    starts = (torch.rand(T, B, generator=torch.Generator().manual_seed(2)) < 0.2).float()
+    state, stepped = initial_state, []
+    with torch.no_grad():
+        for t in range(T):
+            logits, _, state = agent(
+                obs[t : t + 1], prev_action[t : t + 1], prev_reward[t : t + 1], state, starts[t : t + 1]
+            )
+            stepped.append(logits[0])
+        stepped = torch.stack(stepped)  # (T, B, A)
+        minibatches = ppo.env_minibatches(B, 2, np.random.default_rng(0))
+        assert sorted(minibatches.ravel().tolist()) == list(range(B)) and minibatches.shape == (2, 2)
+        for mb in minibatches:
+            mb = torch.as_tensor(mb)
+            replay, _, _ = agent(obs[:, mb], prev_action[:, mb], prev_reward[:, mb], initial_state[mb], starts[:, mb])
+            assert torch.allclose(replay, stepped[:, mb], atol=1e-6)
+            shuffled = torch.randperm(T, generator=torch.Generator().manual_seed(3))  # control: time order matters
+            wrong, _, _ = agent(
+                obs[shuffled][:, mb], prev_action[:, mb], prev_reward[:, mb], initial_state[mb], starts[:, mb]
+            )
+            assert not torch.allclose(wrong, stepped[:, mb], atol=1e-4)
+
+
+def run_main(monkeypatch, *args: str) -> dict:
+    """Run the script's `__main__` in this process (fast: no interpreter start); returns its globals."""
+    monkeypatch.setattr(sys, "argv", ["ppo_recurrent.py", *args])
+    return runpy.run_path(str(ROOT / "algos" / "ppo_recurrent.py"), run_name="__main__")
+
+
+class CounterEnv(gym.Env):
+    """Observation [t, 1]; reward t + 1 at step t; the episode terminates after a random 1-5 steps, truncated at
+    3. A transition that crosses an episode boundary (NEXT_STEP autoreset handled wrong) breaks r = obs[0] + 1."""
+
+    def __init__(self):
+        self.observation_space = gym.spaces.Box(0.0, 10.0, shape=(2,), dtype=np.float32)
+        self.action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t, self.length = 0, int(self.np_random.integers(1, 6))
+        return np.array([0.0, 1.0], dtype=np.float32), {}
+
+    def step(self, action):
+        reward, self.t = float(self.t + 1), self.t + 1
+        terminated = self.t >= self.length
+        return np.array([self.t, 1.0], dtype=np.float32), reward, terminated, not terminated and self.t >= 3, {}
+
+
+@pytest.mark.parametrize("bootstrap", [True, False])
+def test_autoreset_no_transition_crosses_an_episode_boundary(runs_dir, monkeypatch, bootstrap):
+    """Run the script in-process on CounterEnv and inspect the last rollout it stored."""
+    if "CounterTest-v0" not in gym.registry:
+        gym.register("CounterTest-v0", entry_point=CounterEnv)
+    flag = "--bootstrap-truncated" if bootstrap else "--no-bootstrap-truncated"
+    g = run_main(monkeypatch, "--env-id", "CounterTest-v0", "--runs-dir", str(runs_dir), flag, *TINY)
+    obs, rewards, dones, starts = g["obs"][..., 0], g["rewards"], g["dones"], g["starts"]
+    actions, prev_actions = g["actions"], g["prev_actions"]
+    counter_next = torch.cat([obs[1:], g["next_obs"][None, :, 0]])  # the observation after each step
+    assert dones.sum() > 5 and torch.equal(starts[1:], dones[:-1])
+    assert torch.equal(counter_next == 0, dones.bool())  # a reset obs follows exactly the steps that ended
+    assert torch.equal(counter_next[dones == 0], obs[dones == 0] + 1)  # inside an episode the counter goes on
+    assert torch.equal(prev_actions[1:][starts[1:] == 0], actions[:-1][starts[1:] == 0])
+    truncated = (dones == 1) & (obs == 2)  # step t = 2 (the 3rd) ended the episode: truncated unless length 3
+    bootstrapped = rewards != obs + 1  # reward and stored obs come from the same transition ...
+    assert not bootstrapped[~truncated].any()  # ... except where the truncation bootstrap added gamma V(final)
+    assert bootstrapped[truncated].sum() > 0 if bootstrap else not bootstrapped.any()
+
+
+def test_smoke_run_writes_summary_and_reloads(runs_dir):
+    summary = run_script(
+        "ppo_recurrent",
+        "--env-id",
+        "seqrl/TMaze-v0",
+        "--env-kwargs",
+        '{"corridor_length": 2}',
+        "--rnn",
+        "lstm",
+        *TINY,
+        runs_dir=runs_dir,
+        timeout=120,
+    )
+    metrics, run_dir = summary["metrics"], ROOT / summary["run_dir"]
+    assert {"eval/episodic_return", "eval/episodic_length", "eval/success_rate", "eval/greedy_success_rate"} <= set(
+        metrics
+    )
+    assert 0.0 <= metrics["eval/success_rate"] <= 1.0 and summary["sps"] > 0
+    assert (run_dir / "model.safetensors").is_file() and list(run_dir.glob("events.out.tfevents*"))
+    assert json.loads((run_dir / "args.json").read_text())["rnn"] == "lstm"
+    # reload: env and architecture come from args.json; greedy evaluation with the same seed is reproduced exactly
+    reloaded = run_script(
+        "ppo_recurrent",
+        "--eval-only",
+        "--checkpoint",
+        str(run_dir),
+        "--eval-episodes",
+        "8",
+        runs_dir=runs_dir,
+        timeout=120,
+    )
+    for key in ["eval/greedy_episodic_return", "eval/greedy_success_rate", "eval/greedy_episodic_length"]:
+        assert reloaded["metrics"][key] == metrics[key]
+    assert reloaded["args"]["env_kwargs"] == '{"corridor_length": 2}' and reloaded["run_dir"] != summary["run_dir"]
+
+
+def test_smoke_memoryless_three_state_line_and_module_env_id(runs_dir):
+    summary = run_script(
+        "ppo_recurrent", "--env-id", "seqrl/ThreeStateLine-v0", "--rnn", "none", *TINY, runs_dir=runs_dir, timeout=120
+    )
+    assert 0.0 < summary["metrics"]["eval/p_right_first_step"] < 1.0
+    summary = run_script(
+        "ppo_recurrent", "--env-id", "gymnasium.envs.classic_control:CartPole-v1", *TINY, runs_dir=runs_dir, timeout=120
+    )
+    assert summary["metrics"]["eval/episodic_return"] > 0 and "eval/success_rate" not in summary["metrics"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--env-id", "seqrl/NoSuchEnv-v0"], "cannot make env"),
+        (["--env-id", "no_such_module:Env-v0"], "cannot make env"),
+        (["--env-id", "Pendulum-v1"], "only Discrete action spaces are supported"),
+        (["--env-kwargs", '{"corridor_length": 0}'], "cannot make env"),
+        (["--env-kwargs", '{"no_such_kwarg": 1}'], "cannot make env"),
+        (["--env-kwargs", "[1]"], "must be a JSON object"),
+        (["--num-envs", "6", "--num-minibatches", "4"], "not divisible"),
+        (["--eval-only"], "needs --checkpoint"),
+        (["--eval-only", "--checkpoint", "/no/such/run"], "not found"),
+    ],
+)
+def test_bad_input_gives_a_clear_error(runs_dir, monkeypatch, args, message):
+    # SystemExit(str) makes Python print the message and exit 1 without a traceback (checked end to end below)
+    with pytest.raises(SystemExit, match=message) as exc:
+        run_main(monkeypatch, "--runs-dir", str(runs_dir), *args)
+    assert str(exc.value).startswith("error: ")
+
+
+def test_unsupported_env_fails_cleanly_in_a_subprocess(runs_dir):
+    proc = run_script("ppo_recurrent", "--env-id", "Pendulum-v1", runs_dir=runs_dir, expect_fail=True, timeout=60)
+    assert "error: Pendulum-v1 has action space Box" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_corrupt_or_mismatched_checkpoint_gives_a_clear_error(runs_dir, tmp_path, monkeypatch):
+    corrupt = tmp_path / "corrupt" / "model.safetensors"
+    corrupt.parent.mkdir()
+    corrupt.write_bytes(b"not a safetensors file")
+    with pytest.raises(SystemExit, match="error: cannot read checkpoint"):
+        run_main(monkeypatch, "--eval-only", "--checkpoint", str(corrupt), "--runs-dir", str(runs_dir))
+    trained = run_main(monkeypatch, "--rnn", "gru", "--runs-dir", str(runs_dir), *TINY)
+    bare = tmp_path / "bare" / "model.safetensors"  # no args.json next to it: the command line decides the arch
+    bare.parent.mkdir()
+    shutil.copy(trained["run_dir"] / "model.safetensors", bare)
+    with pytest.raises(SystemExit, match="error: checkpoint does not fit --rnn lstm"):
+        run_main(monkeypatch, "--eval-only", "--checkpoint", str(bare), "--rnn", "lstm", "--runs-dir", str(runs_dir))
+    with pytest.raises(SystemExit, match="error: checkpoint does not fit"):  # a different env: 3 vs 1 obs dims
+        args = ["--env-id", "seqrl/ThreeStateLine-v0", "--runs-dir", str(runs_dir)]
+        run_main(monkeypatch, "--eval-only", "--checkpoint", str(bare), *args)
+
+
+@pytest.mark.slow
+def test_gru_learns_short_tmaze(runs_dir):
+    """The cue must be carried 4 steps: memory solves it; the coin-flip baseline is 0.5."""
+    summary = run_script(
+        "ppo_recurrent",
+        "--env-id",
+        "seqrl/TMaze-v0",
+        "--env-kwargs",
+        '{"corridor_length": 4}',
+        "--rnn",
+        "gru",
+        "--total-timesteps",
+        "40000",
+        "--seed",
+        "1",
+        runs_dir=runs_dir,
+        timeout=300,
+    )
+    assert summary["metrics"]["eval/success_rate"] >= 0.9
