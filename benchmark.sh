@@ -34,6 +34,16 @@ done
 # The experiments, one per line:  id | claim | script and arguments | metrics (comma-separated) | lecture predicts
 # Lines starting with `quick:` run in --quick mode too; `full:` lines only in full mode.
 EXPERIMENTS=$(cat <<'EOF'
+quick: ppo_line_none | ThreeStateLine (Problem 21.1): the best memoryless policy is stochastic, p(right)=1/2, 2 steps | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn none --total-timesteps 30000 --eval-episodes 1000 | eval/p_right_first_step,eval/episodic_length | 0.5 and 2.0
+quick: ppo_line_none | ThreeStateLine: the greedy version of that policy is deterministic and fails half the episodes | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn none --total-timesteps 30000 --eval-episodes 1000 | eval/greedy_episodic_length | about 10.5 (half the episodes hit the 20-step limit)
+quick: ppo_line_gru | ThreeStateLine with memory (GRU): reverse after a wall bump, 1.5 steps | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn gru --total-timesteps 30000 --eval-episodes 1000 | eval/episodic_length,eval/p_reverse_second_step | 1.5 and 1.0
+quick: ppo_tmaze_gru | TMaze (corridor 10) with a GRU | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn gru | eval/success_rate,eval/episodic_return | success >= 0.95 (optimal return 3.0)
+quick: ppo_tmaze_none | TMaze (corridor 10), memoryless | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn none | eval/success_rate,eval/episodic_return | success 0.5 (return 0.5)
+quick: ppo_cartpole_gru | MaskedCartPole with a GRU | ppo_recurrent --env-id seqrl/MaskedCartPole-v0 --rnn gru --reward-scale 0.01 --total-timesteps 300000 | eval/episodic_return | >= 475
+quick: ppo_cartpole_none | MaskedCartPole, memoryless | ppo_recurrent --env-id seqrl/MaskedCartPole-v0 --rnn none --reward-scale 0.01 --total-timesteps 300000 | eval/episodic_return | far below 475
+quick: ppo_tiger_gru | Tiger with a GRU: listens before opening, positive return | ppo_recurrent --env-id seqrl/Tiger-v0 --rnn gru --reward-scale 0.1 --no-bootstrap-truncated --total-timesteps 150000 --eval-episodes 1000 | eval/episodic_return,eval/listens_per_episode,eval/success_rate | > 0 (optimum 5.01), >= 2 listens
+quick: ppo_tiger_none | Tiger, memoryless | ppo_recurrent --env-id seqrl/Tiger-v0 --rnn none --reward-scale 0.1 --no-bootstrap-truncated --total-timesteps 150000 --eval-episodes 1000 | eval/episodic_return,eval/listens_per_episode | < 0 (best memoryless -7.5)
+full: ppo_tmaze_gru_mc | TMaze (corridor 10), GRU, Monte Carlo returns (gae-lambda 1): MC policy gradients stay valid | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn gru --gae-lambda 1.0 | eval/success_rate | >= 0.95
 quick: ssm_twodoors | TwoDoors (Problem 21.2): after a failed try the latent model predicts retry-same ~0, other ~1 | ssm_vae_q --env-id seqrl/TwoDoors-v0 | model/p_pass_retry_same_door,model/p_pass_other_door | 0 and 1
 quick: ssm_twodoors | TwoDoors (Problem 21.2): a Markovian model p(o'|o,a) predicts the same for both doors | ssm_vae_q --env-id seqrl/TwoDoors-v0 | model/markov_p_pass_same_door,model/markov_p_pass_other_door | 0.5 and 0.5
 quick: ssm_twodoors | TwoDoors: Q-learning on the latent belief is memory-optimal | ssm_vae_q --env-id seqrl/TwoDoors-v0 | eval/episodic_return | 0.95 (memoryless best 0.90)
