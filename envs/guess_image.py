@@ -4,11 +4,11 @@ The answerer holds a secret "image", one of N = 18 objects described by three at
 (size in {big, small} x color in {red, green, blue} x shape in {circle, square, triangle}). The questioner (the
 agent) asks yes/no questions in words and ends the episode with a guess:
 
-    agent: is it big ?                 answerer: yes .
-    agent: is it red ?                 answerer: no .
-    agent: is it green ?               answerer: yes .
-    agent: is it a circle ?            answerer: no .
-    agent: is it a square ?            answerer: no .
+    agent: is it big ?                 answerer: yes , it is big .
+    agent: is it red ?                 answerer: no , it is not red .
+    agent: is it green ?               answerer: yes , it is green .
+    agent: is it a circle ?            answerer: no , it is not a circle .
+    agent: is it a square ?            answerer: no , it is not a square .
     agent: it is the big green triangle .    answerer: correct .     (reward +1, episode ends)
 
 Rewards: -QUESTION_COST for every non-guess turn (a question or a malformed utterance), +1 for a correct guess,
@@ -23,7 +23,7 @@ is left (13/3 questions on average), so its success rate is exactly 1 and its me
 `exact_policy_stats(OptimalPolicy())` by enumerating every secret; both agree).
 
 Text layout (observation): the whole history, utterances and replies alternating, joined by " <sep> ":
-    "is it big ? <sep> yes . <sep> is it red ? <sep> no ."   ("" at reset)
+    "is it big ? <sep> yes , it is big . <sep> is it red ? <sep> no , it is not red ."   ("" at reset)
 Token layout (`tokenize_dialogue`): <bos> a1 <sep> r1 <sep> a2 <sep> r2 ... aT <sep> rT <eos>; the <sep> right
 after an agent utterance is written by the agent (it ends its turn), everything else after <bos> is written by
 the answerer. The prompt from which the agent writes turn k+1 is `tokenize_prompt(turns[:k])`, a prefix of it.
@@ -74,7 +74,7 @@ ALL_MASK = (1 << N_OBJECTS) - 1  # sets of candidate objects are bitmasks over O
 
 QUESTION_COST = 0.05  # reward of every non-guess turn (small enough that identifying the object always pays)
 MAX_TURNS = 8  # agent turns per episode; the optimal questioner needs at most 5 questions + 1 guess
-YES, NO = "yes .", "no ."
+YES, NO = "yes", "no"  # first word of every answer to a question
 CORRECT, WRONG = "correct .", "wrong ."
 NOT_UNDERSTOOD = "i do not understand ."
 SEP = "<sep>"  # the tokenizer's turn separator (envs.tokenizer.SEP)
@@ -114,7 +114,20 @@ GUESSES: tuple[str, ...] = tuple(_guess_text(obj) for obj in OBJECTS)  # GUESSES
 N_QUESTIONS = len(QUESTIONS)  # 8
 # canonical utterance -> action id: 0..7 are questions, 8..25 guesses (object id = action id - N_QUESTIONS)
 UTTERANCE_IDS: dict[str, int] = {text: i for i, text in enumerate([q for q, _ in QUESTIONS] + list(GUESSES))}
-REPLIES = (YES, NO, CORRECT, WRONG, NOT_UNDERSTOOD)
+
+
+def answer_text(question: int, yes: bool) -> str:
+    """The answerer's full-sentence reply to question id `question`: "yes , it is red ." / "no , it is not a circle ."
+
+    Restating the attribute puts the fact right next to yes/no, as a person would say it; a small language model
+    then reads the answer off local context instead of binding "yes" to a question several tokens back.
+    """
+    claim = QUESTIONS[question][0].removeprefix("is it ").removesuffix(" ?")  # "red", "a circle"
+    return f"yes , it is {claim} ." if yes else f"no , it is not {claim} ."
+
+
+ANSWERS = tuple(answer_text(q, yes) for q in range(N_QUESTIONS) for yes in (True, False))
+REPLIES = (*ANSWERS, CORRECT, WRONG, NOT_UNDERSTOOD)
 
 
 def all_questions() -> list[str]:
@@ -158,7 +171,7 @@ def respond(secret: int, utterance, question_cost: float = QUESTION_COST, flip: 
         return shown, NOT_UNDERSTOOD, -question_cost, False, False
     if action < N_QUESTIONS:
         yes = bool(QUESTIONS[action][1] >> secret & 1) != flip
-        return shown, YES if yes else NO, -question_cost, False, False
+        return shown, answer_text(action, yes), -question_cost, False, False
     success = action - N_QUESTIONS == secret
     return shown, CORRECT if success else WRONG, 1.0 if success else 0.0, True, success
 
@@ -267,10 +280,10 @@ def consistent_mask(history) -> int:
     mask, answers = ALL_MASK, []
     for agent, reply in _pairs(history):
         action = UTTERANCE_IDS.get(agent)
-        if action is not None and action < N_QUESTIONS and reply in (YES, NO):
-            q = QUESTIONS[action][1]
-            answers.append((q, reply == YES))
-            mask &= q if reply == YES else ALL_MASK ^ q
+        if action is not None and action < N_QUESTIONS and reply.split(" ")[0] in (YES, NO):
+            q, yes = QUESTIONS[action][1], reply.startswith(YES)
+            answers.append((q, yes))
+            mask &= q if yes else ALL_MASK ^ q
     if mask:
         return mask
     mismatches = [sum((q >> i & 1) != yes for q, yes in answers) for i in range(N_OBJECTS)]

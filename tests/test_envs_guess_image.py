@@ -47,13 +47,21 @@ def test_scripted_episode_rewards_and_text():
     secret = G.OBJECTS.index(("small", "green", "triangle"))
     env, obs, info = env_with_secret(secret)
     assert info["secret"] == "small green triangle"
-    script = [("is it big ?", "no ."), ("Is it GREEN?", "yes ."), ("is it a circle ?", "no .")]
+    script = [
+        ("is it big ?", "no , it is not big ."),
+        ("Is it GREEN?", "yes , it is green ."),
+        ("is it a circle ?", "no , it is not a circle ."),
+    ]
     for k, (utterance, reply) in enumerate(script):
         obs, reward, terminated, truncated, info = env.step(utterance)
         assert (info["reply"], reward, terminated, truncated) == (reply, -C, False, False)
         assert info["turn"] == k + 1
-    assert obs == "is it big ? <sep> no . <sep> is it green ? <sep> yes . <sep> is it a circle ? <sep> no ."
-    assert G.parse_history(obs) == [("is it big ?", "no ."), ("is it green ?", "yes ."), ("is it a circle ?", "no .")]
+    assert obs == (
+        "is it big ? <sep> no , it is not big . <sep> is it green ? <sep> yes , it is green . <sep> "
+        "is it a circle ? <sep> no , it is not a circle ."
+    )
+    shown = ["is it big ?", "is it green ?", "is it a circle ?"]  # utterances as the history shows them
+    assert G.parse_history(obs) == [(u, reply) for u, (_, reply) in zip(shown, script, strict=True)]
     obs, reward, terminated, truncated, info = env.step("it is the small green triangle .")
     assert (info["reply"], reward, terminated, truncated, info["success"]) == ("correct .", 1.0, True, False, True)
     with pytest.raises(RuntimeError):
@@ -73,7 +81,7 @@ def test_turn_limit_truncates():
 def test_answer_noise_flips():
     secret = G.OBJECTS.index(("big", "red", "circle"))
     env, _, _ = env_with_secret(secret, answer_noise=1.0)
-    assert env.step("is it big ?")[4]["reply"] == "no ."  # noise 1: every yes/no answer is flipped
+    assert env.step("is it big ?")[4]["reply"] == "no , it is not big ."  # noise 1: every yes/no answer is flipped
     with pytest.raises(ValueError):
         gym.make(ENV_ID, answer_noise=1.5)
 
@@ -182,7 +190,7 @@ def test_random_policy_value_and_normalized_score():
 
 def test_answer_noise_policies_do_not_break():
     # contradicting answers make the consistent set empty; tracking falls back to the fewest-mismatch objects
-    history = [("is it big ?", "yes ."), ("is it small ?", "yes .")]
+    history = [("is it big ?", "yes , it is big ."), ("is it small ?", "yes , it is small .")]
     assert G.consistent_mask(history) == G.ALL_MASK
     noisy = G.evaluate_policy(G.OptimalPolicy(), n_episodes=2000, seed=0, answer_noise=0.2)
     assert 0.3 < noisy["success_rate"] < 0.9  # noise hurts the noiseless-optimal questioner
