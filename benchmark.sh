@@ -3,7 +3,7 @@
 #
 #   bash benchmark.sh --quick          # 1 seed, every experiment (well under 30 minutes on 2 CPU cores)
 #   bash benchmark.sh                  # full: 3 seeds
-#   bash benchmark.sh --seeds "1 2 3 4 5" --only tmaze --jobs 2
+#   bash benchmark.sh --seeds "1 2 3 4 5" --only 'tmaze|tiger' --jobs 2   # --only: a regex over experiment ids
 #
 # Each run is `python algos/<script>.py --seed S --runs-dir <out>/runs/<id>/seed<S> <args>`; its summary.json is
 # read back. Output goes to a new folder results/<timestamp>/ (never overwriting earlier results):
@@ -63,6 +63,9 @@ quick: r2d2_tmaze20 | R2D2 ablation, stored state + burn-in 10: Q discrepancy at
 quick: r2d2_tmaze20_stored_noburnin | R2D2 ablation, stored state, no burn-in | r2d2_rnnstate --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' --burn-in 0 | model/delta_q_first,model/delta_q_last,eval/success_rate | between zero state and stored + burn-in
 quick: r2d2_tmaze20_zero | R2D2 ablation, zero initial state, no burn-in | r2d2_rnnstate --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' --state-init zero --burn-in 0 | model/delta_q_first,model/delta_q_last,eval/success_rate | largest Q discrepancy, less reliable success
 quick: r2d2_cartpole | MaskedCartPole: the LSTM recovers the velocities | r2d2_rnnstate --env-id seqrl/MaskedCartPole-v0 --total-timesteps 150000 --eval-episodes 20 | eval/episodic_return | >= 475
+quick: rlhf_rm | Bradley-Terry reward model from pairwise preferences reaches the labeler's Bayes-optimal accuracy | rlhf_reward_model | eval/preference_accuracy,eval/bayes_accuracy | accuracy within 3 points of the ceiling
+quick: rlhf_rm | The reward model orders completions like the hidden gold utility (within a prompt; BT fixes rewards only up to a per-prompt constant, Problem 21.3b) | rlhf_reward_model | eval/spearman_gold_within_prompt,eval/spearman_gold | >= 0.8
+quick: rlhf_rm | sigma(r1 - r2) is calibrated against the labeler's true preference probabilities | rlhf_reward_model | eval/calibration_error | small
 quick: rlhf_kl_sweep0.0 | RLHF without a KL penalty (beta=0): proxy reward rises, gold reward peaks then falls (over-optimization) | rlhf_ppo_kl --kl-coef 0.0 | eval/gold_reward,eval/max_gold_reward,eval/proxy_reward,eval/kl,eval/sft_gold_reward | final gold below its peak and below SFT
 quick: rlhf_kl_sweep0.1 | RLHF with a KL penalty (beta=0.1): gold reward ends well above SFT, no collapse | rlhf_ppo_kl --kl-coef 0.1 | eval/gold_reward,eval/sft_gold_reward,eval/kl,eval/bon_gold_reward,eval/bon_n | gold well above SFT; best-of-n at matched KL comparable
 full: rlhf_kl_sweep0.01 | RLHF, beta=0.01 | rlhf_ppo_kl --kl-coef 0.01 | eval/gold_reward,eval/kl | between beta=0 and beta=0.1
@@ -82,7 +85,7 @@ printf '%s\n' "$EXPERIMENTS" | grep -v '^\s*$' | while IFS= read -r line; do
   mode="${line%%:*}"; spec="${line#*:}"
   if [ "$mode" = full ] && [ "$QUICK" = 1 ]; then continue; fi
   id=$(echo "$spec" | cut -d'|' -f1 | xargs)
-  if [ -n "$ONLY" ] && [[ "$id" != *"$ONLY"* ]]; then continue; fi
+  if [ -n "$ONLY" ] && ! [[ "$id" =~ $ONLY ]]; then continue; fi
   echo "$spec" >>"$OUT/experiments.txt"
 done
 N_EXP=$(tail -n +2 "$OUT/experiments.txt" | cut -d'|' -f1 | sort -u | wc -l)
