@@ -149,6 +149,26 @@ def test_truncation_is_stored_as_a_bootstrapping_transition():
     np.testing.assert_array_equal(rb.valid[1:31][truncated], False)  # the slot of its final obs is not
 
 
+def test_td_loss_huber_and_mse_by_hand():
+    q = torch.tensor([0.0, 0.0, 0.0])
+    y = torch.tensor([0.5, -2.0, 3.0])  # Huber (delta 1): 0.5 * 0.25, 2 - 0.5, 3 - 0.5
+    torch.testing.assert_close(dqn.td_loss(q, y, "huber"), torch.tensor((0.125 + 1.5 + 2.5) / 3))
+    torch.testing.assert_close(dqn.td_loss(q, y, "mse"), torch.tensor((0.25 + 4.0 + 9.0) / 3))
+
+
+def test_observation_scale_divides_by_bounds_and_keeps_zero_padding():
+    space = gym.spaces.Box(np.array([-4.8, -0.5, 0.0, -np.inf]), np.array([4.8, 2.0, 0.0, np.inf]))
+    np.testing.assert_allclose(dqn.observation_scale(space), [1 / 4.8, 0.5, 1.0, 1.0])
+    env = dqn.make_env("seqrl/MaskedCartPole-v0", {}, scale_obs=True)()
+    raw = dqn.make_env("seqrl/MaskedCartPole-v0", {})()
+    obs, _ = env.reset(seed=3)
+    raw_obs, _ = raw.reset(seed=3)
+    np.testing.assert_allclose(obs, raw_obs / np.array([4.8, 0.41887903]), rtol=1e-5)
+    assert env.observation_space.contains(obs) and env.observation_space.high.tolist() == pytest.approx([1.0, 1.0])
+    tmaze = dqn.make_env("seqrl/TMaze-v0", {}, scale_obs=True)()  # 0/1 codes: bound 1, unchanged
+    assert tuple(tmaze.reset(seed=0)[0].tolist()) in TMAZE_STARTS
+
+
 def test_linear_schedule():
     assert dqn.linear_schedule(1.0, 0.05, 100, 0) == 1.0
     assert dqn.linear_schedule(1.0, 0.05, 100, 50) == pytest.approx(0.525)
