@@ -4,6 +4,7 @@
 #   bash benchmark.sh --quick          # 1 seed, every experiment (well under 30 minutes on 2 CPU cores)
 #   bash benchmark.sh                  # full: 3 seeds
 #   bash benchmark.sh --seeds "1 2 3 4 5" --only 'tmaze|tiger' --jobs 2   # --only: a regex over experiment ids
+#   bash benchmark.sh --aggregate results/<timestamp>   # rebuild the table and plots of an earlier run
 #
 # Each run is `python algos/<script>.py --seed S --runs-dir <out>/runs/<id>/seed<S> <args>`; its summary.json is
 # read back. Output goes to a new folder results/<timestamp>/ (never overwriting earlier results):
@@ -17,6 +18,7 @@ cd "$(dirname "$0")"
 QUICK=0
 SEEDS=""
 ONLY=""
+AGGREGATE=""  # --aggregate results/<timestamp>: only rebuild that folder's table and plots from its runs
 JOBS=$(nproc 2>/dev/null || echo 2)
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -24,6 +26,7 @@ while [ $# -gt 0 ]; do
     --seeds) SEEDS="$2"; shift ;;
     --only) ONLY="$2"; shift ;;
     --jobs) JOBS="$2"; shift ;;
+    --aggregate) AGGREGATE="$2"; shift ;;
     -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "benchmark.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
@@ -45,7 +48,7 @@ quick: ppo_tiger_gru | Tiger with a GRU: listens before opening, positive return
 quick: ppo_tiger_none | Tiger, memoryless | ppo_recurrent --env-id seqrl/Tiger-v0 --rnn none --reward-scale 0.1 --no-bootstrap-truncated --total-timesteps 150000 --eval-episodes 1000 | eval/episodic_return,eval/listens_per_episode | < 0 (best memoryless -7.5)
 full: ppo_tmaze_gru_mc | TMaze (corridor 10), GRU, Monte Carlo returns (gae-lambda 1): MC policy gradients stay valid | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn gru --gae-lambda 1.0 | eval/success_rate | >= 0.95
 quick: ssm_twodoors | TwoDoors (Problem 21.2): after a failed try the latent model predicts retry-same ~0, other ~1 | ssm_vae_q --env-id seqrl/TwoDoors-v0 | model/p_pass_retry_same_door,model/p_pass_other_door | 0 and 1
-quick: ssm_twodoors | TwoDoors (Problem 21.2): a Markovian model p(o'|o,a) predicts the same for both doors | ssm_vae_q --env-id seqrl/TwoDoors-v0 | model/markov_p_pass_same_door,model/markov_p_pass_other_door | 0.5 and 0.5
+quick: ssm_twodoors | TwoDoors (Problem 21.2): a Markovian model of p(o' given o, a) predicts the same for both doors | ssm_vae_q --env-id seqrl/TwoDoors-v0 | model/markov_p_pass_same_door,model/markov_p_pass_other_door | 0.5 and 0.5
 quick: ssm_twodoors | TwoDoors: Q-learning on the latent belief is memory-optimal | ssm_vae_q --env-id seqrl/TwoDoors-v0 | eval/episodic_return | 0.95 (memoryless best 0.90)
 quick: ssm_tmaze5 | TMaze (corridor 5): Q-learning on the latent belief remembers the cue | ssm_vae_q --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 5}' --seq-len 16 --total-timesteps 30000 | eval/success_rate,eval/one_step_obs_error | success 1 (memoryless 0.5)
 full: ssm_maskedcartpole | MaskedCartPole: latent-belief DQN within a ~10 min CPU budget (30k steps) | ssm_vae_q --env-id seqrl/MaskedCartPole-v0 --total-timesteps 30000 --seq-len 16 --obs-std 0.05 --learning-starts 5000 --exploration-fraction 0.2 --target-network-frequency 250 --eval-episodes 10 | eval/episodic_return | 500 with memory (budget-limited here)
@@ -78,6 +81,10 @@ EOF
 DQN_SMALL_ARGS="--learning-rate 5e-4 --train-frequency 1 --gradient-steps 1 --batch-size 128 --exploration-fraction 0.5 --end-e 0.05 --hidden-size 128 --target-network-frequency 500"
 EXPERIMENTS="${EXPERIMENTS//DQN_SMALL_ARGS/$DQN_SMALL_ARGS}"
 
+if [ -n "$AGGREGATE" ]; then
+  OUT="${AGGREGATE%/}"
+  [ -f "$OUT/experiments.txt" ] || { echo "benchmark.sh: $OUT/experiments.txt not found" >&2; exit 2; }
+else
 OUT="results/$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$OUT/runs" "$OUT/logs"
 echo "# id | claim | command | metrics | prediction" >"$OUT/experiments.txt"
@@ -122,6 +129,7 @@ while IFS='|' read -r id claim cmd metrics prediction; do
 done <"$OUT/experiments.txt"
 wait
 echo "benchmark: all runs finished in $((SECONDS - T0))s; aggregating"
+fi
 
 python3 - "$OUT" <<'PY'
 """Aggregate every run's summary.json into results.md, and plot learning curves and sweeps."""
@@ -136,7 +144,10 @@ out = Path(sys.argv[1])
 rows, sweeps = [], defaultdict(lambda: defaultdict(dict))
 experiments = []
 for line in (out / "experiments.txt").read_text().splitlines()[1:]:
-    exp_id, claim, cmd, metrics, prediction = (f.strip() for f in line.split("|"))
+    fields = [f.strip() for f in line.split("|")]
+    if len(fields) != 5:
+        sys.exit(f"benchmark.sh: experiment line needs 5 '|'-separated fields, got {len(fields)}: {line}")
+    exp_id, claim, cmd, metrics, prediction = fields
     experiments.append((exp_id, claim, cmd, [m.strip() for m in metrics.split(",")], prediction))
 
 
