@@ -1,0 +1,811 @@
+"""Per-utterance CQL for dialogue (CHAI-style): one RL time step = one agent utterance of GuessTheImage.
+
+Lecture part 3: a dialogue is a POMDP over histories with the reward at the end; offline value-based RL learns from
+logged conversations. Here the time step is an *utterance*: the horizon is short (<= 8 turns, gamma per utterance)
+but the action space is all token sequences, so max_a Q(s, a) cannot be enumerated. As in CHAI, a supervised
+utterance model (a BC language model) proposes N candidate utterances for a history, a critic Q(history, utterance)
+scores them, the Bellman target takes the max over the *sampled* next candidates, and a CQL penalty keeps Q low on
+candidates the data does not support. The policy samples N utterances from the BC LM and says the highest-Q one.
+The same offline dataset and online evaluation as `ilql_per_token.py` (per-token time step) make the two scripts
+the project's measured answer to "per token or per utterance?" on one task.
+
+Key equations (s = history, a = utterance, C(s) = deduplicated set of N samples from pi_BC(.|s)):
+  y          = r + gamma * (1 - done) * max_{a' in C(s')} min_{j=1,2} Q_target_j(s', a')      (0 at the dialogue end)
+  L_Q        = sum_j (Q_j(s, a) - y)^2
+  L_CQL      = sum_j [ logsumexp_{b in C(s) u {a}} Q_j(s, b) - Q_j(s, a) ]                  (CQL(H), Kumar et al.)
+  L          = L_Q + alpha * L_CQL;   Q_target <- (1 - tau) Q_target + tau Q                  (Polyak)
+  policy     pi(s) = argmax_{b in C_N(s)} min_j Q_j(s, b)                                     (N fresh BC samples)
+
+Implementation details:
+  1. BC LM: a tiny GPT-2 (built from a GPT2Config over the seqrl word vocabulary, or `--model-name-or-path`)
+     trained by next-token cross-entropy on the agent tokens of every dialogue (utterance words + the <sep> that ends
+     the turn), given the history <bos> a1 <sep> r1 <sep> ... (`G.tokenize_dialogue` layout). Identical dialogues are
+     merged and weighted by their count (20k -> ~11k distinct, the same loss); AdamW, warmup then cosine decay.
+  2. Candidates: for every distinct history of the dataset (20k dialogues have ~22k distinct non-final histories,
+     many repeat) N utterances are sampled ONCE after BC training (the prompt is encoded once, its KV cache repeated
+     N times), normalised (`G.normalize_utterance`) and deduplicated. The dataset utterance is added to the set
+     for the CQL logsumexp of its own state; the Bellman target uses the sampled set only.
+  3. Critic: shared word embeddings; each history turn (utterance + reply, "is it red ? no , it is not red .") is
+     mean-pooled embeddings + a linear layer, each candidate a GRU over its words (a bag of words cannot tell the
+     malformed "is it is the big red circle ." from the guess); a GRU runs over the history's turn vectors (<= 8
+     steps); twin MLP heads on [h, u, h * u]. Reading a turn as a unit binds each question to its answer (a token
+     GRU over ~100 tokens was slower and learned it poorly). Distinct turns / candidates are encoded once per step.
+  4. Twin Q heads share the encoders (as in Snell's re-implementation, where both heads read the same GPT-2
+     features); min over the two target heads in the target, min over the online heads when acting.
+  5. Truncation after max_turns is treated as terminal (the history shows the turn count; nothing follows).
+  6. Evaluation: 500 online episodes against the scripted answerer, one batched call per turn; also the BC
+     proposer alone (1 sample, no critic). `dataset/mean_return` is the behavior mixture's return.
+
+What is taken from CHAI [1] and from Snell's re-implementation [3], and what differs:
+  - CHAI: per-utterance Q(s, a) trained offline with a CQL penalty; max over actions approximated by sampling
+    candidate responses from a language model; the policy picks the best-scoring candidate. CHAI samples from a
+    large pretrained LM (the lecture: GPT-2 samples) on CraigslistBargain; here the proposer is a tiny BC LM trained
+    on the offline dialogues themselves.
+  - Snell's `ChaiModel` (Implicit-Language-Q-Learning, src/models/chai_model.py): twin Q and twin target Q heads,
+    min of the target heads, soft (Polyak) target update, y = r + gamma (1 - terminal) max over the sampled next
+    candidates, a cache of samples keyed by the history, acting by the top-Q sample. It reads Q from the mean-pooled
+    hidden states of a frozen GPT-2 and estimates the CQL logsumexp by importance weighting (Q - log pi over BC
+    samples plus uniformly random embeddings); here the encoders are small and trained, and the logsumexp runs over
+    the deduplicated candidate set with the data utterance included (a subset of the discrete action space,
+    uniform weights), without random-embedding terms.
+  - Candidates are sampled once for the whole dataset (the BC LM is frozen after step 1), not per minibatch.
+
+What was scaled down and why: a 2-layer 64-dim GPT-2 and 64-dim GRUs instead of GPT-2 / GPT-3 sized models, a
+closed word vocabulary, N = 16 candidates, a synthetic answerer, so that everything fits in a few CPU minutes.
+
+References:
+  [1] Verma, Fu, Yang, Levine 2022, CHAI: A CHatbot AI for Task-Oriented Dialogue with Offline Reinforcement
+      Learning (NAACL).
+  [2] Kumar, Zhou, Tucker, Levine 2020, Conservative Q-Learning for Offline Reinforcement Learning (CQL(H)).
+  [3] Snell et al. 2022, Offline RL for Natural Language Generation with Implicit Language Q Learning; code
+      Sea-Snell/Implicit-Language-Q-Learning `src/models/chai_model.py` (the CHAI baseline re-implementation).
+  [4] vwxyzjn/cleanrl `dqn.py` (script layout, target networks, logging).
+Reproduce: python algos/dialogue_cql_utterance.py
+"""
+
+import copy
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from safetensors.torch import load_file, save_file
+from torch.utils.tensorboard import SummaryWriter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
+import envs  # noqa: E402,F401  (registers the seqrl/ environments)
+import envs.guess_image as G  # noqa: E402
+from envs.tokenizer import build_tokenizer  # noqa: E402
+
+TASK_ID = "seqrl/GuessTheImage-v0"  # the task name in the run dir
+MAX_UTTERANCE_TOKENS = G.MAX_UTTERANCE_WORDS  # generation stops after this many tokens without <sep>
+MASKED_Q = -1e9  # value given to padded candidate slots before a max / logsumexp
+BC_SORT_BLOCK = 32  # BC minibatches are formed from length-sorted blocks of 32 minibatches (less padding)
+BC_WARMUP_STEPS = 50  # linear learning-rate warmup of the BC LM (then cosine decay to 0)
+LM_POSITIONS = 256  # GPT-2 context: 8 turns of 12-word (malformed) utterances + replies + a 13-token sample < 256
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (models, minibatches, candidate sampling)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = False
+    """use the GPU if `--cuda` and one is available"""
+    runs_dir: str = "runs"
+    """where run directories are created"""
+    eval_episodes: int = 500
+    """online evaluation episodes against the scripted answerer (secrets stratified over the 18 objects)"""
+    eval_seed: int = 0
+    """seed of `G.evaluate_policy` (the secrets' order); the same for every method of the table"""
+    eval_only: bool = False
+    """only evaluate the run dir given by `--checkpoint` (its bc_lm/ and critic.safetensors)"""
+    checkpoint: str | None = None
+    """a run dir written by this script, for `--eval-only`"""
+
+    # data (identical defaults to ilql_per_token.py: the same offline dataset)
+    dataset_size: int = 20000
+    """dialogues generated by `G.make_dataset` (default behavior mixture) when no --dataset-path is given"""
+    dataset_seed: int = 1
+    """seed of `G.make_dataset`"""
+    dataset_path: str | None = None
+    """a JSONL file written by `G.write_dataset` (used instead of generating the dataset)"""
+
+    # STEP 1: the BC utterance model (proposer)
+    model_name_or_path: str | None = None
+    """base causal LM to fine-tune as the proposer (local dir or hub id); None: a tiny GPT-2 built from a config"""
+    n_embd: int = 64
+    """width of the tiny GPT-2"""
+    n_layer: int = 2
+    """layers of the tiny GPT-2"""
+    n_head: int = 4
+    """attention heads of the tiny GPT-2"""
+    bc_epochs: int = 5
+    """passes of next-token cross-entropy over the agent tokens of all dialogues"""
+    bc_lr: float = 3e-3
+    """peak AdamW learning rate of the BC LM (linear warmup, cosine decay to 0)"""
+    bc_batch_size: int = 64
+    """distinct dialogues per BC minibatch (each weighted by its count)"""
+
+    # STEP 2: candidates
+    n_candidates: int = 16
+    """N: utterances sampled from the BC LM per history (training targets, CQL set and acting), then deduplicated"""
+    temperature: float = 1.0
+    """sampling temperature of the proposer"""
+    gen_batch_size: int = 256
+    """histories per generation batch (each expanded to N samples; K/V buffers ~ 22 MB per 256 x 8 rows)"""
+
+    # STEP 3: the critic
+    critic_dim: int = 64
+    """word embedding and GRU width of the critic's history and utterance encoders"""
+    critic_hidden: int = 128
+    """hidden width of each twin Q head"""
+    critic_steps: int = 2000
+    """gradient steps of the critic"""
+    batch_size: int = 256
+    """transitions (history, utterance, reward, next history) per critic minibatch"""
+    critic_lr: float = 1e-3
+    """Adam learning rate of the critic"""
+    gamma: float = 0.99
+    """discount per utterance (Snell et al.'s value)"""
+    cql_alpha: float = 0.5
+    """weight of the CQL penalty logsumexp_C Q - Q(data) (0 = plain fitted Q-iteration over BC samples)"""
+    tau: float = 0.02
+    """Polyak rate of the target critic, every step"""
+    max_grad_norm: float = 1.0
+    """gradient clipping of the critic"""
+    log_every: int = 100
+    """critic steps between loss logs"""
+
+    # filled in at runtime
+    n_states: int = 0
+    """distinct non-final histories of the dataset"""
+    n_transitions: int = 0
+    """utterances (turns) in the dataset"""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure functions (losses, targets, candidate sets): imported by the tests
+# ---------------------------------------------------------------------------------------------------------------
+def dedupe_utterances(samples: list[str], data_utterance: str | None = None) -> list[str]:
+    """Normalised, deduplicated candidate set in first-seen order; the data utterance (if given) first."""
+    seen = [] if data_utterance is None else [G.normalize_utterance(data_utterance)]
+    for s in samples:
+        u = G.normalize_utterance(s)
+        if u not in seen:
+            seen.append(u)
+    return seen
+
+
+def with_data_first(sampled_idx: torch.Tensor, data_idx: torch.Tensor) -> torch.Tensor:
+    """The CQL candidate set C(s) u {a}: (B, K) sampled utterance ids (-1 = padding), (B,) data ids -> (B, K + 1)
+    with the data utterance in column 0 and its duplicates among the samples replaced by -1 (a set, not a bag)."""
+    sampled = sampled_idx.masked_fill(sampled_idx == data_idx[:, None], -1)  # (B, K)
+    return torch.cat([data_idx[:, None], sampled], dim=1)  # (B, K + 1)
+
+
+def cql_penalty(q_cands: torch.Tensor, cand_mask: torch.Tensor, q_data: torch.Tensor) -> torch.Tensor:
+    """CQL(H) per state: logsumexp over the valid candidates (B, K) of Q minus Q of the data utterance (B,)."""
+    return torch.logsumexp(q_cands.masked_fill(~cand_mask, MASKED_Q), dim=1) - q_data  # (B,)
+
+
+def td_target(
+    rewards: torch.Tensor,
+    dones: torch.Tensor,
+    next_q_target: torch.Tensor,
+    next_mask: torch.Tensor,
+    gamma: float,
+) -> torch.Tensor:
+    """y = r + gamma (1 - done) max_{a' in C(s')} min_j Q_target_j(s', a').
+
+    rewards, dones: (B,); next_q_target: (B, K, 2) twin target Q of the sampled next candidates; next_mask (B, K).
+    A state without any valid candidate (only possible at done) contributes 0."""
+    min_q = next_q_target.min(dim=-1).values.masked_fill(~next_mask, MASKED_Q)  # (B, K)
+    max_q = min_q.max(dim=1).values  # (B,)
+    has_next = next_mask.any(dim=1) & ~dones
+    return rewards + gamma * torch.where(has_next, max_q, torch.zeros_like(max_q))
+
+
+@torch.no_grad()
+def polyak_update(target: nn.Module, online: nn.Module, tau: float) -> None:
+    """target <- (1 - tau) target + tau online (tau = 1: hard copy)."""
+    for t, o in zip(target.parameters(), online.parameters(), strict=True):
+        t.mul_(1.0 - tau).add_(o, alpha=tau)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Critic
+# ---------------------------------------------------------------------------------------------------------------
+class UtteranceCritic(nn.Module):
+    """Q(history, utterance) with twin MLP heads on [h, u, h*u]. Shared word embeddings; a turn (agent utterance +
+    reply, e.g. "is it big ? yes , it is big .") is mean-pooled word embeddings + a linear layer + ReLU; a candidate
+    is a GRU over its words (order-sensitive, so malformed word salads differ from valid utterances); the history
+    is a GRU over its turn vectors (a learned start vector first, so the empty history has
+    length 1). Reading a turn as one unit binds each question to its answer, which a token-level GRU must learn."""
+
+    def __init__(self, vocab_size: int, dim: int, hidden: int, pad_id: int):
+        super().__init__()
+        self.pad_id = pad_id
+        self.embed = nn.Embedding(vocab_size, dim, padding_idx=pad_id)
+        self.turn_proj = nn.Sequential(nn.Linear(dim, dim), nn.ReLU())
+        self.utterance_rnn = nn.GRU(dim, dim, batch_first=True)  # word order matters: "is it is the ..." is invalid
+        self.start = nn.Parameter(torch.zeros(dim))
+        self.history_rnn = nn.GRU(dim, dim, batch_first=True)
+        self.heads = nn.ModuleList(
+            nn.Sequential(
+                nn.Linear(3 * dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1)
+            )
+            for _ in range(2)
+        )
+
+    def _pool(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """ids (N, L) right-padded, lengths (N,) >= 1 -> mean word embedding (N, D)."""
+        return self.embed(ids).sum(1) / lengths[:, None].to(self.start.dtype).to(ids.device)
+
+    def encode_turns(self, ids, lengths):
+        return self.turn_proj(self._pool(ids, lengths))  # (N, D)
+
+    def encode_utterances(self, ids, lengths):
+        """ids (N, L) right-padded, lengths (N,) >= 1 -> final GRU state (N, D)."""
+        packed = nn.utils.rnn.pack_padded_sequence(
+            self.embed(ids), lengths.cpu(), batch_first=True, enforce_sorted=False
+        )
+        return self.utterance_rnn(packed)[1][0]  # h_n: (1, N, D) -> (N, D)
+
+    def encode_histories(self, turn_vecs: torch.Tensor, turn_idx: torch.Tensor, n_turns: torch.Tensor):
+        """turn_vecs (U, D) encoded turns, turn_idx (B, T) ids into them (-1 = padding), n_turns (B,) -> (B, D)."""
+        x = turn_vecs[turn_idx.clamp(min=0)]  # (B, T, D)
+        x = torch.cat([self.start.expand(len(x), 1, -1), x], dim=1)  # (B, T + 1, D)
+        packed = nn.utils.rnn.pack_padded_sequence(x, (n_turns + 1).cpu(), batch_first=True, enforce_sorted=False)
+        return self.history_rnn(packed)[1][0]  # h_n: (1, B, D) -> (B, D)
+
+    def q_values(self, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """h (B, D) histories, u (B, K, D) candidates -> (B, K, 2) twin Q values."""
+        h = h[:, None].expand_as(u)  # (B, K, D)
+        x = torch.cat([h, u, h * u], dim=-1)  # (B, K, 3D)
+        return torch.cat([head(x) for head in self.heads], dim=-1)  # (B, K, 2)
+
+
+def history_turn_ids(histories, table) -> tuple[torch.Tensor, torch.Tensor]:
+    """Histories (lists of (agent, reply)) -> turn ids (N, max turns) into `table` (-1 = padding), n_turns (N,)."""
+    n_turns = torch.tensor([len(h) for h in histories], dtype=torch.long)
+    idx = torch.full((len(histories), max(1, int(n_turns.max()))), -1, dtype=torch.long)
+    for i, h in enumerate(histories):
+        for k, (agent, reply) in enumerate(h):
+            idx[i, k] = table.add(f"{G.normalize_utterance(agent)} {reply}")
+    return idx, n_turns
+
+
+def pad_rows(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token id lists -> ids (N, L), lengths (N,)."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    width = int(lengths.max())
+    return torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long), lengths
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# BC LM: build, train, sample
+# ---------------------------------------------------------------------------------------------------------------
+def build_lm(args, tokenizer):
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    if args.model_name_or_path is None:
+        config = GPT2Config(
+            vocab_size=len(tokenizer),
+            n_positions=LM_POSITIONS,
+            n_embd=args.n_embd,
+            n_layer=args.n_layer,
+            n_head=args.n_head,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,  # no dropout: tiny model, big data
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        return GPT2LMHeadModel(config)
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(
+            f"error: could not load --model-name-or-path '{args.model_name_or_path}': {str(e).splitlines()[0]}"
+        ) from None
+    if not (hasattr(lm, "transformer") and hasattr(lm.transformer, "h") and hasattr(lm.config, "n_head")):
+        raise SystemExit(
+            f"error: --model-name-or-path must be a GPT-2 architecture model (the sampler uses GPT-2 "
+            f"blocks), got {type(lm).__name__}"
+        )
+    lm.resize_token_embeddings(len(tokenizer))  # the seqrl word vocabulary replaces the model's own tokenizer
+    return lm
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """cumsum(mask) - 1, clamped at 0: positions that ignore left padding."""
+    return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+
+
+def dedupe_dialogues(tokenized: list[dict]) -> tuple[list[dict], np.ndarray]:
+    """Identical dialogues (same token ids) merged into one with a count: (distinct dialogues, counts (D,)).
+    A count-weighted loss over them equals the loss over all dialogues (20k dialogues -> ~11k distinct)."""
+    index: dict[bytes, int] = {}
+    distinct, counts = [], []
+    for d in tokenized:
+        key = d["input_ids"].tobytes()
+        if key not in index:
+            index[key] = len(distinct)
+            distinct.append(d)
+            counts.append(0)
+        counts[index[key]] += 1
+    return distinct, np.asarray(counts, dtype=np.float32)
+
+
+def bc_loss(logits: torch.Tensor, ids: torch.Tensor, agent: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Count-weighted next-token NLL on the agent tokens: logits (B, L, V), ids (B, L), agent (B, L) bool (the
+    action of position i is token i + 1), weights (B,) dialogue counts. Mean NLL per agent token of the data."""
+    nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")  # (B, L - 1)
+    mask = agent[:, 1:].float() * weights[:, None]  # (B, L - 1)
+    return (nll * mask).sum() / mask.sum()
+
+
+def train_bc(lm, tokenized: list[dict], args, device, writer, pad_id: int):
+    """STEP 1: next-token cross-entropy on the agent tokens (utterance words + closing <sep>) of every dialogue.
+    Identical dialogues are merged with their counts as weights; AdamW with linear warmup and cosine decay."""
+    tokenized, counts = dedupe_dialogues(tokenized)
+    n = len(tokenized)
+    n_batches = math.ceil(n / args.bc_batch_size)
+    total_steps = max(1, args.bc_epochs * n_batches)
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=args.bc_lr, weight_decay=0.0)
+    warmup = min(BC_WARMUP_STEPS, total_steps // 10 + 1)
+    schedule = lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, s / total_steps)))  # noqa: E731
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    rng = np.random.default_rng(args.seed)
+    lengths = np.array([len(d["input_ids"]) for d in tokenized])
+    print(f"[bc] {n} distinct dialogues (of {int(counts.sum())}), {total_steps} steps", flush=True)
+    step, loss = 0, torch.tensor(float("nan"))
+    for epoch in range(args.bc_epochs):
+        perm = rng.permutation(n)
+        block = args.bc_batch_size * BC_SORT_BLOCK  # sort by length inside shuffled blocks: less padding
+        perm = np.concatenate(
+            [p[np.argsort(lengths[p], kind="stable")] for p in np.split(perm, range(block, n, block))]
+        )
+        for start in rng.permutation(np.arange(0, n, args.bc_batch_size)):
+            rows = perm[start : start + args.bc_batch_size]
+            ids, _ = pad_rows([tokenized[i]["input_ids"].tolist() for i in rows], pad_id)  # (B, L)
+            agent = torch.zeros_like(ids, dtype=torch.bool)
+            for i, r in enumerate(rows):
+                agent[i, : lengths[r]] = torch.from_numpy(tokenized[r]["agent_mask"])
+            ids, agent = ids.to(device), agent.to(device)
+            logits = lm(input_ids=ids, attention_mask=(ids != pad_id).long()).logits  # (B, L, V)
+            loss = bc_loss(logits, ids, agent, torch.from_numpy(counts[rows]).to(device))
+            optimizer.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            if step % 50 == 0:
+                writer.add_scalar("losses/bc_nll", loss.item(), step)
+                writer.add_scalar("charts/bc_learning_rate", scheduler.get_last_lr()[0], step)
+        print(f"[bc] epoch {epoch} nll {loss.item():.3f}", flush=True)
+    return lm
+
+
+def gpt2_forward(lm, ids, positions, k_bufs, v_bufs, start: int, key_mask) -> torch.Tensor:
+    """GPT-2 forward of new tokens ids (R, T) at cache slots start..start+T-1 with preallocated per-layer K/V buffers
+    (R, H, L_max, hd), written in place (no growing cache: HF's DynamicCache re-concatenates the whole cache every
+    step, which made sampling 22k histories x 8 candidates take minutes). key_mask (R, L_max) marks real tokens.
+    Returns logits (R, T, V). Same math as GPT2LMHeadModel (no dropout); tested against it."""
+    tr = lm.transformer
+    x = tr.wte(ids) + tr.wpe(positions)  # (R, T, C)
+    R, T, C = x.shape
+    H = lm.config.n_head
+    end = start + T
+    causal = torch.ones(T, end, dtype=torch.bool, device=ids.device).tril(diagonal=start)  # (T, end)
+    mask = causal[None, None] & key_mask[:, None, None, :end]  # (R, 1, T, end)
+    for layer, block in enumerate(tr.h):
+        q, k, v = block.attn.c_attn(block.ln_1(x)).split(C, dim=2)  # 3 x (R, T, C)
+        q, k, v = (z.view(R, T, H, C // H).transpose(1, 2) for z in (q, k, v))  # (R, H, T, hd)
+        k_bufs[layer][:, :, start:end], v_bufs[layer][:, :, start:end] = k, v
+        scores = q @ k_bufs[layer][:, :, :end].transpose(-1, -2) / math.sqrt(C // H)  # (R, H, T, end)
+        att = scores.masked_fill(~mask, MASKED_Q).softmax(dim=-1) @ v_bufs[layer][:, :, :end]  # (R, H, T, hd)
+        x = x + block.attn.c_proj(att.transpose(1, 2).reshape(R, T, C))
+        x = x + block.mlp(block.ln_2(x))
+    return lm.lm_head(tr.ln_f(x))  # (R, T, V)
+
+
+@torch.no_grad()
+def sample_utterances(
+    lm,
+    tokenizer,
+    prompts: list[list[int]],
+    n: int,
+    temperature: float,
+    device,
+    generator: torch.Generator,
+    batch_size: int,
+) -> list[list[str]]:
+    """n sampled utterances (text up to the agent's <sep>, normalised) for each prompt. The prompt is encoded once;
+    its keys/values are copied n times into preallocated buffers that the sampled tokens are written into."""
+    pad, sep = tokenizer.pad_token_id, tokenizer.sep_token_id
+    H, C, n_layer = lm.config.n_head, lm.config.n_embd, lm.config.n_layer
+    steps = MAX_UTTERANCE_TOKENS + 1  # words + the closing <sep>
+    out: list[list[str]] = []
+    for begin in range(0, len(prompts), batch_size):
+        chunk = prompts[begin : begin + batch_size]
+        B, Lp = len(chunk), max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (Lp - len(p)) + p for p in chunk], device=device)  # (B, Lp) left-padded
+        key_mask = F.pad(ids != pad, (0, steps), value=True)  # (B, Lp + steps)
+        positions = position_ids_from_mask(ids != pad)  # (B, Lp)
+        bufs = [torch.zeros(B, H, Lp + steps, C // H, device=device) for _ in range(2 * n_layer)]
+        logits = gpt2_forward(lm, ids, positions, bufs[:n_layer], bufs[n_layer:], 0, key_mask)[:, -1]  # (B, V)
+        # repeat the prompt n times: (B * n, ...)
+        bufs = [b.repeat_interleave(n, dim=0) for b in bufs]
+        key_mask, logits = key_mask.repeat_interleave(n, dim=0), logits.repeat_interleave(n, dim=0)
+        pos = positions[:, -1:].repeat_interleave(n, dim=0)  # (B * n, 1)
+        done = torch.zeros(B * n, dtype=torch.bool, device=device)
+        tokens = []
+        for t in range(steps):
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)  # (B * n,)
+            token = torch.where(done, torch.full_like(token, pad), token)
+            tokens.append(token)
+            done = done | (token == sep)
+            if done.all() or t == steps - 1:
+                break
+            pos = pos + 1
+            logits = gpt2_forward(lm, token[:, None], pos, bufs[:n_layer], bufs[n_layer:], Lp + t, key_mask)[:, -1]
+        rows = torch.stack(tokens, dim=1).tolist()  # (B * n, <= steps)
+        texts = []
+        for row in rows:
+            row = row[: row.index(sep)] if sep in row else [t for t in row if t != pad]
+            texts.append(G.normalize_utterance(tokenizer.decode(row, skip_special_tokens=False)))
+        out += [texts[i * n : (i + 1) * n] for i in range(B)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data: histories, transitions, utterance table
+# ---------------------------------------------------------------------------------------------------------------
+def load_dialogues(args) -> list[dict]:
+    if args.dataset_path is None:
+        return G.make_dataset(args.dataset_size, seed=args.dataset_seed)
+    path = Path(args.dataset_path)
+    if not path.is_file():
+        raise SystemExit(f"error: --dataset-path '{path}' does not exist (write one with G.write_dataset)")
+    try:
+        dialogues = G.read_dataset(path)
+        for d in dialogues:
+            for t in d["turns"]:
+                str(t["agent"]), str(t["reply"]), float(t["reward"])  # noqa: B018  (fields must exist)
+            if not d["turns"]:
+                raise ValueError("a dialogue without turns")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise SystemExit(f"error: --dataset-path '{path}' is not a GuessTheImage JSONL dataset ({e!r})") from None
+    if not dialogues:
+        raise SystemExit(f"error: --dataset-path '{path}' holds no dialogues")
+    return dialogues
+
+
+class UtteranceTable:
+    """Every distinct utterance string seen so far -> integer id, with its token ids (for the utterance GRU)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.tokens = tokenizer, {}, []
+
+    def add(self, text: str) -> int:
+        if text not in self.ids:
+            self.ids[text] = len(self.tokens)
+            toks = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            self.tokens.append(toks if toks else [self.tokenizer.unk_token_id])
+        return self.ids[text]
+
+    def tensors(self, device):
+        ids, lengths = pad_rows(self.tokens, self.tokenizer.pad_token_id)
+        return ids.to(device), lengths
+
+
+def build_transitions(dialogues, tokenizer, table: UtteranceTable):
+    """Distinct non-final histories (states) and one transition per turn: (s, a, r, done, s')."""
+    state_ids: dict[tuple, int] = {}
+    states: list[list[tuple[str, str]]] = []
+    s_idx, a_idx, rewards, dones, s2_idx = [], [], [], [], []
+
+    def state(history):
+        key = tuple(history)
+        if key not in state_ids:
+            state_ids[key] = len(states)
+            states.append(list(history))
+        return state_ids[key]
+
+    for d in dialogues:
+        history = []
+        for k, t in enumerate(d["turns"]):
+            agent = G.normalize_utterance(t["agent"])
+            s = state(history)
+            history = history + [(agent, t["reply"])]
+            last = k == len(d["turns"]) - 1
+            s_idx.append(s)
+            a_idx.append(table.add(agent))
+            rewards.append(float(t["reward"]))
+            dones.append(last)
+            s2_idx.append(s if last else state(history))  # a dummy (masked by done) at the dialogue end
+    cache: dict = {}
+    prompts = [G.tokenize_prompt(h, tokenizer, cache) for h in states]
+    return (
+        states,
+        prompts,
+        {
+            "s": torch.tensor(s_idx),
+            "a": torch.tensor(a_idx),
+            "r": torch.tensor(rewards, dtype=torch.float32),
+            "done": torch.tensor(dones),
+            "s2": torch.tensor(s2_idx),
+        },
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Acting: BC proposals scored by the critic
+# ---------------------------------------------------------------------------------------------------------------
+class CriticPolicy:
+    """`act_batch(histories)` for `G.evaluate_policy`: N BC samples per history, the highest min-twin-Q one
+    (critic None or N = 1: the BC proposer alone)."""
+
+    def __init__(self, lm, critic, tokenizer, n: int, temperature: float, device, seed: int, batch_size: int):
+        self.lm, self.critic, self.tokenizer, self.n = lm, critic, tokenizer, n
+        self.temperature, self.device, self.batch_size = temperature, device, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.cache: dict = {}
+
+    @torch.no_grad()
+    def act_batch(self, histories):
+        prompts = [G.tokenize_prompt(h, self.tokenizer, self.cache) for h in histories]
+        samples = sample_utterances(
+            self.lm, self.tokenizer, prompts, self.n, self.temperature, self.device, self.generator, self.batch_size
+        )
+        if self.critic is None or self.n == 1:
+            return [s[0] for s in samples]
+        cands = [dedupe_utterances(s) for s in samples]
+        table = UtteranceTable(self.tokenizer)
+        cand_idx = torch.full((len(cands), self.n), -1, dtype=torch.long)
+        for i, cs in enumerate(cands):
+            cand_idx[i, : len(cs)] = torch.tensor([table.add(c) for c in cs])
+        u_ids, u_len = table.tensors(self.device)
+        turns = UtteranceTable(self.tokenizer)
+        turn_idx, n_turns = history_turn_ids(histories, turns)
+        t_ids, t_len = turns.tensors(self.device) if turns.tokens else (None, None)
+        t_vecs = self.critic.encode_turns(t_ids, t_len) if t_ids is not None else self.critic.start[None]
+        h = self.critic.encode_histories(t_vecs, turn_idx.to(self.device), n_turns)  # (B, D)
+        u = self.critic.encode_utterances(u_ids, u_len)  # (U, D)
+        q = self.critic.q_values(h, u[cand_idx.clamp(min=0).to(self.device)]).min(dim=-1).values  # (B, N)
+        best = q.masked_fill(cand_idx.to(self.device) < 0, MASKED_Q).argmax(dim=1).tolist()
+        return [cs[b] for cs, b in zip(cands, best, strict=True)]
+
+
+def evaluate(policy, args) -> dict:
+    res = G.evaluate_policy(policy, n_episodes=args.eval_episodes, seed=args.eval_seed)
+    return {
+        "success_rate": res["success_rate"],
+        "episodic_return": res["mean_return"],
+        "episodic_return_std": res["return_std"],
+        "episodic_length": res["mean_length"],
+        "normalized_score": G.normalized_score(res["mean_return"]),
+    }
+
+
+def make_run_dir(args):
+    run_name = f"{TASK_ID.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir, suffix = Path(args.runs_dir) / run_name, 0
+    while run_dir.exists():
+        suffix += 1
+        run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    return run_dir.name, run_dir
+
+
+def validate(args):
+    checks = [
+        (args.n_candidates >= 1, f"--n-candidates must be >= 1, got {args.n_candidates}"),
+        (args.temperature > 0, f"--temperature must be > 0, got {args.temperature}"),
+        (args.batch_size >= 1 and args.bc_batch_size >= 1 and args.gen_batch_size >= 1, "batch sizes must be >= 1"),
+        (args.dataset_size >= 1, f"--dataset-size must be >= 1, got {args.dataset_size}"),
+        (0.0 < args.tau <= 1.0, f"--tau must be in (0, 1], got {args.tau}"),
+        (0.0 <= args.gamma <= 1.0, f"--gamma must be in [0, 1], got {args.gamma}"),
+        (args.cql_alpha >= 0.0, f"--cql-alpha must be >= 0, got {args.cql_alpha}"),
+        (args.eval_episodes >= 1, f"--eval-episodes must be >= 1, got {args.eval_episodes}"),
+        (args.critic_steps >= 0 and args.bc_epochs >= 0, "--critic-steps and --bc-epochs must be >= 0"),
+        (args.n_embd % args.n_head == 0, f"--n-embd {args.n_embd} not divisible by --n-head {args.n_head}"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise SystemExit(f"error: {msg}")
+    if args.eval_only:
+        ckpt = Path(args.checkpoint) if args.checkpoint else None
+        if ckpt is None or not (ckpt / "bc_lm" / "config.json").exists() or not (ckpt / "critic.safetensors").exists():
+            raise SystemExit(
+                f"error: --eval-only needs --checkpoint RUN_DIR with bc_lm/ and critic.safetensors "
+                f"(got {args.checkpoint})"
+            )
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    validate(args)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    tokenizer = build_tokenizer()
+    start_time = time.time()
+
+    if args.eval_only:  # reload the proposer and the critic of a finished run (architecture from its args.json)
+        from transformers import AutoModelForCausalLM
+
+        ckpt = Path(args.checkpoint)
+        try:
+            saved = json.loads((ckpt / "args.json").read_text())
+            lm = AutoModelForCausalLM.from_pretrained(ckpt / "bc_lm").to(device)
+            critic = UtteranceCritic(
+                len(tokenizer), saved["critic_dim"], saved["critic_hidden"], tokenizer.pad_token_id
+            ).to(device)
+            critic.load_state_dict(load_file(ckpt / "critic.safetensors"))
+        except (OSError, ValueError, KeyError, RuntimeError, json.JSONDecodeError) as e:
+            raise SystemExit(f"error: could not load checkpoint '{ckpt}': {str(e).splitlines()[0]}") from None
+        dialogues = load_dialogues(args)
+    else:
+        dialogues = load_dialogues(args)
+    data_stats = G.dataset_stats(dialogues)
+    run_name, run_dir = make_run_dir(args)
+    writer = SummaryWriter(str(run_dir))
+    print(f"run dir {run_dir}; dataset: {data_stats['n']} dialogues, mean return {data_stats['mean_return']:.3f}")
+
+    if not args.eval_only:
+        # STEP 0: histories (states), transitions and the utterance table
+        table = UtteranceTable(tokenizer)
+        states, prompts, tr = build_transitions(dialogues, tokenizer, table)
+        args.n_states, args.n_transitions = len(states), len(tr["s"])
+        writer.add_text(
+            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+        )
+
+        # STEP 1: the BC utterance model
+        lm = build_lm(args, tokenizer).to(device)
+        t0 = time.time()
+        lm = train_bc(lm, G.tokenize_dialogues(dialogues, tokenizer), args, device, writer, tokenizer.pad_token_id)
+        lm.eval()
+        print(f"[bc] trained in {time.time() - t0:.0f}s", flush=True)
+
+        # STEP 2: N candidate utterances per distinct history, sampled once, deduplicated
+        t0 = time.time()
+        generator = torch.Generator().manual_seed(args.seed)
+        samples = sample_utterances(
+            lm, tokenizer, prompts, args.n_candidates, args.temperature, device, generator, args.gen_batch_size
+        )
+        cand = torch.full((len(states), args.n_candidates), -1, dtype=torch.long)  # (S, N) sampled set C(s)
+        for i, s in enumerate(samples):
+            cs = dedupe_utterances(s)
+            cand[i, : len(cs)] = torch.tensor([table.add(c) for c in cs])
+        coverage = (cand[tr["s"]] == tr["a"][:, None]).any(dim=1).float().mean().item()
+        set_size = (cand >= 0).sum(dim=1).float().mean().item()
+        print(
+            f"[candidates] {len(states)} histories x {args.n_candidates} samples in {time.time() - t0:.0f}s; "
+            f"mean set size {set_size:.2f}; data utterance sampled for {coverage:.1%} of transitions; "
+            f"{len(table.tokens)} distinct utterances",
+            flush=True,
+        )
+        writer.add_scalar("charts/candidate_set_size", set_size, 0)
+        writer.add_scalar("charts/data_utterance_coverage", coverage, 0)
+
+        # STEP 3: the critic with twin Q heads, a Polyak target and the CQL penalty
+        critic = UtteranceCritic(len(tokenizer), args.critic_dim, args.critic_hidden, tokenizer.pad_token_id).to(device)
+        target = copy.deepcopy(critic)
+        for p in target.parameters():
+            p.requires_grad_(False)
+        optimizer = torch.optim.Adam(critic.parameters(), lr=args.critic_lr)
+        turns = UtteranceTable(tokenizer)  # every distinct (utterance, reply) turn of the dataset, a few hundred
+        turn_idx_all, n_turns_all = history_turn_ids(states, turns)  # (S, max turns), (S,)
+        t_ids, t_len = turns.tensors(device)
+        u_ids, u_len = table.tensors(device)
+        cql_cands = with_data_first(cand[tr["s"]], tr["a"])  # (T, N + 1): C(s) u {a}, data first
+        rng = np.random.default_rng(args.seed)
+        t0 = time.time()
+        for step in range(1, args.critic_steps + 1):
+            b = torch.from_numpy(rng.integers(0, len(tr["s"]), size=args.batch_size))  # (B,)
+            s, s2 = tr["s"][b], tr["s2"][b]
+            ns, ns2 = n_turns_all[s], n_turns_all[s2]  # (B,)
+            hs = turn_idx_all[s, : max(1, int(ns.max()))].to(device)  # (B, T) turn ids
+            hs2 = turn_idx_all[s2, : max(1, int(ns2.max()))].to(device)
+            cq = cql_cands[b].to(device)  # (B, N + 1)
+            nc = cand[s2].to(device)  # (B, N) sampled next candidates (no data utterance)
+            # encode only the utterances this minibatch uses (the sampled table can hold thousands of strings)
+            used, inverse = torch.unique(torch.cat([cq.flatten(), nc.flatten()]).clamp(min=0), return_inverse=True)
+            cq_u, nc_u = inverse[: cq.numel()].view_as(cq), inverse[cq.numel() :].view_as(nc)  # ids into `used`
+            # ALGO LOGIC: target y = r + gamma (1 - done) max over sampled next candidates of min target Q
+            with torch.no_grad():
+                q_next = target.q_values(
+                    target.encode_histories(target.encode_turns(t_ids, t_len), hs2, ns2),
+                    target.encode_utterances(u_ids[used], u_len[used])[nc_u],
+                )  # (B, N, 2)
+                y = td_target(tr["r"][b].to(device), tr["done"][b].to(device), q_next, nc >= 0, args.gamma)
+            q = critic.q_values(
+                critic.encode_histories(critic.encode_turns(t_ids, t_len), hs, ns),
+                critic.encode_utterances(u_ids[used], u_len[used])[cq_u],
+            )  # (B, N + 1, 2)
+            q_data = q[:, 0]  # (B, 2): Q of the dataset utterance
+            q_loss = ((q_data - y[:, None]) ** 2).mean(0).sum()
+            cql = sum(cql_penalty(q[..., j], cq >= 0, q_data[:, j]).mean() for j in range(2))
+            loss = q_loss + args.cql_alpha * cql
+            optimizer.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+            optimizer.step()
+            polyak_update(target, critic, args.tau)
+            if step % args.log_every == 0 or step == args.critic_steps:
+                sps = step * args.batch_size / (time.time() - t0)
+                writer.add_scalar("losses/q_loss", q_loss.item(), step)
+                writer.add_scalar("losses/cql_loss", cql.item(), step)
+                writer.add_scalar("losses/q_data", q_data.mean().item(), step)
+                writer.add_scalar("losses/q_candidates", q[..., 0][cq >= 0].mean().item(), step)
+                writer.add_scalar("charts/learning_rate", args.critic_lr, step)
+                writer.add_scalar("charts/SPS", sps, step)
+                print(
+                    f"[critic] step {step} q_loss {q_loss.item():.4f} cql {cql.item():.3f} "
+                    f"Q(data) {q_data.mean().item():.3f} SPS {sps:.0f}",
+                    flush=True,
+                )
+        critic.eval()
+
+    # STEP 4: online evaluation: BC proposer alone (1 sample) and BC proposals + critic argmax (N samples)
+    t0 = time.time()
+    gen_seed = args.seed + 1  # sampling noise of the evaluation (distinct from the candidate generation)
+    bc = evaluate(CriticPolicy(lm, None, tokenizer, 1, args.temperature, device, gen_seed, args.gen_batch_size), args)
+    cql_res = evaluate(
+        CriticPolicy(lm, critic, tokenizer, args.n_candidates, args.temperature, device, gen_seed, args.gen_batch_size),
+        args,
+    )
+    print(
+        f"[eval] {time.time() - t0:.0f}s; BC proposer: return {bc['episodic_return']:.3f} success "
+        f"{bc['success_rate']:.3f}; per-utterance CQL: return {cql_res['episodic_return']:.3f} success "
+        f"{cql_res['success_rate']:.3f} length {cql_res['episodic_length']:.2f} "
+        f"(optimal {G.OPTIMAL_MEAN_RETURN:.3f}, dataset {data_stats['mean_return']:.3f})",
+        flush=True,
+    )
+    metrics = {f"eval/{k}": float(v) for k, v in cql_res.items()}
+    metrics.update({f"eval/bc_proposer_{k}": float(v) for k, v in bc.items()})
+    metrics["dataset/mean_return"] = float(data_stats["mean_return"])
+    metrics["dataset/success_rate"] = float(data_stats["success_rate"])
+    for k, v in metrics.items():
+        writer.add_scalar(k, v, 0)
+    writer.add_scalar("charts/episodic_return", metrics["eval/episodic_return"], 0)
+    writer.add_scalar("charts/episodic_length", metrics["eval/episodic_length"], 0)
+    wall = time.time() - start_time
+    steps_done = 0 if args.eval_only else args.critic_steps * args.batch_size
+    summary = {
+        "script": Path(__file__).stem,
+        "run_name": run_name,
+        "run_dir": str(run_dir),
+        "args": asdict(args),
+        "metrics": metrics,
+        "wall_time_s": wall,
+        "sps": steps_done / wall,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    if not args.eval_only:
+        lm.save_pretrained(run_dir / "bc_lm")
+        tokenizer.save_pretrained(run_dir / "bc_lm")
+        save_file({k: v.contiguous() for k, v in critic.state_dict().items()}, run_dir / "critic.safetensors")
+    writer.close()
+    print(f"done in {wall:.0f}s -> {run_dir / 'summary.json'}")

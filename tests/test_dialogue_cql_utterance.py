@@ -1,0 +1,252 @@
+"""Tests of algos/dialogue_cql_utterance.py: CQL penalty, sampled-set Bellman target, candidate sets, Polyak update,
+the KV-buffer GPT-2 sampler against transformers, smoke runs and clear errors."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import load_script, run_script
+
+import envs.guess_image as G
+from envs.tokenizer import build_tokenizer
+
+m = load_script("dialogue_cql_utterance")
+
+
+def test_cql_penalty_matches_hand_computation():
+    q = torch.tensor([[1.0, 0.0, 2.0, 5.0], [0.5, 0.5, 0.0, 0.0]])  # (B=2, K=4)
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])  # padded slots excluded
+    q_data = q[:, 0]
+    expected0 = math.log(math.exp(1.0) + math.exp(0.0) + math.exp(2.0)) - 1.0  # 5.0 is padding
+    expected1 = math.log(2 * math.exp(0.5)) - 0.5  # = log 2
+    got = m.cql_penalty(q, mask, q_data)
+    assert got.tolist() == pytest.approx([expected0, expected1], abs=1e-6)
+    # the gradient is softmax over the candidates minus the one-hot of the data utterance
+    qg = q.clone().requires_grad_(True)
+    m.cql_penalty(qg, mask, qg[:, 0]).sum().backward()
+    p = torch.tensor([math.exp(1.0), 1.0, math.exp(2.0)]) / (math.exp(1.0) + 1.0 + math.exp(2.0))
+    assert qg.grad[0, :3].tolist() == pytest.approx((p - torch.tensor([1.0, 0.0, 0.0])).tolist(), abs=1e-6)
+    assert qg.grad[0, 3].item() == 0.0
+
+
+def test_td_target_max_over_sampled_set_min_over_twins_zero_at_done():
+    # next_q (B=3, K=3, 2): twin target Q of the sampled next candidates
+    next_q = torch.tensor(
+        [
+            [[0.9, 0.2], [0.5, 0.6], [9.0, 9.0]],  # min over twins: 0.2, 0.5, (9.0 is a padded slot)
+            [[0.3, 0.4], [0.1, 0.0], [0.7, 0.8]],  # min: 0.3, 0.0, 0.7 -> max 0.7
+            [[5.0, 5.0], [5.0, 5.0], [5.0, 5.0]],  # done: ignored
+        ]
+    )
+    mask = torch.tensor([[True, True, False], [True, True, True], [True, True, True]])
+    rewards = torch.tensor([-0.05, -0.05, 1.0])
+    dones = torch.tensor([False, False, True])
+    y = m.td_target(rewards, dones, next_q, mask, gamma=0.9)
+    assert y.tolist() == pytest.approx([-0.05 + 0.9 * 0.5, -0.05 + 0.9 * 0.7, 1.0], abs=1e-6)
+    # a done row without candidates is fine too (no -inf leaks)
+    y2 = m.td_target(rewards[2:], dones[2:], next_q[2:], torch.zeros(1, 3, dtype=torch.bool), gamma=0.9)
+    assert y2.tolist() == pytest.approx([1.0])
+
+
+def test_training_target_uses_sampled_candidates_not_data_utterance():
+    """The CQL set of a transition is C(s) u {a}; the target of the previous transition reads C(s) only."""
+    sampled = torch.tensor([[3, 5, -1], [2, 3, 7]])  # C(s) for two states (utterance ids, -1 padding)
+    data = torch.tensor([5, 9])
+    cql_set = m.with_data_first(sampled, data)
+    assert cql_set.tolist() == [[5, 3, -1, -1], [9, 2, 3, 7]]  # data first, its duplicate removed
+    # the target over the sampled set: give the data-only utterance 9 a huge Q; it must not enter the max
+    u_q = {2: 0.1, 3: 0.4, 5: 0.2, 7: 0.3, 9: 100.0}
+    q_of = torch.tensor([[[u_q.get(int(i), 0.0)] * 2 for i in row] for row in sampled])  # (2, 3, 2)
+    y = m.td_target(torch.zeros(2), torch.zeros(2, dtype=torch.bool), q_of, sampled >= 0, gamma=1.0)
+    assert y.tolist() == pytest.approx([0.4, 0.4])
+
+
+def test_dedupe_utterances_normalises_and_includes_data_first():
+    samples = ["is it red ?", "Is it  RED?", "it is the big red circle .", "is it red ?", "blah"]
+    assert m.dedupe_utterances(samples) == ["is it red ?", "it is the big red circle .", "<unk>"]
+    assert m.dedupe_utterances(samples, data_utterance="is it big ?") == [
+        "is it big ?",
+        "is it red ?",
+        "it is the big red circle .",
+        "<unk>",
+    ]
+    assert m.dedupe_utterances(["is it red ?"], data_utterance="is it red ?") == ["is it red ?"]
+
+
+def test_polyak_update():
+    online, target = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        online.weight.fill_(1.0), online.bias.fill_(2.0), target.weight.fill_(0.0), target.bias.fill_(0.0)
+    m.polyak_update(target, online, tau=0.25)
+    assert target.weight.tolist() == [[0.25, 0.25]] and target.bias.item() == pytest.approx(0.5)
+    m.polyak_update(target, online, tau=1.0)  # hard copy
+    assert target.bias.item() == pytest.approx(2.0)
+
+
+def test_gpt2_kv_sampler_forward_matches_transformers():
+    tok = build_tokenizer()
+
+    class A:
+        model_name_or_path, n_embd, n_layer, n_head = None, 32, 2, 4
+
+    torch.manual_seed(0)
+    lm = m.build_lm(A, tok).eval()
+    ids = torch.randint(5, len(tok), (3, 10))
+    ids[0, :3] = tok.pad_token_id  # left padding
+    am = ids != tok.pad_token_id
+    pos = m.position_ids_from_mask(am)
+    ref = lm(input_ids=ids, attention_mask=am.long(), position_ids=pos).logits  # (3, 10, V)
+    bufs = [torch.zeros(3, 4, 12, 8) for _ in range(4)]
+    key_mask = torch.nn.functional.pad(am, (0, 2), value=True)
+    with torch.no_grad():
+        chunks = [m.gpt2_forward(lm, ids[:, :6], pos[:, :6], bufs[:2], bufs[2:], 0, key_mask)]
+        chunks += [
+            m.gpt2_forward(lm, ids[:, t : t + 1], pos[:, t : t + 1], bufs[:2], bufs[2:], t, key_mask)
+            for t in range(6, 10)
+        ]  # one token at a time, as when sampling
+    mine = torch.cat(chunks, dim=1)
+    assert torch.allclose(mine[1:], ref[1:], atol=1e-5) and torch.allclose(mine[0, 3:], ref[0, 3:], atol=1e-5)
+
+
+def test_build_transitions_states_and_dones():
+    tok = build_tokenizer()
+    table = m.UtteranceTable(tok)
+    dialogues = G.make_dataset(50, seed=3)
+    states, prompts, tr = m.build_transitions(dialogues, tok, table)
+    assert len(tr["s"]) == sum(len(d["turns"]) for d in dialogues)
+    assert states[0] == [] and prompts[0] == [tok.bos_token_id]  # every dialogue starts at the empty history
+    assert int(tr["done"].sum()) == len(dialogues)  # exactly one terminal turn per dialogue
+    k = 0  # first dialogue: s' of turn t is s of turn t + 1
+    n = len(dialogues[0]["turns"])
+    assert tr["s2"][k : k + n - 1].tolist() == tr["s"][k + 1 : k + n].tolist()
+    assert tr["r"][k : k + n].tolist() == pytest.approx([t["reward"] for t in dialogues[0]["turns"]])
+
+
+def test_dedupe_dialogues_weighted_bc_loss_equals_full_loss():
+    tok = build_tokenizer()
+    tokenized = G.tokenize_dialogues(G.make_dataset(300, seed=2), tok)
+    distinct, counts = m.dedupe_dialogues(tokenized)
+    assert len(distinct) < len(tokenized) and counts.sum() == len(tokenized)
+    torch.manual_seed(0)
+
+    def batch(ds):
+        ids, _ = m.pad_rows([d["input_ids"].tolist() for d in ds], tok.pad_token_id)
+        agent = torch.zeros_like(ids, dtype=torch.bool)
+        for i, d in enumerate(ds):
+            agent[i, : len(d["agent_mask"])] = torch.from_numpy(d["agent_mask"])
+        return ids, agent
+
+    vocab = len(tok)
+    table = torch.randn(vocab, vocab)  # a fixed "model": logits depend on the current token only
+    full_ids, full_agent = batch(tokenized)
+    dd_ids, dd_agent = batch(distinct)
+    full = m.bc_loss(table[full_ids], full_ids, full_agent, torch.ones(len(tokenized)))
+    weighted = m.bc_loss(table[dd_ids], dd_ids, dd_agent, torch.from_numpy(counts))
+    assert weighted.item() == pytest.approx(full.item(), rel=1e-5)
+    # hand check of one term: the NLL of the first agent token of the first dialogue
+    ids0, agent0 = full_ids[:1], full_agent[:1]
+    i = int(agent0[0, 1:].nonzero()[0, 0])  # position whose action (token i + 1) is an agent token
+    only = torch.zeros_like(agent0)
+    only[0, i + 1] = True
+    nll = -torch.log_softmax(table[ids0[0, i]], -1)[ids0[0, i + 1]]
+    assert m.bc_loss(table[ids0], ids0, only, torch.ones(1)).item() == pytest.approx(nll.item(), rel=1e-5)
+
+
+def test_critic_history_turns_bind_question_and_answer():
+    tok = build_tokenizer()
+    turns = m.UtteranceTable(tok)
+    hist = [[], [("is it big ?", "yes .")], [("Is it BIG?", "yes ."), ("is it red ?", "no .")]]
+    idx, n = m.history_turn_ids(hist, turns)
+    assert n.tolist() == [0, 1, 2] and idx.tolist() == [[-1, -1], [0, -1], [0, 1]]  # normalised, shared turn id
+    assert turns.tokens[0] == tok("is it big ? yes .", add_special_tokens=False)["input_ids"]
+    critic = m.UtteranceCritic(len(tok), 8, 16, tok.pad_token_id)
+    t_ids, t_len = turns.tensors("cpu")
+    h = critic.encode_histories(critic.encode_turns(t_ids, t_len), idx, n)  # (3, 8)
+    u_ids, u_len = m.pad_rows([tok("is it red ?", add_special_tokens=False)["input_ids"]] * 2, tok.pad_token_id)
+    q = critic.q_values(h, critic.encode_utterances(u_ids, u_len)[None].expand(3, 2, 8))
+    assert h.shape == (3, 8) and q.shape == (3, 2, 2) and torch.isfinite(q).all()
+    # padding beyond n_turns is ignored: the same history with a longer padded row gives the same encoding
+    idx2 = torch.cat([idx, torch.full((3, 3), -1)], dim=1)
+    h2 = critic.encode_histories(critic.encode_turns(t_ids, t_len), idx2, n)
+    assert torch.allclose(h, h2, atol=1e-6)
+
+
+def test_smoke_run_and_eval_only(runs_dir):
+    tiny = [
+        "--dataset-size",
+        "200",
+        "--bc-epochs",
+        "1",
+        "--critic-steps",
+        "4",
+        "--batch-size",
+        "16",
+        "--eval-episodes",
+        "18",
+        "--n-candidates",
+        "2",
+        "--n-embd",
+        "16",
+        "--critic-dim",
+        "16",
+        "--critic-hidden",
+        "16",
+        "--log-every",
+        "2",
+    ]
+    summary = run_script("dialogue_cql_utterance", *tiny, runs_dir=runs_dir, timeout=300)
+    mt = summary["metrics"]
+    for key in (
+        "eval/success_rate",
+        "eval/episodic_return",
+        "eval/episodic_length",
+        "eval/normalized_score",
+        "eval/bc_proposer_episodic_return",
+        "eval/bc_proposer_success_rate",
+        "dataset/mean_return",
+    ):
+        assert isinstance(mt[key], float), key
+    assert 0.0 <= mt["eval/success_rate"] <= 1.0 and 1.0 <= mt["eval/episodic_length"] <= G.MAX_TURNS
+    assert mt["eval/normalized_score"] == pytest.approx(G.normalized_score(mt["eval/episodic_return"]))
+    assert mt["dataset/mean_return"] == pytest.approx(G.dataset_stats(G.make_dataset(200, seed=1))["mean_return"])
+    run_dir = runs_dir / summary["run_name"]
+    assert (run_dir / "critic.safetensors").exists() and (run_dir / "bc_lm" / "config.json").exists()
+    again = run_script(
+        "dialogue_cql_utterance", *tiny, "--eval-only", "--checkpoint", str(run_dir), runs_dir=runs_dir, timeout=300
+    )
+    assert again["run_name"] != summary["run_name"]
+    # same weights, same eval seed, same sampling seed -> the same evaluation
+    assert again["metrics"]["eval/episodic_return"] == pytest.approx(mt["eval/episodic_return"])
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"n_candidates": 0}, "--n-candidates"),
+        ({"tau": 0.0}, "--tau"),
+        ({"cql_alpha": -1.0}, "--cql-alpha"),
+        ({"n_embd": 30, "n_head": 4}, "not divisible"),
+        ({"eval_only": True, "checkpoint": "/nonexistent_run"}, "--eval-only needs"),
+    ],
+)
+def test_validate_rejects_bad_args(bad, message):
+    with pytest.raises(SystemExit, match=message):
+        m.validate(m.Args(**bad))
+
+
+def test_bad_input_clear_error_cli(runs_dir):
+    """The CLI path prints the one-line error, no traceback (the other cases are checked in-process above)."""
+    proc = run_script(
+        "dialogue_cql_utterance", "--dataset-path", "/nonexistent/data.jsonl", runs_dir=runs_dir, expect_fail=True
+    )
+    assert "does not exist" in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_corrupt_dataset_clear_error(runs_dir, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"turns": [{"agent": "is it red ?"}]}) + "\n{not json\n")
+    proc = run_script(
+        "dialogue_cql_utterance", "--dataset-path", str(path), runs_dir=runs_dir, expect_fail=True, timeout=120
+    )
+    assert "not a GuessTheImage JSONL dataset" in proc.stderr and "Traceback" not in proc.stderr
