@@ -35,7 +35,8 @@ done
 [ -n "$SEEDS" ] || { [ "$QUICK" = 1 ] && SEEDS="1" || SEEDS="1 2 3"; }
 
 # The experiments, one per line:  id | claim | script and arguments | metrics (comma-separated) | lecture predicts
-# Lines starting with `quick:` run in --quick mode too; `full:` lines only in full mode.
+# Lines starting with `quick:` run in --quick mode too; `full:` lines only in full mode (the dialogue runs take
+# about 10 CPU-minutes each and would push --quick past 30 minutes).
 EXPERIMENTS=$(cat <<'EOF'
 quick: ppo_line_none | ThreeStateLine (Problem 21.1): the best memoryless policy is stochastic, p(right)=1/2, 2 steps | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn none --total-timesteps 30000 --eval-episodes 1000 | eval/p_right_first_step,eval/episodic_length | 0.5 and 2.0
 quick: ppo_line_none | ThreeStateLine: the greedy version of that policy is deterministic and fails half the episodes | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn none --total-timesteps 30000 --eval-episodes 1000 | eval/greedy_episodic_length | about 10.5 (half the episodes hit the 20-step limit)
@@ -75,6 +76,11 @@ full: rlhf_kl_sweep0.01 | RLHF, beta=0.01 | rlhf_ppo_kl --kl-coef 0.01 | eval/go
 full: rlhf_kl_sweep0.03 | RLHF, beta=0.03 | rlhf_ppo_kl --kl-coef 0.03 | eval/gold_reward,eval/kl | between beta=0 and beta=0.1
 full: rlhf_kl_sweep0.3 | RLHF, beta=0.3 | rlhf_ppo_kl --kl-coef 0.3 | eval/gold_reward,eval/kl | small KL, gold above SFT
 full: rlhf_bandit | RLHF, sequence-level (bandit) advantages instead of per-token GAE | rlhf_ppo_kl --advantage bandit | eval/gold_reward,eval/sft_gold_reward,eval/kl | about the same as GAE
+full: ilql | GuessTheImage: per-token ILQL beats BC and filtered BC, approaching the optimal questioner | ilql_per_token | eval/episodic_return,eval/success_rate,eval/episodic_length,eval/normalized_score | > filtered BC >= BC (about 0.41), toward 0.783
+full: ilql | GuessTheImage: BC on all data (the same model decoded with beta = 0) | ilql_per_token | eval/bc_episodic_return,eval/bc_success_rate | about the dataset mixture (0.412)
+full: ilql | GuessTheImage: the behavior mixture and the optimal questioner (anchors) | ilql_per_token | dataset/mean_return,ref/optimal_episodic_return | 0.412 and 0.783
+full: ilql_filtered_bc | GuessTheImage: filtered BC, top 20% of dialogues by return | ilql_per_token --bc-only --filter-top-frac 0.2 | eval/episodic_return,eval/success_rate | about 0.41 (premature lucky guesses dominate the top)
+full: cql_utterance | GuessTheImage: per-utterance CQL (CHAI-style) beats BC and filtered BC | dialogue_cql_utterance | eval/episodic_return,eval/success_rate,eval/episodic_length,eval/normalized_score,eval/bc_proposer_episodic_return | > filtered BC >= BC, toward 0.783
 EOF
 )
 # Settings shared by the small discrete-observation DQN runs (TMaze, ThreeStateLine), substituted above.

@@ -1,0 +1,351 @@
+"""Tests of algos/ilql_per_token.py: the ILQL math against hand computations (expectile, per-token CQL = cross-entropy,
+the token-level backup that skips the answerer's tokens and stops at the dialogue's end, Polyak), decoding (β = 0
+is BC, KV-cached left-padded generation = a plain loop), subprocess smoke runs, bad input, and a slow learning test."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import load_script, run_script
+
+import envs.guess_image as G
+from envs.tokenizer import build_tokenizer
+
+M = load_script("ilql_per_token")
+SMOKE = (  # a few seconds: 300 dialogues, a 1-layer 32-wide model, 20 steps, 36 + 18 episodes per β
+    "--dataset-size",
+    "300",
+    "--num-steps",
+    "20",
+    "--log-every",
+    "10",
+    "--batch-size",
+    "16",
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "32",
+    "--eval-episodes",
+    "36",
+    "--val-episodes",
+    "18",
+    "--betas",
+    "0",
+    "4",
+)
+
+
+def hand_dialogue():
+    """2 turns: a question (reward -0.05) and a correct guess (reward 1, done)."""
+    return {
+        "turns": [
+            {"agent": "is it big ?", "reply": "yes .", "reward": -0.05},
+            {"agent": "it is the big red circle .", "reply": "correct .", "reward": 1.0},
+        ]
+    }
+
+
+def tiny_model(seed=0, d=16):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    tok = build_tokenizer()
+    config = GPT2Config(
+        vocab_size=len(tok),
+        n_positions=M.N_POSITIONS,
+        n_embd=d,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    lm = GPT2LMHeadModel(config).eval()
+    heads = M.ILQLHeads(d, len(tok))
+    for p in heads.parameters():  # make the Q/V heads non-trivial (and different from the online heads)
+        torch.nn.init.normal_(p, std=0.5)
+    return lm, heads, tok
+
+
+def test_expectile_loss_matches_hand_computation():
+    diff = torch.tensor([2.0, -1.0, 0.5, 0.0])  # u = Q - V
+    expected = [0.7 * 4.0, 0.3 * 1.0, 0.7 * 0.25, 0.0]  # |τ - 1(u<0)| u^2 with τ = 0.7
+    assert M.expectile_loss(diff, 0.7).tolist() == pytest.approx(expected)
+    assert M.expectile_loss(diff, 0.5).tolist() == pytest.approx((0.5 * diff**2).tolist())  # τ = 0.5: half MSE
+
+
+def test_expectile_minimizer_is_above_the_mean_for_tau_above_half():
+    q = torch.tensor([0.0, 0.0, 0.0, 1.0])  # mean 0.25; the 0.9-expectile solves 0.9*(1-v) = 0.1*3v -> v = 0.75
+    v = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([v], lr=0.1)
+    for _ in range(2000):
+        opt.zero_grad()
+        M.expectile_loss(q - v, 0.9).mean().backward()
+        opt.step()
+    assert v.item() == pytest.approx(0.75, abs=1e-3)
+
+
+def test_cql_penalty_is_cross_entropy_of_q_as_logits():
+    q = torch.tensor([[1.0, 2.0, 3.0], [0.5, -1.0, 0.0]])
+    actions = torch.tensor([0, 2])
+    hand = [math.log(math.e + math.e**2 + math.e**3) - 1.0, math.log(math.exp(0.5) + math.exp(-1) + 1.0) - 0.0]
+    assert M.cql_penalty(q, actions).tolist() == pytest.approx(hand)
+    big = torch.randn(4, 7, 136)  # (B, L, V), the training shapes
+    acts = torch.randint(0, 136, (4, 7))
+    ce = F.cross_entropy(big.transpose(1, 2), acts, reduction="none")
+    assert torch.allclose(M.cql_penalty(big, acts), ce, atol=1e-5)
+
+
+def test_backup_skips_answerer_tokens_and_stops_at_dialogue_end():
+    tok = build_tokenizer()
+    t = G.tokenize_dialogue(hand_dialogue(), tok)
+    # 0 <bos> | 1 is 2 it 3 big 4 ? 5 <sep> | 6 yes 7 . 8 <sep> | 9 it 10 is 11 the 12 big 13 red 14 circle 15 .
+    # 16 <sep> | 17 correct 18 . 19 <eos>
+    assert len(t["input_ids"]) == 20
+    action_mask, next_idx = M.next_state_indices(t["agent_mask"])
+    assert np.flatnonzero(action_mask).tolist() == [0, 1, 2, 3, 4, *range(8, 16)]
+    expected = {0: 1, 1: 2, 2: 3, 3: 4, 4: 8, **{i: i + 1 for i in range(8, 15)}, 15: -1}
+    assert {i: int(next_idx[i]) for i in np.flatnonzero(action_mask)} == expected
+    assert all(next_idx[i] == -1 for i in np.flatnonzero(~action_mask))
+    # targets y = r + γ V(s'): the question's <sep> (action of position 4) bootstraps from position 8 (the state
+    # that has seen "yes ."), the final <sep> (action of position 15) gets its reward only
+    data = M.build_tensors([hand_dialogue()], tok)
+    v = torch.arange(20, dtype=torch.float32)[None] / 10.0 + 1.0  # (1, L): V(position j) = 1 + j/10, all non-zero
+    y = M.q_targets(data["rewards"], data["dones"], v, data["next_idx"], gamma=0.9)[0]
+    assert y[4].item() == pytest.approx(-0.05 + 0.9 * 1.8)
+    assert y[15].item() == pytest.approx(1.0)
+    assert y[1].item() == pytest.approx(0.9 * 1.2)
+    assert y[9].item() == pytest.approx(0.9 * 2.0)
+    assert data["dones"][0].nonzero().flatten().tolist() == [15]
+
+
+def test_build_tensors_pads_and_keeps_per_dialogue_layout():
+    tok = build_tokenizer()
+    dialogues = G.make_dataset(5, seed=3)
+    data = M.build_tensors(dialogues, tok)
+    for k, d in enumerate(dialogues):
+        t = G.tokenize_dialogue(d, tok)
+        n = len(t["input_ids"])
+        assert data["lengths"][k] == n
+        assert data["input_ids"][k, :n].tolist() == t["input_ids"].tolist()
+        assert data["rewards"][k].sum().item() == pytest.approx(d["return"], abs=1e-5)
+        assert int(data["dones"][k].sum()) == 1 and not data["action_mask"][k, n - 1 :].any()
+
+
+def test_lm_loss_covers_answerer_tokens_and_bc_only_agent_tokens():
+    torch.manual_seed(0)
+    b, length, vocab = 2, 6, 5
+    out = {k: torch.randn(b, length, vocab) for k in ("logits", "q1", "q2", "tq1", "tq2")}
+    out["v"] = torch.randn(b, length)
+    batch = {
+        "input_ids": torch.randint(0, vocab, (b, length)),
+        "action_mask": torch.tensor([[1, 1, 0, 0, 1], [0, 1, 1, 0, 0]], dtype=torch.bool),  # agent tokens
+        "lm_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]], dtype=torch.float32),  # real tokens (1 pad)
+        "rewards": torch.zeros(b, length - 1),
+        "dones": torch.zeros(b, length - 1, dtype=torch.bool),
+        "next_idx": torch.full((b, length - 1), -1),
+    }
+    ce = F.cross_entropy(out["logits"][:, :-1].transpose(1, 2), batch["input_ids"][:, 1:], reduction="none")
+    args = type("A", (), dict(gamma=1.0, tau=0.7, cql_weight=0.1, bc_weight=1.0, bc_only=True, lm_all_tokens=True))
+    losses = M.ilql_losses(out, batch, args)
+    assert losses["bc"].item() == pytest.approx(ce[batch["action_mask"]].mean().item(), rel=1e-5)
+    assert losses["lm"].item() == pytest.approx(ce[batch["lm_mask"].bool()].mean().item(), rel=1e-5)
+    assert losses["loss"].item() == pytest.approx(losses["lm"].item(), rel=1e-6)  # BC-only: the LM loss alone
+    args.lm_all_tokens = False
+    assert M.ilql_losses(out, batch, args)["loss"].item() == pytest.approx(losses["bc"].item(), rel=1e-6)
+
+
+def test_polyak_update():
+    source, target = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    torch.nn.init.constant_(source.weight, 1.0), torch.nn.init.constant_(source.bias, 1.0)
+    torch.nn.init.constant_(target.weight, 0.0), torch.nn.init.constant_(target.bias, 0.0)
+    M.polyak_update(target, source, 0.1)
+    assert torch.allclose(target.weight, torch.full((2, 3), 0.1))
+    M.polyak_update(target, source, 0.1)
+    assert torch.allclose(target.bias, torch.full((2,), 0.19))  # 0.1 + 0.9 * 0.1
+    heads = M.ILQLHeads(4, 5)
+    assert all(torch.equal(a, b) for a, b in zip(heads.q1.parameters(), heads.target_q1.parameters(), strict=True))
+    assert not any(p.requires_grad for p in heads.target_q2.parameters())
+
+
+def test_filter_top_fraction_keeps_highest_returns():
+    dialogues = [{"return": r} for r in (0.1, 0.9, -0.2, 0.5, 0.7)]
+    kept = M.filter_top(dialogues, 0.4)
+    assert [d["return"] for d in kept] == [0.9, 0.7]
+    assert len(M.filter_top(dialogues, 1.0)) == 5
+
+
+def plain_greedy(lm, heads, prompt, beta, sep_id):
+    """Reference decoder: full re-forward of the unpadded context per token, argmax of log π + β A."""
+    ids, out_ids = list(prompt), []
+    for _ in range(M.MAX_NEW_TOKENS):
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            out = M.forward_all(lm, heads, x, torch.ones_like(x))
+        scores = M.decoding_scores(out["logits"][0, -1], out["tq1"][0, -1], out["tq2"][0, -1], out["v"][0, -1], beta)
+        token = int(scores.argmax())
+        if token == sep_id:
+            break
+        out_ids.append(token)
+        ids.append(token)
+    return out_ids
+
+
+@pytest.mark.parametrize("beta", [0.0, 3.0])
+def test_batched_cached_decoding_matches_plain_loop(beta):
+    lm, heads, tok = tiny_model()
+    histories = [[], [("is it big ?", "yes .")], [("is it red ?", "no ."), ("is it a circle ?", "yes .")]]
+    prompts = [G.tokenize_prompt(h, tok) for h in histories]  # different lengths: left padding is exercised
+    got = M.generate_utterances(
+        lm,
+        heads,
+        prompts,
+        tok.pad_token_id,
+        tok.sep_token_id,
+        beta,
+        top_k=0,
+        greedy=True,
+        generator=torch.Generator().manual_seed(0),
+        device=torch.device("cpu"),
+    )
+    assert got == [plain_greedy(lm, heads, p, beta, tok.sep_token_id) for p in prompts]
+
+
+def test_beta_zero_decoding_is_bc_and_top1_sampling_is_argmax():
+    lm, heads, tok = tiny_model(seed=1)
+    x = torch.tensor([G.tokenize_prompt([("is it big ?", "no .")], tok)])
+    with torch.no_grad():
+        out = M.forward_all(lm, heads, x, torch.ones_like(x))
+    logits, tq1, tq2, v = out["logits"][0, -1], out["tq1"][0, -1], out["tq2"][0, -1], out["v"][0, -1]
+    scores0 = M.decoding_scores(logits, tq1, tq2, v, 0.0)
+    assert torch.allclose(scores0, F.log_softmax(logits, -1))  # β = 0: exactly the BC policy
+    scores_big = M.decoding_scores(logits, tq1, tq2, v, 1e6)  # β -> ∞: the argmax of the advantage
+    assert int(scores_big.argmax()) == int(torch.minimum(tq1, tq2).argmax())
+    kept = M.top_k_filter(scores0[None], 3)[0]
+    assert torch.isfinite(kept).sum() == 3 and set(kept.topk(3).indices.tolist()) == set(
+        scores0.topk(3).indices.tolist()
+    )
+    prompts = [x[0].tolist()] * 4
+    sampled = M.generate_utterances(
+        lm,
+        heads,
+        prompts,
+        tok.pad_token_id,
+        tok.sep_token_id,
+        0.0,
+        top_k=1,
+        greedy=False,
+        generator=torch.Generator().manual_seed(0),
+        device=torch.device("cpu"),
+    )
+    greedy = M.generate_utterances(
+        lm,
+        heads,
+        prompts,
+        tok.pad_token_id,
+        tok.sep_token_id,
+        0.0,
+        top_k=0,
+        greedy=True,
+        generator=torch.Generator().manual_seed(0),
+        device=torch.device("cpu"),
+    )
+    assert sampled == greedy
+
+
+def test_smoke_run_writes_summary_and_checkpoint_reloads(runs_dir):
+    summary = run_script("ilql_per_token", *SMOKE, runs_dir=runs_dir, timeout=300)
+    m = summary["metrics"]
+    for key in (
+        "eval/episodic_return",
+        "eval/success_rate",
+        "eval/episodic_length",
+        "eval/normalized_score",
+        "eval/bc_episodic_return",
+        "eval/beta_4/episodic_return",
+        "eval/val_beta_4/episodic_return",
+        "dataset/mean_return",
+        "ref/optimal_episodic_return",
+        "eval/best_beta",
+    ):
+        assert key in m and math.isfinite(m[key]), key
+    assert -0.41 <= m["eval/episodic_return"] <= 1.0 and m["eval/best_beta"] in (0.0, 4.0)
+    assert m["ref/optimal_episodic_return"] == pytest.approx(G.OPTIMAL_MEAN_RETURN, abs=0.02)
+    run_dir = summary["run_dir"]
+    again = run_script(
+        "ilql_per_token",
+        "--eval-only",
+        "--checkpoint",
+        run_dir,
+        "--dataset-size",
+        "50",
+        "--eval-episodes",
+        "36",
+        "--val-episodes",
+        "18",
+        "--betas",
+        "0",
+        "4",
+        runs_dir=runs_dir,
+    )
+    assert again["run_dir"] != run_dir
+    for key in ("eval/beta_0/episodic_return", "eval/beta_4/episodic_return"):  # same weights, seeds, episodes
+        assert again["metrics"][key] == pytest.approx(m[key])
+
+
+def test_bc_only_filtered_mode_runs(runs_dir):
+    summary = run_script("ilql_per_token", *SMOKE, "--bc-only", "--filter-top-frac", "0.2", runs_dir=runs_dir)
+    assert summary["args"]["n_train_dialogues"] == 60 and summary["args"]["betas"] == [0.0]
+    assert summary["metrics"]["eval/best_beta"] == 0.0
+
+
+def test_bad_input_gives_one_line_errors(runs_dir, tmp_path):
+    proc = run_script(
+        "ilql_per_token", "--dataset-path", str(tmp_path / "nope.jsonl"), runs_dir=runs_dir, expect_fail=True
+    )
+    assert "error: --dataset-path" in proc.stderr and "Traceback" not in proc.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"turns": [{"agent": "is it big ?"}]}) + "\n")
+    proc = run_script("ilql_per_token", "--dataset-path", str(bad), runs_dir=runs_dir, expect_fail=True)
+    assert "is not a GuessTheImage JSONL dataset" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_script(
+        "ilql_per_token", "--eval-only", "--checkpoint", str(tmp_path), runs_dir=runs_dir, expect_fail=True
+    )
+    assert "error: --checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_script("ilql_per_token", "--filter-top-frac", "0", runs_dir=runs_dir, expect_fail=True)
+    assert "error: --filter-top-frac" in proc.stderr
+
+
+@pytest.mark.slow
+def test_ilql_value_backup_carries_the_final_reward_to_the_start(runs_dir):
+    """~2 min. The behavioral claim (ILQL > BC) needs the full run (benchmark.sh): at this budget the tiny model
+    does not yet read the answers. What must already work: the token-level backup carries the final reward ~40
+    tokens back over the answerer's tokens, so V(<bos>) approaches the data's return (0 without bootstrapping, as
+    the first tokens' reward is 0), and the Q regression fits."""
+    summary = run_script("ilql_per_token", *SLOW, runs_dir=runs_dir, timeout=600)
+    m = summary["metrics"]
+    assert 0.2 < m["model/v_start"] < 1.0, m  # dataset mean return 0.41; the τ = 0.7 expectile sits above it
+    assert m["model/final_q_loss"] < 0.1 and m["model/final_lm_loss"] < 0.5, m
+    assert -0.41 <= m["eval/episodic_return"] <= 1.0
+
+
+SLOW = (
+    "--dataset-size",
+    "3000",
+    "--num-steps",
+    "500",
+    "--log-every",
+    "50",
+    "--batch-size",
+    "32",
+    "--eval-episodes",
+    "90",
+    "--val-episodes",
+    "36",
+    "--betas",
+    "0",
+    "4",
+)
