@@ -14,6 +14,7 @@
 # A failed run is reported in the table (status column), never silently dropped.
 set -uo pipefail
 cd "$(dirname "$0")"
+{  # the whole script is one block, parsed before it runs, so editing this file mid-run cannot change a run
 
 QUICK=0
 SEEDS=""
@@ -279,3 +280,5 @@ if curve_files:
     plt.close(fig)
 print(f"\nwrote {out / 'results.md'} and {len(list(out.glob('*.png')))} plot(s)")
 PY
+exit $?
+}
