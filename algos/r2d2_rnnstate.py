@@ -58,10 +58,18 @@ References: [1] S. Kapturowski et al., "Recurrent Experience Replay in Distribut
 2019. [2] D. Horgan et al., "Distributed Prioritized Experience Replay" (Ape-X), ICLR 2018. [3] T. Schaul et al.,
 "Prioritized Experience Replay", ICLR 2016. [4] T. Pohlen et al., "Observe and Look Further", 2018 (h(x)).
 [5] CleanRL dqn.py and ppo_atari_lstm.py (github.com/vwxyzjn/cleanrl): the loop layout, done-masked LSTM state.
-Reproduce (TMaze-20: success 1.00 in 3/3 seeds; MaskedCartPole: 498 greedy return, seed 1; ablation: add
-`--state-init zero --burn-in 0` or `--burn-in 0` to the TMaze command):
+MaskedCartPole is seed-sensitive: the last network of a 150k-step run scores 498.4 / 472.5 / 444.4 (seeds 1 / 2 / 3,
+20 greedy episodes; some episodes fail). Neither annealing the learning rate to 0 (seeds 2 / 3: 242.3 / 288.4) nor
+gamma 0.995 (seed 2: 179.0) steadied it, so its benchmark keeps the best network instead, as SB3's EvalCallback
+does: `--select-frequency 10000 --keep-best` evaluates the greedy policy on 10 episodes every 10k steps (env seeds
+disjoint from the final evaluation), keeps the best (the later one on ties), and reports the final evaluation of
+that network on fresh episodes; summary.json also gives the last network's return. Kept network (benchmark.sh,
+results/20261202-193826): 498.4 / 500.0 / 480.6 (seeds 1 / 2 / 3; kept at 150k / 140k / 130k steps), 2 min a run.
+Reproduce (TMaze-20: success 1.00 in 3/3 seeds; ablation: add `--state-init zero --burn-in 0` or `--burn-in 0`
+to the TMaze command):
     python algos/r2d2_rnnstate.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}'
     python algos/r2d2_rnnstate.py --env-id seqrl/MaskedCartPole-v0 --total-timesteps 150000 --eval-episodes 20
+        (the benchmark adds --select-frequency 10000 --keep-best)
 """
 
 import json
@@ -87,6 +95,7 @@ import envs  # noqa: E402, F401  (registers the seqrl/ environments)
 
 NO_ACTION = -1  # "previous action" at an episode's first step: encoded as an all-zero one-hot
 DELTA_Q_EPS = 1e-6  # keeps the Delta-Q normalization finite when all true Q-values are 0
+SELECT_SEED_OFFSET = 1_000_000  # evaluations during training: env seeds seed + 1e6 + global_step + i
 MAX_EVAL_STEPS = 10_000  # guard for envs without a time limit: an evaluation episode stops after this many steps
 ARCH_FIELDS = ("env_id", "env_kwargs", "hidden_size")  # read from a checkpoint's args.json for --eval-only
 
@@ -169,6 +178,14 @@ class Args:
     """global gradient-norm clipping"""
     delta_q_frequency: int = 50
     """gradient updates between Delta-Q measurements (recomputing states from the episode start)"""
+    select_frequency: int = 0
+    """environment steps between greedy evaluations during training (0 = none), logged as select/episodic_return"""
+    select_episodes: int = 10
+    """episodes per evaluation during training (env seeds disjoint from the training and the final evaluation)"""
+    keep_best: bool = False
+    """keep the network of the best evaluation during training (ties: the later one) as the final model, like
+    SB3's EvalCallback; the final evaluation runs on fresh episodes, and summary.json also reports the last
+    network (`eval/last_network_episodic_return`). Needs --select-frequency"""
 
     # filled in at runtime
     num_updates: int = 0
@@ -486,6 +503,8 @@ if __name__ == "__main__":
         raise SystemExit(f"error: --env-kwargs must be a JSON object, got {args.env_kwargs!r}") from None
     if not 0 <= args.seq_overlap < args.seq_len:
         raise SystemExit(f"error: need 0 <= --seq-overlap < --seq-len, got {args.seq_overlap} and {args.seq_len}")
+    if args.keep_best and args.select_frequency < 1:
+        raise SystemExit("error: --keep-best needs --select-frequency > 0")
     if args.burn_in < 0 or args.n_step < 1 or args.num_envs < 1 or args.batch_size < 1:
         raise SystemExit("error: need --burn-in >= 0, --n-step >= 1, --num-envs >= 1, --batch-size >= 1")
     window = args.burn_in + args.seq_len + args.n_step
@@ -540,6 +559,7 @@ if __name__ == "__main__":
     global_step, num_updates_done, start_time = 0, 0, time.time()
     delta_q_log = []  # (first, last) Delta-Q measurements
     ep_returns, ep_lengths = [], []
+    best_return, best_step, best_state = -np.inf, 0, None  # the kept network (--keep-best)
     if not args.eval_only:
         obs, _ = vec_env.reset(seed=args.seed)
         first = np.ones(E, dtype=bool)  # row holds a reset observation
@@ -573,6 +593,20 @@ if __name__ == "__main__":
                 ep_return[e], ep_length[e] = 0.0, 0
             first, final, terminal = next_row_flags(final, term, trunc)
             obs, prev_action, prev_reward = next_obs, action, reward
+
+            # evaluation during training (--select-frequency), and the kept network (--keep-best)
+            if (
+                args.select_frequency
+                and global_step // args.select_frequency != (global_step - E) // args.select_frequency
+            ):
+                sel_seed = args.seed + SELECT_SEED_OFFSET + global_step
+                sel = evaluate(q_network, args.env_id, env_kwargs, args.select_episodes, sel_seed, device)
+                sel_return = float(sel["ret"].mean())
+                writer.add_scalar("select/episodic_return", sel_return, global_step)
+                print(f"SELECT global_step={global_step} return={sel_return:.1f}")
+                if sel_return >= best_return:
+                    best_return, best_step = sel_return, global_step
+                    best_state = {key: value.clone() for key, value in q_network.state_dict().items()}
 
             # 3. learn: sample prioritized sequences, burn in, n-step double-Q targets on h-rescaled values
             if global_step < args.learning_starts or step % args.train_frequency != 0 or rb.num_sequences() == 0:
@@ -641,8 +675,14 @@ if __name__ == "__main__":
 
     # 5. greedy evaluation, summary.json, save
     wall_time = time.time() - start_time
+    kept = {}
+    if args.keep_best and best_state is not None:  # evaluate the last network too, then switch to the kept one
+        last = evaluate(q_network, args.env_id, env_kwargs, args.eval_episodes, args.seed + 10_000, device)
+        kept = {"eval/last_network_episodic_return": last["ret"].mean(), "select/best_episodic_return": best_return,
+                "select/best_global_step": best_step}  # fmt: skip
+        q_network.load_state_dict(best_state)
     result = evaluate(q_network, args.env_id, env_kwargs, args.eval_episodes, args.seed + 10_000, device)
-    metrics = {
+    metrics = kept | {
         "eval/episodic_return": result["ret"].mean(),
         "eval/episodic_return_std": result["ret"].std(),
         "eval/episodic_length": result["length"].mean(),

@@ -177,7 +177,8 @@ def test_linear_schedule():
 
 # CleanRL-like settings for the small discrete POMDPs (the script defaults are tuned for MaskedCartPole)
 TMAZE_CLEANRL_LIKE = ["--learning-rate", "5e-4", "--train-frequency", "1", "--gradient-steps", "1", "--batch-size",
-                      "128", "--exploration-fraction", "0.5", "--end-e", "0.05", "--hidden-size", "128"]  # fmt: skip
+                      "128", "--exploration-fraction", "0.5", "--end-e", "0.05", "--hidden-size", "128",
+                      "--gamma", "0.99", "--target-network-frequency", "256"]  # fmt: skip
 TINY = ["--total-timesteps", "400", "--learning-starts", "128", "--batch-size", "32", "--num-envs", "2"]
 
 

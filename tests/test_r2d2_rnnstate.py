@@ -234,9 +234,21 @@ def test_zero_state_without_burn_in_runs(runs_dir):
     assert summary["args"]["state_init"] == "zero" and np.isfinite(summary["metrics"]["model/delta_q_first"])
 
 
+def test_keep_best_saves_and_reports_the_kept_network(runs_dir):
+    summary = run_script("r2d2_rnnstate", *TINY, "--select-frequency", "800", "--keep-best", runs_dir=runs_dir)
+    metrics = summary["metrics"]
+    assert metrics["select/best_global_step"] in (800.0, 1600.0, 2400.0)  # evaluations at 800, 1600, 2400 steps
+    assert np.isfinite(metrics["select/best_episodic_return"])
+    assert np.isfinite(metrics["eval/last_network_episodic_return"]) and np.isfinite(metrics["eval/episodic_return"])
+    again = run_script("r2d2_rnnstate", "--eval-only", "--checkpoint", summary["run_dir"], "--eval-episodes", "4",
+                       runs_dir=runs_dir, timeout=120)  # fmt: skip
+    assert again["metrics"]["eval/episodic_return"] == pytest.approx(metrics["eval/episodic_return"])  # kept = saved
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
+        (["--keep-best"], "--keep-best needs --select-frequency"),
         (["--env-id", "seqrl/NoSuchEnv-v0"], "cannot make env"),
         (["--env-id", "Pendulum-v1", "--env-kwargs", "{}"], "only Discrete action spaces"),
         (["--env-kwargs", "[1, 2]"], "must be a JSON object"),
