@@ -54,7 +54,15 @@ What is taken from CHAI [1] and from Snell's re-implementation [3], and what dif
   - Candidates are sampled once for the whole dataset (the BC LM is frozen after step 1), not per minibatch.
 
 What was scaled down and why: a 2-layer 64-dim GPT-2 and 64-dim GRUs instead of GPT-2 / GPT-3 sized models, a
-closed word vocabulary, N = 16 candidates, a synthetic answerer, so that everything fits in a few CPU minutes.
+closed word vocabulary, N = 16 candidates, a synthetic answerer, so that a run takes ~14 minutes (825-831 s wall
+with two runs side by side on the shared 2-core box).
+Measured (`benchmark.sh --only '^cql_utterance$'`, 500 test episodes; mean return / success / length, seeds 1 / 2):
+  per-utterance CQL  0.277 / 0.534 / 6.09  and  0.103 / 0.324 / 5.41
+  its BC proposer (1 sample) -0.157 / 0.070 / 5.36  and  -0.180 / 0.058 / 5.59
+  dataset mixture 0.412 | filtered BC (ilql_per_token --bc-only --filter-top-frac 0.2) 0.313 / 0.360 | optimal 0.783
+Known limitation: the critic's choice beats the proposer by +0.43 / +0.28, but the claim "CQL >= filtered BC" is NOT
+shown: the proposer still rarely guesses consistently with the answers (success 6-7%), so the candidate sets are poor,
+and the critic picks long, question-heavy dialogues (6 turns on average vs 5.33 for the optimal questioner).
 
 References:
   [1] Verma, Fu, Yang, Levine 2022, CHAI: A CHatbot AI for Task-Oriented Dialogue with Offline Reinforcement
