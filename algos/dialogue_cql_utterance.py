@@ -143,7 +143,7 @@ class Args:
     n_head: int = 4
     """attention heads of the tiny GPT-2"""
     bc_epochs: int = 5
-    """passes of next-token cross-entropy over the agent tokens of all dialogues"""
+    """passes of next-token cross-entropy over all dialogues (every token, or agent tokens with --no-bc-all-tokens)"""
     bc_lr: float = 3e-3
     """peak AdamW learning rate of the BC LM (linear warmup, cosine decay to 0)"""
     bc_batch_size: int = 64
@@ -396,9 +396,10 @@ def train_bc(lm, tokenized: list[dict], args, device, writer, pad_id: int):
         for start in rng.permutation(np.arange(0, n, args.bc_batch_size)):
             rows = perm[start : start + args.bc_batch_size]
             ids, _ = pad_rows([tokenized[i]["input_ids"].tolist() for i in rows], pad_id)  # (B, L)
-            agent = torch.zeros_like(ids, dtype=torch.bool)
-            for i, r in enumerate(rows):
-                agent[i, : lengths[r]] = True if args.bc_all_tokens else torch.from_numpy(tokenized[r]["agent_mask"])
+            if args.bc_all_tokens:
+                agent = ids != pad_id  # (B, L): every real token is a target
+            else:
+                agent = pad_rows([tokenized[i]["agent_mask"].tolist() for i in rows], 0)[0].bool()  # (B, L)
             ids, agent = ids.to(device), agent.to(device)
             logits = lm(input_ids=ids, attention_mask=(ids != pad_id).long()).logits  # (B, L, V)
             loss = bc_loss(logits, ids, agent, torch.from_numpy(counts[rows]).to(device))

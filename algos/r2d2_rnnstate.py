@@ -95,6 +95,7 @@ import envs  # noqa: E402, F401  (registers the seqrl/ environments)
 
 NO_ACTION = -1  # "previous action" at an episode's first step: encoded as an all-zero one-hot
 DELTA_Q_EPS = 1e-6  # keeps the Delta-Q normalization finite when all true Q-values are 0
+EVAL_SEED_OFFSET = 10_000  # final evaluation: env seeds seed + 10000 + i, disjoint from training
 SELECT_SEED_OFFSET = 1_000_000  # evaluations during training: env seeds seed + 1e6 + global_step + i
 MAX_EVAL_STEPS = 10_000  # guard for envs without a time limit: an evaluation episode stops after this many steps
 ARCH_FIELDS = ("env_id", "env_kwargs", "hidden_size")  # read from a checkpoint's args.json for --eval-only
@@ -677,11 +678,11 @@ if __name__ == "__main__":
     wall_time = time.time() - start_time
     kept = {}
     if args.keep_best and best_state is not None:  # evaluate the last network too, then switch to the kept one
-        last = evaluate(q_network, args.env_id, env_kwargs, args.eval_episodes, args.seed + 10_000, device)
+        last = evaluate(q_network, args.env_id, env_kwargs, args.eval_episodes, args.seed + EVAL_SEED_OFFSET, device)
         kept = {"eval/last_network_episodic_return": last["ret"].mean(), "select/best_episodic_return": best_return,
                 "select/best_global_step": best_step}  # fmt: skip
         q_network.load_state_dict(best_state)
-    result = evaluate(q_network, args.env_id, env_kwargs, args.eval_episodes, args.seed + 10_000, device)
+    result = evaluate(q_network, args.env_id, env_kwargs, args.eval_episodes, args.seed + EVAL_SEED_OFFSET, device)
     metrics = kept | {
         "eval/episodic_return": result["ret"].mean(),
         "eval/episodic_return_std": result["ret"].std(),
