@@ -77,8 +77,9 @@ and it leaves that plateau only in some runs within 4000 steps (final agent-toke
 seeds 1 / 2 / 3; seed 1 left the plateau at ~2000 steps). Filtered BC
 learns from the top 20% - all successful, mostly short dialogues - where every guess is consistent with the
 answers. On the optimal questioner's data alone (a fixed question order: size is always asked first) the same
-model learns the lookup in ~800 steps (BC 0.761 return after 1500 steps). A longer run or a larger model (e.g. on
-a GPU) is what the stitching comparison needs.
+model learns the lookup in ~800 steps (BC 0.761 return after 1500 steps: seed 1, `--bc-only --num-steps 1500
+--dataset-path` a file from `G.write_dataset(path, 20000, seed=1, mixture={"optimal": 1.0})`). A longer run or a
+larger model (e.g. on a GPU) is what the stitching comparison needs.
 
 References:
   [1] Snell, Kostrikov, Su, Yang, Levine 2022, Offline RL for Natural Language Generation with Implicit Language
