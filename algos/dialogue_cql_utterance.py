@@ -151,6 +151,10 @@ class Args:
     bc_all_tokens: bool = True
     """train the proposer on every next token, the answerer's replies too (a world-model auxiliary, as
     `ilql_per_token.py --lm-all-tokens`); sampling only ever writes agent tokens. False = agent tokens only"""
+    belief_coef: float = 1.0
+    """weight of the BC LM's belief auxiliary: a linear head on the last hidden state predicts the logged secret
+    object from every prefix (cross-entropy; its minimizer is the posterior over the 18 objects, the belief state).
+    The secret is read from the offline logs during training only; 0 disables (needed for logs without secret_id)"""
 
     # STEP 2: candidates
     n_candidates: int = 16
@@ -349,19 +353,22 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
 
 
-def dedupe_dialogues(tokenized: list[dict]) -> tuple[list[dict], np.ndarray]:
-    """Identical dialogues (same token ids) merged into one with a count: (distinct dialogues, counts (D,)).
-    A count-weighted loss over them equals the loss over all dialogues (20k dialogues -> ~11k distinct)."""
-    index: dict[bytes, int] = {}
-    distinct, counts = [], []
-    for d in tokenized:
-        key = d["input_ids"].tobytes()
+def dedupe_dialogues(tokenized: list[dict], secrets=None) -> tuple[list[dict], np.ndarray, np.ndarray]:
+    """Identical dialogues (same token ids and, if given, the same logged secret) merged into one with a count:
+    (distinct dialogues, counts (D,), secrets (D,) or -1). A count-weighted loss over them equals the loss over all
+    dialogues (20k dialogues -> ~11k distinct)."""
+    secrets = np.full(len(tokenized), -1) if secrets is None else np.asarray(secrets)
+    index: dict[tuple, int] = {}
+    distinct, counts, distinct_secrets = [], [], []
+    for d, secret in zip(tokenized, secrets, strict=True):
+        key = (d["input_ids"].tobytes(), int(secret))
         if key not in index:
             index[key] = len(distinct)
             distinct.append(d)
             counts.append(0)
+            distinct_secrets.append(int(secret))
         counts[index[key]] += 1
-    return distinct, np.asarray(counts, dtype=np.float32)
+    return distinct, np.asarray(counts, dtype=np.float32), np.asarray(distinct_secrets, dtype=np.int64)
 
 
 def bc_loss(logits: torch.Tensor, ids: torch.Tensor, agent: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -372,21 +379,32 @@ def bc_loss(logits: torch.Tensor, ids: torch.Tensor, agent: torch.Tensor, weight
     return (nll * mask).sum() / mask.sum()
 
 
-def train_bc(lm, tokenized: list[dict], args, device, writer, pad_id: int):
-    """STEP 1: next-token cross-entropy on the agent tokens (utterance words + closing <sep>) of every dialogue.
-    Identical dialogues are merged with their counts as weights; AdamW with linear warmup and cosine decay."""
-    tokenized, counts = dedupe_dialogues(tokenized)
+def belief_loss(belief_logits: torch.Tensor, secret: torch.Tensor, real: torch.Tensor, weights: torch.Tensor):
+    """Count-weighted cross-entropy of the logged secret from every real prefix: belief_logits (B, L, N_OBJECTS),
+    secret (B,), real (B, L) bool, weights (B,). Minimized by p(secret | prefix), the belief over the 18 objects."""
+    target = secret[:, None].expand(-1, belief_logits.shape[1])  # (B, L)
+    nll = F.cross_entropy(belief_logits.transpose(1, 2), target, reduction="none")  # (B, L)
+    mask = real.float() * weights[:, None]  # (B, L)
+    return (nll * mask).sum() / mask.sum()
+
+
+def train_bc(lm, tokenized: list[dict], secrets, args, device, writer, pad_id: int):
+    """STEP 1: next-token cross-entropy on every token (or the agent tokens) of every dialogue, plus the belief
+    auxiliary. Identical dialogues are merged with their counts as weights; AdamW with linear warmup, cosine decay."""
+    tokenized, counts, secrets = dedupe_dialogues(tokenized, secrets)
     n = len(tokenized)
     n_batches = math.ceil(n / args.bc_batch_size)
     total_steps = max(1, args.bc_epochs * n_batches)
-    optimizer = torch.optim.AdamW(lm.parameters(), lr=args.bc_lr, weight_decay=0.0)
+    belief_head = nn.Linear(lm.config.hidden_size, G.N_OBJECTS).to(device)  # training-only auxiliary head
+    optimizer = torch.optim.AdamW([*lm.parameters(), *belief_head.parameters()], lr=args.bc_lr, weight_decay=0.0)
     warmup = min(BC_WARMUP_STEPS, total_steps // 10 + 1)
     schedule = lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, s / total_steps)))  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     rng = np.random.default_rng(args.seed)
     lengths = np.array([len(d["input_ids"]) for d in tokenized])
     print(f"[bc] {n} distinct dialogues (of {int(counts.sum())}), {total_steps} steps", flush=True)
-    step, loss = 0, torch.tensor(float("nan"))
+    step, loss_bc = 0, torch.tensor(float("nan"))
+    loss_belief = torch.tensor(float("nan"))
     for epoch in range(args.bc_epochs):
         perm = rng.permutation(n)
         block = args.bc_batch_size * BC_SORT_BLOCK  # sort by length inside shuffled blocks: less padding
@@ -400,19 +418,27 @@ def train_bc(lm, tokenized: list[dict], args, device, writer, pad_id: int):
                 agent = ids != pad_id  # (B, L): every real token is a target
             else:
                 agent = pad_rows([tokenized[i]["agent_mask"].tolist() for i in rows], 0)[0].bool()  # (B, L)
-            ids, agent = ids.to(device), agent.to(device)
-            logits = lm(input_ids=ids, attention_mask=(ids != pad_id).long()).logits  # (B, L, V)
-            loss = bc_loss(logits, ids, agent, torch.from_numpy(counts[rows]).to(device))
+            ids, agent, weights = ids.to(device), agent.to(device), torch.from_numpy(counts[rows]).to(device)
+            use_belief = args.belief_coef > 0
+            out = lm(input_ids=ids, attention_mask=(ids != pad_id).long(), output_hidden_states=use_belief)
+            loss = loss_bc = bc_loss(out.logits, ids, agent, weights)  # logits (B, L, V)
+            if use_belief:  # hidden_states[-1]: the final (normed) hidden state (B, L, d)
+                secret = torch.from_numpy(secrets[rows]).to(device)  # (B,)
+                loss_belief = belief_loss(belief_head(out.hidden_states[-1]), secret, ids != pad_id, weights)
+                loss = loss + args.belief_coef * loss_belief
             optimizer.zero_grad()
             loss.backward()
-            nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
+            nn.utils.clip_grad_norm_([*lm.parameters(), *belief_head.parameters()], 1.0)
             optimizer.step()
             scheduler.step()
             step += 1
             if step % 50 == 0:
-                writer.add_scalar("losses/bc_nll", loss.item(), step)
+                writer.add_scalar("losses/bc_nll", loss_bc.item(), step)
+                if use_belief:
+                    writer.add_scalar("losses/belief_nll", loss_belief.item(), step)
                 writer.add_scalar("charts/bc_learning_rate", scheduler.get_last_lr()[0], step)
-        print(f"[bc] epoch {epoch} nll {loss.item():.3f}", flush=True)
+        belief_text = f" belief nll {loss_belief.item():.3f}" if args.belief_coef > 0 else ""
+        print(f"[bc] epoch {epoch} nll {loss_bc.item():.3f}{belief_text}", flush=True)
     return lm
 
 
@@ -509,6 +535,11 @@ def load_dialogues(args) -> list[dict]:
         raise SystemExit(f"error: --dataset-path '{path}' is not a GuessTheImage JSONL dataset ({e!r})") from None
     if not dialogues:
         raise SystemExit(f"error: --dataset-path '{path}' holds no dialogues")
+    if args.belief_coef > 0 and not all(d.get("secret_id") in range(G.N_OBJECTS) for d in dialogues):
+        raise SystemExit(
+            f"error: --dataset-path '{path}': --belief-coef > 0 needs the logged secret_id (0..{G.N_OBJECTS - 1}) of "
+            "every dialogue; pass --belief-coef 0 for logs without it"
+        )
     return dialogues
 
 
@@ -622,10 +653,13 @@ def evaluate(policy, args) -> dict:
 def make_run_dir(args):
     run_name = f"{TASK_ID.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir, suffix = Path(args.runs_dir) / run_name, 0
-    while run_dir.exists():
-        suffix += 1
-        run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
-    run_dir.mkdir(parents=True, exist_ok=False)
+    while True:  # never overwrite a run: mkdir is atomic, so runs started in the same second get -1, -2, ...
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            break
+        except FileExistsError:
+            suffix += 1
+            run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
     return run_dir.name, run_dir
 
 
@@ -638,6 +672,7 @@ def validate(args):
         (0.0 < args.tau <= 1.0, f"--tau must be in (0, 1], got {args.tau}"),
         (0.0 <= args.gamma <= 1.0, f"--gamma must be in [0, 1], got {args.gamma}"),
         (args.cql_alpha >= 0.0, f"--cql-alpha must be >= 0, got {args.cql_alpha}"),
+        (args.belief_coef >= 0.0, f"--belief-coef must be >= 0, got {args.belief_coef}"),
         (args.eval_episodes >= 1, f"--eval-episodes must be >= 1, got {args.eval_episodes}"),
         (args.critic_steps >= 0 and args.bc_epochs >= 0, "--critic-steps and --bc-epochs must be >= 0"),
         (args.n_embd % args.n_head == 0, f"--n-embd {args.n_embd} not divisible by --n-head {args.n_head}"),
@@ -698,7 +733,9 @@ if __name__ == "__main__":
         # STEP 1: the BC utterance model
         lm = build_lm(args, tokenizer).to(device)
         t0 = time.time()
-        lm = train_bc(lm, G.tokenize_dialogues(dialogues, tokenizer), args, device, writer, tokenizer.pad_token_id)
+        secrets = [d["secret_id"] for d in dialogues] if args.belief_coef > 0 else None
+        tokenized = G.tokenize_dialogues(dialogues, tokenizer)
+        lm = train_bc(lm, tokenized, secrets, args, device, writer, tokenizer.pad_token_id)
         lm.eval()
         print(f"[bc] trained in {time.time() - t0:.0f}s", flush=True)
 

@@ -406,10 +406,13 @@ def load_checkpoint(path: str | None) -> dict[str, torch.Tensor]:
 def make_run_dir(args: Args) -> tuple[str, Path]:
     run_name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir, suffix = Path(args.runs_dir) / run_name, 0
-    while run_dir.exists():  # never overwrite a run
-        suffix += 1
-        run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
-    run_dir.mkdir(parents=True, exist_ok=False)
+    while True:  # never overwrite a run: mkdir is atomic, so runs started in the same second get -1, -2, ...
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            break
+        except FileExistsError:
+            suffix += 1
+            run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
     return run_dir.name, run_dir
 
 

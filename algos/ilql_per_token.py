@@ -184,8 +184,14 @@ class Args:
     lm_all_tokens: bool = True
     """train the LM head on every next token, the answerer's replies too (as trlx's awac loss does); the reply
     tokens are a world-model auxiliary that teaches the backbone to read the answers. False = agent tokens only"""
-    polyak: float = 0.005
-    """Polyak rate α of the target Q heads, applied every step (Snell's alpha)"""
+    polyak: float = 0.05
+    """Polyak rate α of the target Q heads, applied every step (Snell 0.005, trlx 0.001 every 5 steps; larger here
+    because each token of the ~40-token backup chain waits ~1/α steps for its target: with 0.005 the start value
+    V(<bos>) was still 0.05 after 4000 steps, far below the data's 0.41)"""
+    belief_coef: float = 1.0
+    """weight of the belief auxiliary: a linear head on the last hidden state predicts the logged secret object
+    from every prefix (cross-entropy; its minimizer is the posterior over the 18 objects, the belief state). The
+    secret is read from the offline logs during training only; 0 disables (needed for logs without secret_id)"""
 
     # optimization
     num_steps: int = 4000
@@ -284,6 +290,14 @@ def top_k_filter(scores: torch.Tensor, k: int) -> torch.Tensor:
     return scores.masked_fill(scores < kth, float("-inf"))
 
 
+def belief_loss(belief_logits: torch.Tensor, secret: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the logged secret from every real prefix, mean over real positions: belief_logits
+    (B, L, N_OBJECTS), secret (B,), real (B, L). Minimized by p(secret | prefix), the belief over the 18 objects."""
+    target = secret[:, None].expand(-1, belief_logits.shape[1])  # (B, L)
+    nll = F.cross_entropy(belief_logits.transpose(1, 2), target, reduction="none")  # (B, L)
+    return (nll * real.float()).sum() / real.float().sum().clamp(min=1.0)
+
+
 def ilql_losses(out: dict, batch: dict, args) -> dict:
     """All ILQL losses of one minibatch. out: logits/q1/q2/tq1/tq2 (B, L, V), v (B, L); batch: input_ids (B, L),
     action_mask/rewards/dones/next_idx (B, L-1). Means are over action tokens only."""
@@ -301,6 +315,9 @@ def ilql_losses(out: dict, batch: dict, args) -> dict:
     loss_cql = sum((cql_penalty(out[k][:, :-1], actions) * mask).sum() / n for k in ("q1", "q2"))
     token_ce = F.cross_entropy(out["logits"][:, :-1].transpose(1, 2), actions, reduction="none")  # (B, L-1)
     loss_bc = (token_ce * mask).sum() / n  # BC: the agent's tokens only
+    loss_belief = torch.zeros((), device=mask.device)
+    if "secret" in batch and getattr(args, "belief_coef", 0.0) > 0:  # auxiliary: the belief from every prefix
+        loss_belief = belief_loss(out["belief"], batch["secret"], batch["attention_mask"])
     lm_mask = batch.get("lm_mask")  # (B, L-1): every real next token (agent + answerer), if given
     loss_lm = (token_ce * lm_mask).sum() / lm_mask.sum().clamp(min=1.0) if lm_mask is not None else loss_bc
     loss_pi = loss_lm if getattr(args, "lm_all_tokens", False) else loss_bc
@@ -308,6 +325,7 @@ def ilql_losses(out: dict, batch: dict, args) -> dict:
         total = args.bc_weight * loss_pi
     else:
         total = loss_q + loss_v + args.cql_weight * loss_cql + args.bc_weight * loss_pi
+    total = total + getattr(args, "belief_coef", 0.0) * loss_belief
     return {
         "loss": total,
         "q": loss_q,
@@ -315,6 +333,7 @@ def ilql_losses(out: dict, batch: dict, args) -> dict:
         "cql": loss_cql,
         "bc": loss_bc,
         "lm": loss_lm,
+        "belief": loss_belief,
         "q_data_mean": (target_q * mask).sum() / n,
         "v_mean": (out["v"][:, :-1].detach() * mask).sum() / n,
     }
@@ -341,6 +360,15 @@ def load_dialogues(args) -> list[dict]:
         raise SystemExit(f"error: --dataset-path '{path}' is not a GuessTheImage JSONL dataset ({e!r})") from None
     if not dialogues:
         raise SystemExit(f"error: --dataset-path '{path}' holds no dialogues")
+    if (
+        args.belief_coef > 0
+        and not args.eval_only
+        and not all(d.get("secret_id") in range(G.N_OBJECTS) for d in dialogues)
+    ):
+        raise SystemExit(
+            f"error: --dataset-path '{path}': --belief-coef > 0 needs the logged secret_id (0..{G.N_OBJECTS - 1}) of "
+            "every dialogue; pass --belief-coef 0 for logs without it"
+        )
     return dialogues
 
 
@@ -380,7 +408,9 @@ def build_tensors(dialogues: list[dict], tokenizer) -> dict:
         input_ids[k, :length], lengths[k] = t["input_ids"], length
         action_mask[k, : length - 1], next_idx[k, : length - 1] = am, nxt
         rewards[k, : length - 1], dones[k, : length - 1] = t["rewards"][1:], t["dones"][1:]
+    secret = np.array([int(d.get("secret_id", -1)) for d in dialogues], dtype=np.int64)  # (N,) -1 = not logged
     arrays = dict(input_ids=input_ids, action_mask=action_mask, rewards=rewards, dones=dones, next_idx=next_idx)
+    arrays["secret"] = secret
     return {**{k: torch.from_numpy(v) for k, v in arrays.items()}, "lengths": torch.from_numpy(lengths)}
 
 
@@ -393,7 +423,8 @@ def mlp_head(d: int, out: int) -> nn.Sequential:
 
 
 class ILQLHeads(nn.Module):
-    """Q1, Q2 (|V| outputs each), their Polyak targets, and V (a scalar) on the backbone's last hidden state."""
+    """Q1, Q2 (|V| outputs each), their Polyak targets, V (a scalar), and the auxiliary belief head (logits over
+    the 18 objects) on the backbone's last hidden state."""
 
     def __init__(self, hidden_size: int, vocab_size: int):
         super().__init__()
@@ -404,11 +435,19 @@ class ILQLHeads(nn.Module):
         self.target_q1.requires_grad_(False)
         self.target_q2.requires_grad_(False)
         self.v = mlp_head(hidden_size, 1)
+        self.belief = nn.Linear(hidden_size, G.N_OBJECTS)  # training-only auxiliary (belief_loss)
 
     def forward(self, hidden: torch.Tensor) -> dict:  # hidden (B, L, d)
         with torch.no_grad():
             tq1, tq2 = self.target_q1(hidden), self.target_q2(hidden)  # (B, L, V) each
-        return {"q1": self.q1(hidden), "q2": self.q2(hidden), "tq1": tq1, "tq2": tq2, "v": self.v(hidden)[..., 0]}
+        return {
+            "q1": self.q1(hidden),
+            "q2": self.q2(hidden),
+            "tq1": tq1,
+            "tq2": tq2,
+            "v": self.v(hidden)[..., 0],
+            "belief": self.belief(hidden),
+        }
 
     def sync_targets(self, alpha: float) -> None:
         polyak_update(self.target_q1, self.q1, alpha)
@@ -578,6 +617,8 @@ def validate_args(args):
         raise SystemExit(f"error: --decay-frac must be in [0, 1], got {args.decay_frac}")
     if not 0.0 < args.tau < 1.0:
         raise SystemExit(f"error: --tau must be in (0, 1), got {args.tau}")
+    if args.belief_coef < 0:
+        raise SystemExit(f"error: --belief-coef must be >= 0, got {args.belief_coef}")
     if not 0.0 <= args.gamma <= 1.0 or not 0.0 < args.polyak <= 1.0:
         raise SystemExit(f"error: need 0 <= --gamma <= 1 and 0 < --polyak <= 1, got {args.gamma}, {args.polyak}")
     if not args.betas or any(b < 0 for b in args.betas):
@@ -600,9 +641,6 @@ if __name__ == "__main__":
     run_name = f"{TASK_ID}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.runs_dir) / run_name
     suffix = 0
-    while run_dir.exists():  # never overwrite a run
-        suffix += 1
-        run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -620,7 +658,13 @@ if __name__ == "__main__":
         lm, heads, tokenizer = load_checkpoint(args.checkpoint, device)
     else:
         lm, heads, tokenizer = build_model(args, device)
-    run_dir.mkdir(parents=True, exist_ok=False)
+    while True:  # never overwrite a run: mkdir is atomic, so runs started in the same second get -1, -2, ...
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            break
+        except FileExistsError:
+            suffix += 1
+            run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
     writer = SummaryWriter(str(run_dir))
     writer.add_text(
         "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
@@ -653,6 +697,7 @@ if __name__ == "__main__":
             }
             attention_mask = (torch.arange(width)[None, :] < data["lengths"][idx][:, None]).long().to(device)
             batch["lm_mask"] = attention_mask[:, 1:].float()  # (B, L-1): the next token is real (not padding)
+            batch["attention_mask"], batch["secret"] = attention_mask, data["secret"][idx].to(device)  # (B, L), (B,)
             out = forward_all(lm, heads, batch["input_ids"], attention_mask)
             losses = ilql_losses(out, batch, args)
             optimizer.zero_grad(set_to_none=True)

@@ -543,10 +543,13 @@ if __name__ == "__main__":
 
     run_name = f"{args.env_id.replace('/', '-').replace(':', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir, suffix = Path(args.runs_dir) / run_name, 0
-    while run_dir.exists():  # never overwrite a run
-        suffix += 1
-        run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
-    run_dir.mkdir(parents=True, exist_ok=False)
+    while True:  # never overwrite a run: mkdir is atomic, so runs started in the same second get -1, -2, ...
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            break
+        except FileExistsError:
+            suffix += 1
+            run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
     writer = SummaryWriter(str(run_dir))
     table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")

@@ -664,10 +664,13 @@ def best_of_n(sft_lm, rm, rm_tokenizer, tokenizer, prompts, n, args, device, see
 def make_run_dir(args):
     run_name = f"{TASK_ID}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir, suffix = Path(args.runs_dir) / run_name, 0
-    while run_dir.exists():
-        suffix += 1
-        run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
-    run_dir.mkdir(parents=True, exist_ok=False)
+    while True:  # never overwrite a run: mkdir is atomic, so runs started in the same second get -1, -2, ...
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            break
+        except FileExistsError:
+            suffix += 1
+            run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
     return run_dir.name, run_dir
 
 

@@ -458,10 +458,13 @@ def lecture_scores(model, tokenizer, device) -> tuple[dict, str]:
 def make_run_dir(args) -> tuple[str, Path]:
     run_name = f"{TASK_ID}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir, i = Path(args.runs_dir) / run_name, 0
-    while run_dir.exists():
-        i += 1
-        run_dir = Path(args.runs_dir) / f"{run_name}-{i}"
-    run_dir.mkdir(parents=True, exist_ok=False)
+    while True:  # never overwrite a run: mkdir is atomic, so runs started in the same second get -1, -2, ...
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            break
+        except FileExistsError:
+            i += 1
+            run_dir = Path(args.runs_dir) / f"{run_name}-{i}"
     return run_dir.name, run_dir
 
 

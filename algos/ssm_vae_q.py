@@ -531,9 +531,6 @@ if __name__ == "__main__":
     run_name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.runs_dir) / run_name
     suffix = 0
-    while run_dir.exists():
-        suffix += 1
-        run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -548,7 +545,13 @@ if __name__ == "__main__":
     target_net = QNetwork(args.deter_size, args.stoch_size, args.hidden_size, args.num_actions).to(device)
     if args.eval_only:
         load_checkpoint(args.checkpoint, model, q_net)
-    run_dir.mkdir(parents=True, exist_ok=False)
+    while True:  # never overwrite a run: mkdir is atomic, so runs started in the same second get -1, -2, ...
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            break
+        except FileExistsError:
+            suffix += 1
+            run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
     writer = SummaryWriter(str(run_dir))
     writer.add_text(
         "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())

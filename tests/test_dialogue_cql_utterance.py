@@ -126,8 +126,8 @@ def test_build_transitions_states_and_dones():
 def test_dedupe_dialogues_weighted_bc_loss_equals_full_loss():
     tok = build_tokenizer()
     tokenized = G.tokenize_dialogues(G.make_dataset(300, seed=2), tok)
-    distinct, counts = m.dedupe_dialogues(tokenized)
-    assert len(distinct) < len(tokenized) and counts.sum() == len(tokenized)
+    distinct, counts, secrets = m.dedupe_dialogues(tokenized)
+    assert len(distinct) < len(tokenized) and counts.sum() == len(tokenized) and (secrets == -1).all()
     torch.manual_seed(0)
 
     def batch(ds):
@@ -151,6 +151,30 @@ def test_dedupe_dialogues_weighted_bc_loss_equals_full_loss():
     only[0, i + 1] = True
     nll = -torch.log_softmax(table[ids0[0, i]], -1)[ids0[0, i + 1]]
     assert m.bc_loss(table[ids0], ids0, only, torch.ones(1)).item() == pytest.approx(nll.item(), rel=1e-5)
+
+
+def test_dedupe_keeps_dialogues_with_different_secrets_apart():
+    tok = build_tokenizer()
+    dialogues = G.make_dataset(300, seed=2)
+    tokenized = G.tokenize_dialogues(dialogues, tok)
+    secrets = [d["secret_id"] for d in dialogues]
+    distinct, counts, dd_secrets = m.dedupe_dialogues(tokenized, secrets)
+    pairs = {(d["input_ids"].tobytes(), s) for d, s in zip(tokenized, secrets, strict=True)}
+    assert len(distinct) == len(pairs) and counts.sum() == len(tokenized)
+    assert {(d["input_ids"].tobytes(), int(s)) for d, s in zip(distinct, dd_secrets, strict=True)} == pairs
+    # the same words with another secret (a wrong guess does not reveal it) stay two weighted examples
+    twin = [tokenized[0], tokenized[0]]
+    assert len(m.dedupe_dialogues(twin, [3, 4])[0]) == 2 and len(m.dedupe_dialogues(twin, [3, 3])[0]) == 1
+
+
+def test_belief_loss_matches_hand_computation():
+    logits = torch.randn(2, 3, G.N_OBJECTS)
+    secret = torch.tensor([4, 17])
+    real = torch.tensor([[True, True, False], [True, False, False]])
+    weights = torch.tensor([1.0, 2.0])
+    nll = lambda b, t: -torch.log_softmax(logits[b, t], -1)[secret[b]]  # noqa: E731
+    expected = (nll(0, 0) + nll(0, 1) + 2.0 * nll(1, 0)) / 4.0
+    assert m.belief_loss(logits, secret, real, weights).item() == pytest.approx(expected.item(), rel=1e-5)
 
 
 def test_critic_history_turns_bind_question_and_answer():

@@ -133,6 +133,23 @@ def test_build_tensors_pads_and_keeps_per_dialogue_layout():
         assert data["input_ids"][k, :n].tolist() == t["input_ids"].tolist()
         assert data["rewards"][k].sum().item() == pytest.approx(d["return"], abs=1e-5)
         assert int(data["dones"][k].sum()) == 1 and not data["action_mask"][k, n - 1 :].any()
+        assert data["secret"][k] == d["secret_id"]  # the logged secret, target of the belief auxiliary
+
+
+def test_belief_loss_matches_hand_computation_and_enters_the_total():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, G.N_OBJECTS)
+    secret = torch.tensor([4, 17])
+    real = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    nll = lambda b, t: -torch.log_softmax(logits[b, t], -1)[secret[b]]  # noqa: E731
+    expected = (nll(0, 0) + nll(0, 1) + nll(1, 0)) / 3.0
+    assert M.belief_loss(logits, secret, real).item() == pytest.approx(expected.item(), rel=1e-5)
+    # its minimizer is the posterior: for one prefix seen with secrets {4, 4, 17}, logits log(2/3), log(1/3)
+    posterior = torch.full((3, 1, G.N_OBJECTS), -1e4)
+    posterior[:, 0, 4], posterior[:, 0, 17] = math.log(2 / 3), math.log(1 / 3)
+    grad_logits = posterior.clone().requires_grad_(True)
+    M.belief_loss(grad_logits, torch.tensor([4, 4, 17]), torch.ones(3, 1)).backward()
+    assert grad_logits.grad.sum(0).abs().max().item() < 1e-6  # stationary at the posterior
 
 
 def test_lm_loss_covers_answerer_tokens_and_bc_only_agent_tokens():
@@ -317,6 +334,10 @@ def test_bad_input_gives_one_line_errors(runs_dir, tmp_path):
     assert "error: --checkpoint" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_script("ilql_per_token", "--filter-top-frac", "0", runs_dir=runs_dir, expect_fail=True)
     assert "error: --filter-top-frac" in proc.stderr
+    no_secret = tmp_path / "no_secret.jsonl"
+    no_secret.write_text(json.dumps({"turns": [{"agent": "is it big ?", "reply": "yes , it is big .", "reward": 0}]}))
+    proc = run_script("ilql_per_token", "--dataset-path", str(no_secret), runs_dir=runs_dir, expect_fail=True)
+    assert "--belief-coef > 0 needs the logged secret_id" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
