@@ -120,6 +120,10 @@ class Args:
     """online evaluation episodes against the scripted answerer (secrets stratified over the 18 objects)"""
     eval_seed: int = 0
     """seed of `G.evaluate_policy` (the secrets' order); the same for every method of the table"""
+    val_episodes: int = 180
+    """online validation episodes per acting temperature, used only to choose it (10 per object)"""
+    val_seed: int = 1
+    """seed of the validation episodes (a different secret order than the test episodes)"""
     eval_only: bool = False
     """only evaluate the run dir given by `--checkpoint` (its bc_lm/ and critic.safetensors)"""
     checkpoint: str | None = None
@@ -142,7 +146,7 @@ class Args:
     """layers of the tiny GPT-2"""
     n_head: int = 4
     """attention heads of the tiny GPT-2"""
-    bc_epochs: int = 5
+    bc_epochs: int = 10
     """passes of next-token cross-entropy over all dialogues (every token, or agent tokens with --no-bc-all-tokens)"""
     bc_lr: float = 3e-3
     """peak AdamW learning rate of the BC LM (linear warmup, cosine decay to 0)"""
@@ -151,7 +155,7 @@ class Args:
     bc_all_tokens: bool = True
     """train the proposer on every next token, the answerer's replies too (a world-model auxiliary, as
     `ilql_per_token.py --lm-all-tokens`); sampling only ever writes agent tokens. False = agent tokens only"""
-    belief_coef: float = 0.0
+    belief_coef: float = 1.0
     """weight of the BC LM's belief auxiliary: a linear head on the last hidden state predicts the logged secret
     object from every prefix (cross-entropy; its minimizer is the posterior over the 18 objects, the belief state).
     The secret is read from the offline logs during training only. Off by default: with 1.0 (seed 1, direct run)
@@ -162,7 +166,9 @@ class Args:
     n_candidates: int = 16
     """N: utterances sampled from the BC LM per history (training targets, CQL set and acting), then deduplicated"""
     temperature: float = 1.0
-    """sampling temperature of the proposer"""
+    """sampling temperature of the proposer for the training candidates (and the proposer-alone baseline)"""
+    act_temperatures: tuple[float, ...] = (1.0, 0.7, 0.5, 0.3)
+    """proposer temperatures swept when acting (N samples, critic argmax); the best on validation is the headline"""
     gen_batch_size: int = 256
     """histories per generation batch (each expanded to N samples; K/V buffers ~ 22 MB per 256 x 8 rows)"""
 
@@ -641,8 +647,8 @@ class CriticPolicy:
         return [cs[b] for cs, b in zip(cands, best, strict=True)]
 
 
-def evaluate(policy, args) -> dict:
-    res = G.evaluate_policy(policy, n_episodes=args.eval_episodes, seed=args.eval_seed)
+def evaluate(policy, n_episodes: int, seed: int) -> dict:
+    res = G.evaluate_policy(policy, n_episodes=n_episodes, seed=seed)
     return {
         "success_rate": res["success_rate"],
         "episodic_return": res["mean_return"],
@@ -669,6 +675,8 @@ def validate(args):
     checks = [
         (args.n_candidates >= 1, f"--n-candidates must be >= 1, got {args.n_candidates}"),
         (args.temperature > 0, f"--temperature must be > 0, got {args.temperature}"),
+        (len(args.act_temperatures) > 0 and min(args.act_temperatures) > 0, "--act-temperatures must be > 0"),
+        (args.val_episodes >= 1, f"--val-episodes must be >= 1, got {args.val_episodes}"),
         (args.batch_size >= 1 and args.bc_batch_size >= 1 and args.gen_batch_size >= 1, "batch sizes must be >= 1"),
         (args.dataset_size >= 1, f"--dataset-size must be >= 1, got {args.dataset_size}"),
         (0.0 < args.tau <= 1.0, f"--tau must be in (0, 1], got {args.tau}"),
@@ -821,22 +829,40 @@ if __name__ == "__main__":
                 )
         critic.eval()
 
-    # STEP 4: online evaluation: BC proposer alone (1 sample) and BC proposals + critic argmax (N samples)
+    # STEP 4: online evaluation: BC proposer alone (1 sample) and BC proposals + critic argmax (N samples), the
+    # acting temperature chosen on validation episodes (as ilql_per_token.py chooses beta), reported on test episodes
     t0 = time.time()
     gen_seed = args.seed + 1  # sampling noise of the evaluation (distinct from the candidate generation)
-    bc = evaluate(CriticPolicy(lm, None, tokenizer, 1, args.temperature, device, gen_seed, args.gen_batch_size), args)
-    cql_res = evaluate(
-        CriticPolicy(lm, critic, tokenizer, args.n_candidates, args.temperature, device, gen_seed, args.gen_batch_size),
-        args,
-    )
+    bc_policy = CriticPolicy(lm, None, tokenizer, 1, args.temperature, device, gen_seed, args.gen_batch_size)
+    bc = evaluate(bc_policy, args.eval_episodes, args.eval_seed)
+    metrics, val, test = {}, {}, {}
+    for temp in args.act_temperatures:
+        # a fresh sampling generator for each of validation and test: test noise does not depend on validation
+        val_agent, test_agent = (
+            CriticPolicy(lm, critic, tokenizer, args.n_candidates, temp, device, gen_seed, args.gen_batch_size)
+            for _ in range(2)
+        )
+        val[temp] = evaluate(val_agent, args.val_episodes, args.val_seed)
+        test[temp] = evaluate(test_agent, args.eval_episodes, args.eval_seed)
+        for name, res in (("val_", val[temp]), ("", test[temp])):
+            metrics[f"eval/{name}act_temperature_{temp:g}_episodic_return"] = float(res["episodic_return"])
+        print(
+            f"[eval] act temperature {temp:g}: val return {val[temp]['episodic_return']:.3f}, test return "
+            f"{test[temp]['episodic_return']:.3f} success {test[temp]['success_rate']:.3f}",
+            flush=True,
+        )
+    best_temp = max(args.act_temperatures, key=lambda t: (val[t]["episodic_return"], t))  # ties -> the hotter one
+    cql_res = test[best_temp]
     print(
         f"[eval] {time.time() - t0:.0f}s; BC proposer: return {bc['episodic_return']:.3f} success "
-        f"{bc['success_rate']:.3f}; per-utterance CQL: return {cql_res['episodic_return']:.3f} success "
-        f"{cql_res['success_rate']:.3f} length {cql_res['episodic_length']:.2f} "
-        f"(optimal {G.OPTIMAL_MEAN_RETURN:.3f}, dataset {data_stats['mean_return']:.3f})",
+        f"{bc['success_rate']:.3f}; per-utterance CQL (act temperature {best_temp:g}, chosen on validation): return "
+        f"{cql_res['episodic_return']:.3f} success {cql_res['success_rate']:.3f} length "
+        f"{cql_res['episodic_length']:.2f} (optimal {G.OPTIMAL_MEAN_RETURN:.3f}, "
+        f"dataset {data_stats['mean_return']:.3f})",
         flush=True,
     )
-    metrics = {f"eval/{k}": float(v) for k, v in cql_res.items()}
+    metrics.update({f"eval/{k}": float(v) for k, v in cql_res.items()})
+    metrics["eval/act_temperature"] = float(best_temp)
     metrics.update({f"eval/bc_proposer_{k}": float(v) for k, v in bc.items()})
     metrics["dataset/mean_return"] = float(data_stats["mean_return"])
     metrics["dataset/success_rate"] = float(data_stats["success_rate"])

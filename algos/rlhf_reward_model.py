@@ -40,6 +40,14 @@ Implementation details:
      the head direction (shifts every score by exactly -mean/std). If the backbone has neither, the shift is left
      in `config.seqrl_reward_offset` (add it). mean/std are also kept in `config.seqrl_reward_mean/_std`.
   6. No dropout in the tiny GPT-2 (tiny data, short runs; dropout only slowed convergence here).
+  7. Three Spearman ρ with the gold utility on held-out prompts. Bradley-Terry fixes r only up to a per-prompt
+     constant c(s) (Problem 21.3b): no comparison ever pits two prompts against each other, so on a prompt phrasing
+     never seen in training c(s) is whatever the network extrapolates. `eval/spearman_gold` pools the raw rewards
+     over prompts and so measures that arbitrary gauge too; `eval/spearman_gold_within_prompt` averages ρ per
+     prompt; `eval/spearman_gold_centered` fixes the gauge with a per-prompt baseline, r(s,a) - mean of r(s,a')
+     over `n_center_samples` SFT-like completions a' of the same prompt (the distribution the comparisons were
+     drawn from; the gold utility is not used), and then pools. The same baseline is what group-relative policy
+     gradients (RLOO, GRPO) subtract, so a policy trained with them never sees c(s).
 
 What was scaled down and why: a 2-layer, 64-wide GPT-2 on the task vocabulary, SFT'd for ~750 steps on 4,000
 simulated demonstrations instead of a pretrained 6B model SFT'd on human demonstrations, and 3,000 ranked prompts
@@ -138,6 +146,8 @@ class Args:
     """labeler's probability of handing in a flipped label / reversed ranking"""
     n_norm_samples: int = 2000
     """SFT demonstrations the reward is normalized on (mean 0, std 1) after training"""
+    n_center_samples: int = 256
+    """SFT-like completions sampled per held-out prompt for the prompt-centered Spearman ρ (the per-prompt gauge)"""
 
     # loss and optimization
     loss: Literal["pairwise", "kwise"] = "kwise"
@@ -431,6 +441,11 @@ def evaluate(model, tokenizer, heldout, args, device, scale: float = 1.0) -> tup
         by_prompt.setdefault(p, []).append(i)
     within = [spearman(rewards[ix], gold[ix]) for ix in by_prompt.values() if np.ptp(gold[ix]) > 0]
     metrics["eval/spearman_gold_within_prompt"] = float(np.mean(within))
+    # prompt-centered ρ: fix the free per-prompt constant c(s) by a baseline, r(s,a) - mean_{a'~SFT-like(.|s)} r(s,a')
+    # (the comparison data's own distribution; no gold knowledge), then pool over prompts (details 7)
+    baseline = prompt_baselines(model, tokenizer, list(by_prompt), args.n_center_samples, args.seed + 30_000, device)
+    centered = rewards - np.array([baseline[p] for p in flat_p])  # (N,)
+    metrics["eval/spearman_gold_centered"] = spearman(centered, gold)
     score_metrics, report = lecture_scores(model, tokenizer, device)
     metrics.update(score_metrics)
     report += (
@@ -438,6 +453,13 @@ def evaluate(model, tokenizer, heldout, args, device, scale: float = 1.0) -> tup
     )
     report += "\n".join(f"| {lo:.1f}-{hi:.1f} | {n} | {a:.3f} | {b:.3f} |" for lo, hi, n, a, b in rows)
     return metrics, report
+
+
+def prompt_baselines(model, tokenizer, prompts: list[str], n: int, seed: int, device) -> dict[str, float]:
+    """Mean reward of n SFT-like completions (`preference.sample_completions`) of each prompt: {prompt: baseline}."""
+    completions = preference.sample_completions(prompts, np.random.default_rng(seed), n=n)  # prompt-major, P * n
+    scores = score_texts(model, tokenizer, [p for p in prompts for _ in range(n)], completions, device)
+    return dict(zip(prompts, scores.reshape(len(prompts), n).mean(1).tolist(), strict=True))
 
 
 def lecture_scores(model, tokenizer, device) -> tuple[dict, str]:
@@ -479,6 +501,8 @@ if __name__ == "__main__":
         raise SystemExit("error: need --sft-epochs >= 0 and positive --sft-examples, --sft-batch-size")
     if args.k < 2 or args.n_train_prompts < 1 or args.eval_episodes < 1 or args.epochs < 1 or args.batch_size < 1:
         raise SystemExit("error: need --k >= 2 and positive --n-train-prompts, --eval-episodes, --epochs, --batch-size")
+    if args.n_center_samples < 1:
+        raise SystemExit("error: need --n-center-samples >= 1")
     if args.temperature <= 0 or not 0 <= args.flip_prob <= 1:
         raise SystemExit("error: need --temperature > 0 and 0 <= --flip-prob <= 1")
     if args.loss == "kwise" and args.kwise_form == "softmax" and args.margin != 0:

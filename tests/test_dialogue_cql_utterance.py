@@ -218,9 +218,18 @@ def test_smoke_run_and_eval_only(runs_dir):
         "16",
         "--log-every",
         "2",
+        "--val-episodes",
+        "18",
+        "--act-temperatures",
+        "1.0",
+        "0.5",
     ]
     summary = run_script("dialogue_cql_utterance", *tiny, runs_dir=runs_dir, timeout=300)
     mt = summary["metrics"]
+    # the headline is the test result at the acting temperature chosen on validation episodes
+    best = max((1.0, 0.5), key=lambda t: (mt[f"eval/val_act_temperature_{t:g}_episodic_return"], t))
+    assert mt["eval/act_temperature"] == best
+    assert mt["eval/episodic_return"] == mt[f"eval/act_temperature_{best:g}_episodic_return"]
     for key in (
         "eval/success_rate",
         "eval/episodic_return",
@@ -249,6 +258,8 @@ def test_smoke_run_and_eval_only(runs_dir):
     [
         ({"n_candidates": 0}, "--n-candidates"),
         ({"tau": 0.0}, "--tau"),
+        ({"act_temperatures": (1.0, 0.0)}, "--act-temperatures"),
+        ({"act_temperatures": ()}, "--act-temperatures"),
         ({"cql_alpha": -1.0}, "--cql-alpha"),
         ({"n_embd": 30, "n_head": 4}, "not divisible"),
         ({"eval_only": True, "checkpoint": "/nonexistent_run"}, "--eval-only needs"),

@@ -125,10 +125,41 @@ def test_fold_normalization_makes_saved_model_output_normalized(tmp_path):
     np.testing.assert_allclose(normed, (raw - raw.mean()) / raw.std(), atol=1e-4)
 
 
+def test_prompt_baselines_remove_a_per_prompt_offset(monkeypatch):
+    # A "reward model" that scores the gold utility plus an arbitrary per-prompt constant c(s): Bradley-Terry could
+    # never tell it from the gold (same within-prompt differences). Pooled ρ suffers; the prompt baseline removes c(s).
+    from envs import preference
+
+    prompts = preference.heldout_prompts()
+    offset = {p: 3.0 * math.sin(7.0 * i) for i, p in enumerate(prompts)}  # c(s), spread wider than the utilities
+    texts: list[tuple[str, str]] = []
+
+    def fake_score(model, tok, ps, cs, device):
+        texts.extend(zip(ps, cs, strict=True))
+        return preference.gold_utility_batch(ps, cs) + np.array([offset[p] for p in ps])
+
+    monkeypatch.setattr(rm, "score_texts", fake_score)
+    base = rm.prompt_baselines(None, None, prompts, 64, seed=0, device="cpu")
+    assert len(texts) == 64 * len(prompts) and {p for p, _ in texts} == set(prompts)
+    ps = [p for p in prompts for _ in range(8)]
+    cs = preference.sample_completions(prompts, np.random.default_rng(1), n=8)
+    gold = preference.gold_utility_batch(ps, cs)
+    raw = gold + np.array([offset[p] for p in ps])
+    centered = raw - np.array([base[p] for p in ps])
+    assert rm.spearman(raw, gold) < 0.7
+    assert rm.spearman(centered, gold) > 0.9  # only the sampling noise of the 64-sample baseline is left
+
+
 def test_smoke_run_and_eval_only(runs_dir):
     summary = run_script("rlhf_reward_model", *TINY, "--loss", "pairwise", "--margin", "0.1", runs_dir=runs_dir)
     m = summary["metrics"]
-    for key in ("eval/preference_accuracy", "eval/bayes_accuracy", "eval/spearman_gold", "eval/calibration_error"):
+    for key in (
+        "eval/preference_accuracy",
+        "eval/bayes_accuracy",
+        "eval/spearman_gold",
+        "eval/calibration_error",
+        "eval/spearman_gold_centered",
+    ):
         assert key in m and math.isfinite(m[key])
     assert 0.5 <= m["eval/bayes_accuracy"] <= 1.0
     assert m["model/reward_mean_normalized"] == pytest.approx(0.0, abs=1e-3)
@@ -136,7 +167,8 @@ def test_smoke_run_and_eval_only(runs_dir):
     run_dir = summary["run_dir"]
     again = run_script("rlhf_reward_model", *TINY, "--eval-only", "--checkpoint", run_dir, runs_dir=runs_dir)
     # same model, same held-out set -> same accuracy and correlation (calibration rescaled by the stored std)
-    for key in ("eval/preference_accuracy", "eval/spearman_gold", "eval/calibration_error"):
+    keys = ("eval/preference_accuracy", "eval/spearman_gold", "eval/calibration_error", "eval/spearman_gold_centered")
+    for key in keys:
         assert again["metrics"][key] == pytest.approx(m[key], abs=1e-4)
 
 
