@@ -59,8 +59,9 @@ What is taken from CHAI [1] and from Snell's re-implementation [3], and what dif
   - Candidates are sampled once for the whole dataset (the BC LM is frozen after step 1), not per minibatch.
 
 What was scaled down and why: a 2-layer 64-dim GPT-2 and 64-dim GRUs instead of GPT-2 / GPT-3 sized models, a
-closed word vocabulary, N = 16 candidates, a synthetic answerer, so that a run takes ~12 minutes (727-736 s wall,
-one thread per run, two side by side; BC ~290 s, candidate sampling ~215 s, critic and evaluation the rest).
+closed word vocabulary, N = 16 candidates, a synthetic answerer, so that a run alone on the 2-core box takes ~7
+minutes (409 s for seed 1 with torch's 2 threads: BC 160 s, candidate sampling 105 s; it scored 0.640, since the
+thread count changes floating-point reductions) and ~12 minutes with one thread each, two side by side (727-736 s).
 Measured (`benchmark.sh --only '^cql_utterance$' --seeds "1 2 3"`, results/20261203-040951; 500 test episodes):
   per-utterance CQL (acting temperature 0.3 / 0.3 / 0.7, chosen on validation)
       mean return 0.592 / 0.617 / 0.611, success 0.82 / 0.85 / 0.86, length 5.5 / 5.7 / 6.0, normalized 74 / 78 / 77
