@@ -205,6 +205,8 @@ def test_bad_input_gives_clear_error(runs_dir, tmp_path):
     assert "error: --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_script("rlhf_reward_model", "--eval-only", runs_dir=runs_dir, expect_fail=True)
     assert "error: --eval-only needs --checkpoint" in proc.stderr
+    proc = run_script("rlhf_reward_model", "--n-center-samples", "0", runs_dir=runs_dir, expect_fail=True)
+    assert "error: need --n-center-samples >= 1" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
