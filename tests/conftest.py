@@ -49,3 +49,12 @@ def run_script(script: str, *args: str, runs_dir: Path, timeout: float = 300, ex
 @pytest.fixture
 def runs_dir(tmp_path):
     return tmp_path / "runs"
+
+
+@pytest.fixture(scope="session", params=["gpt2", "llama", "gpt_neox"])
+def hf_checkpoint(request, tmp_path_factory):
+    """A tiny saved GPT-2 / Llama / GPT-NeoX checkpoint with a byte-level BPE tokenizer and no pad token
+    (tests/hf_tiny.py): the directory a user's `--model-name-or-path` would point at."""
+    from hf_tiny import save_tiny_checkpoint
+
+    return save_tiny_checkpoint(request.param, tmp_path_factory.mktemp(f"hf_{request.param}"))
