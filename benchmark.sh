@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# benchmark.sh: run the experiments that reproduce the lecture's claims and write a results table and plots.
+# benchmark.sh: run the experiments behind the lecture's claims, check every claim's prediction, write results + plots.
 #
-#   bash benchmark.sh --quick          # 1 seed, every experiment (well under 30 minutes on 2 CPU cores)
-#   bash benchmark.sh                  # full: 3 seeds
-#   bash benchmark.sh --seeds "1 2 3 4 5" --only 'tmaze|tiger' --jobs 2   # --only: a regex over experiment ids
-#   bash benchmark.sh --aggregate results/<timestamp>   # rebuild the table and plots of an earlier run
+#   bash benchmark.sh --quick                       # 1 seed, the quick experiments (parts 1 and 2)
+#   bash benchmark.sh --quick --seeds "1 2 3 4 5"   # the same on 5 seeds (what README's numbers come from)
+#   bash benchmark.sh                               # full: quick + full-mode experiments (dialogue, ...), 3 seeds
+#   bash benchmark.sh --only 'tmaze|tiger' --jobs 2 # --only: a regex over experiment ids
+#   bash benchmark.sh --aggregate results/<stamp>   # re-check and re-plot an earlier run's folder
+#   bash benchmark.sh --validate                    # parse every experiment line and check, run nothing
 #
-# Each run is `python algos/<script>.py --seed S --runs-dir <out>/runs/<id>/seed<S> <args>`; its summary.json is
-# read back. Output goes to a new folder results/<timestamp>/ (never overwriting earlier results):
-#   results.md  the table: claim, command, metric, mean ± std over seeds, what the lecture predicts, status
-#   *.png       learning curves and sweep figures (matplotlib, read from the runs' tensorboard logs)
-#   log.txt     one line per run; runs/<id>/seed<S>/... the runs themselves, logs/<id>_seed<S>.log their output
-# A failed run is reported in the table (status column), never silently dropped.
+# Each run is `python algos/<script>.py --seed S --runs-dir <out>/runs/<id>/seed<S> <args>`; its summary.json is read
+# back. Output goes to a new folder results/<timestamp>/ (never overwriting earlier results):
+#   results.md  "claims holding: X of Y", then per claim: per-seed values, mean ± std, the prediction, its machine
+#               check and the verdict (holds k/N seeds, or FAILS); run status (finished or crashed) separately
+#   *.png       one figure per claim group (smoothed curves, mean and band over seeds, the prediction dashed)
+#   log.txt, logs/<id>_seed<S>.log, runs/<id>/seed<S>/...: the runs, their output and their run dirs
+# Exit status: 0 if every run finished and every checked claim holds, 1 otherwise (written after everything), 2 for
+# bad usage or a malformed experiment line.
 set -uo pipefail
 cd "$(dirname "$0")"
 {  # the whole script is one block, parsed before it runs, so editing this file mid-run cannot change a run
@@ -19,143 +23,186 @@ cd "$(dirname "$0")"
 QUICK=0
 SEEDS=""
 ONLY=""
-AGGREGATE=""  # --aggregate results/<timestamp>: only rebuild that folder's table and plots from its runs
+AGGREGATE=""
+VALIDATE=0
 JOBS=$(nproc 2>/dev/null || echo 2)
+ARGV="$*"
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
-    --seeds) SEEDS="$2"; shift ;;
-    --only) ONLY="$2"; shift ;;
-    --jobs) JOBS="$2"; shift ;;
-    --aggregate) AGGREGATE="$2"; shift ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    --seeds) SEEDS="${2:?--seeds needs a value}"; shift ;;
+    --only) ONLY="${2:?--only needs a regex}"; shift ;;
+    --jobs) JOBS="${2:?--jobs needs a number}"; shift ;;
+    --aggregate) AGGREGATE="${2:?--aggregate needs a results folder}"; shift ;;
+    --validate) VALIDATE=1 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "benchmark.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
   shift
 done
 [ -n "$SEEDS" ] || { [ "$QUICK" = 1 ] && SEEDS="1" || SEEDS="1 2 3"; }
+for s in $SEEDS; do [[ "$s" =~ ^[0-9]+$ ]] || { echo "benchmark.sh: --seeds takes integers, got '$s'" >&2; exit 2; }; done
+[[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || { echo "benchmark.sh: --jobs takes a positive integer, got '$JOBS'" >&2; exit 2; }
 
-# The experiments, one per line:  id | claim | script and arguments | metrics (comma-separated) | lecture predicts
-# Lines starting with `quick:` run in --quick mode too; `full:` lines only in full mode (the dialogue runs take
-# about 10 CPU-minutes each and would push --quick past 30 minutes).
+# The experiments, one claim per line:
+#   mode: id | claim | script and arguments | metrics shown | prediction in words | check
+# `quick:` lines run in --quick mode too, `full:` lines only in full mode. Several lines may share an id (one run,
+# several claims). The check is evaluated by the aggregation on every seed: conditions separated by ` ; `, each a
+# comparison (chains allowed: 0.45 <= x <= 0.55) of arithmetic (+ - * and abs/min/max) over numbers and metric refs,
+# `metric/name` (this experiment's summary.json) or `other_id:metric/name` (another experiment, same seed). A condition
+# prefixed `mean:` is judged once, on the means over seeds (used for "A beats B on average" orderings). `info` instead
+# of a check marks an anchor row that is reported, not judged.
 EXPERIMENTS=$(cat <<'EOF'
-quick: ppo_line_none | ThreeStateLine (Problem 21.1): the best memoryless policy is stochastic, p(right)=1/2, 2 steps | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn none --total-timesteps 30000 --eval-episodes 1000 | eval/p_right_first_step,eval/episodic_length | 0.5 and 2.0
-quick: ppo_line_none | ThreeStateLine: the greedy version of that policy is deterministic and fails half the episodes | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn none --total-timesteps 30000 --eval-episodes 1000 | eval/greedy_episodic_length | about 10.5 (half the episodes hit the 20-step limit)
-quick: ppo_line_gru | ThreeStateLine with memory (GRU): reverse after a wall bump, 1.5 steps | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn gru --total-timesteps 30000 --eval-episodes 1000 | eval/episodic_length,eval/p_reverse_second_step | 1.5 and 1.0
-quick: ppo_tmaze_gru | TMaze (corridor 10) with a GRU | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn gru | eval/success_rate,eval/episodic_return | success >= 0.95 (optimal return 3.0)
-quick: ppo_tmaze_none | TMaze (corridor 10), memoryless | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn none | eval/success_rate,eval/episodic_return | success 0.5 (return 0.5)
-quick: ppo_cartpole_gru | MaskedCartPole with a GRU | ppo_recurrent --env-id seqrl/MaskedCartPole-v0 --rnn gru --reward-scale 0.01 --total-timesteps 300000 | eval/episodic_return | >= 475
-quick: ppo_cartpole_none | MaskedCartPole, memoryless | ppo_recurrent --env-id seqrl/MaskedCartPole-v0 --rnn none --reward-scale 0.01 --total-timesteps 300000 | eval/episodic_return | far below 475
-quick: ppo_tiger_gru | Tiger with a GRU: listens before opening, positive return | ppo_recurrent --env-id seqrl/Tiger-v0 --rnn gru --reward-scale 0.1 --no-bootstrap-truncated --total-timesteps 150000 --eval-episodes 1000 | eval/episodic_return,eval/listens_per_episode,eval/success_rate | > 0 (optimum 5.01), >= 2 listens
-quick: ppo_tiger_none | Tiger, memoryless | ppo_recurrent --env-id seqrl/Tiger-v0 --rnn none --reward-scale 0.1 --no-bootstrap-truncated --total-timesteps 150000 --eval-episodes 1000 | eval/episodic_return,eval/listens_per_episode | < 0 (best memoryless -7.5)
-full: ppo_tmaze_gru_mc | TMaze (corridor 10), GRU, Monte Carlo returns (gae-lambda 1): MC policy gradients stay valid | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn gru --gae-lambda 1.0 | eval/success_rate | >= 0.95
-quick: ssm_twodoors | TwoDoors (Problem 21.2): after a failed try the latent model predicts retry-same ~0, other ~1 | ssm_vae_q --env-id seqrl/TwoDoors-v0 | model/p_pass_retry_same_door,model/p_pass_other_door | 0 and 1
-quick: ssm_twodoors | TwoDoors (Problem 21.2): a Markovian model of p(o' given o, a) predicts the same for both doors | ssm_vae_q --env-id seqrl/TwoDoors-v0 | model/markov_p_pass_same_door,model/markov_p_pass_other_door | 0.5 and 0.5
-quick: ssm_twodoors | TwoDoors: Q-learning on the latent belief is memory-optimal | ssm_vae_q --env-id seqrl/TwoDoors-v0 | eval/episodic_return | 0.95 (memoryless best 0.90)
-quick: ssm_tmaze5 | TMaze (corridor 5): Q-learning on the latent belief remembers the cue | ssm_vae_q --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 5}' --seq-len 16 --total-timesteps 30000 | eval/success_rate,eval/one_step_obs_error | success 1 (memoryless 0.5)
-full: ssm_maskedcartpole | MaskedCartPole: latent-belief DQN within a ~10 min CPU budget (30k steps) | ssm_vae_q --env-id seqrl/MaskedCartPole-v0 --total-timesteps 30000 --seq-len 16 --obs-std 0.05 --learning-starts 5000 --exploration-fraction 0.2 --target-network-frequency 250 --eval-episodes 10 | eval/episodic_return | 500 with memory (budget-limited here)
-quick: dqn_cartpole_k4 | MaskedCartPole: a 4-frame stack recovers the velocities | dqn_framestack --frame-stack 4 | eval/episodic_return | >= 475
-quick: dqn_cartpole_k1 | MaskedCartPole: Q-learning on single observations fails | dqn_framestack --frame-stack 1 --total-timesteps 40000 | eval/episodic_return | far below 475
-quick: dqn_line_k1 | ThreeStateLine (Problem 21.1): the greedy Q policy on o is deterministic and fails half the episodes | dqn_framestack --env-id seqrl/ThreeStateLine-v0 --frame-stack 1 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/failure_rate,eval/episodic_return | failure 0.5 (stochastic optimum: 0, return -2)
-quick: dqn_tmaze_k4_corridor_sweep1 | TMaze, 4-frame stack, corridor 1 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 1}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/success_rate | 1 (cue inside the window)
-quick: dqn_tmaze_k4_corridor_sweep2 | TMaze, 4-frame stack, corridor 2 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 2}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/success_rate | 1 (cue inside the window)
-quick: dqn_tmaze_k4_corridor_sweep3 | TMaze, 4-frame stack, corridor 3 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 3}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/success_rate | 1 only on the shortest path (window edge)
-quick: dqn_tmaze_k4_corridor_sweep4 | TMaze, 4-frame stack, corridor 4 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 4}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/success_rate | 0.5 (cue out of the window)
-quick: dqn_tmaze_k4_corridor_sweep6 | TMaze, 4-frame stack, corridor 6 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 6}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/success_rate | 0.5 (chance)
-quick: dqn_tmaze_k4_corridor_sweep8 | TMaze, 4-frame stack, corridor 8 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 8}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/success_rate | 0.5 (chance)
-quick: r2d2_tmaze20 | TMaze (corridor 20): R2D2 with stored LSTM state + burn-in solves it (a 4-frame DQN is at chance) | r2d2_rnnstate --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' | eval/success_rate,eval/episodic_return | success >= 0.95 (optimal return 2.0)
-quick: r2d2_tmaze20 | R2D2 ablation, stored state + burn-in 10: Q discrepancy at the last trained step | r2d2_rnnstate --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' | model/delta_q_first,model/delta_q_last | smallest of the three (burn-in repairs stale states)
-quick: r2d2_tmaze20_stored_noburnin | R2D2 ablation, stored state, no burn-in | r2d2_rnnstate --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' --burn-in 0 | model/delta_q_first,model/delta_q_last,eval/success_rate | between zero state and stored + burn-in
-quick: r2d2_tmaze20_zero | R2D2 ablation, zero initial state, no burn-in | r2d2_rnnstate --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' --state-init zero --burn-in 0 | model/delta_q_first,model/delta_q_last,eval/success_rate | largest Q discrepancy, less reliable success
-quick: r2d2_cartpole | MaskedCartPole: the LSTM recovers the velocities (network of the best evaluation during training kept) | r2d2_rnnstate --env-id seqrl/MaskedCartPole-v0 --total-timesteps 150000 --eval-episodes 20 --select-frequency 10000 --keep-best | eval/episodic_return,eval/last_network_episodic_return | >= 475 (kept network; last network reported too)
-quick: rlhf_rm | Bradley-Terry reward model from pairwise preferences reaches the labeler's Bayes-optimal accuracy | rlhf_reward_model | eval/preference_accuracy,eval/bayes_accuracy | accuracy within 3 points of the ceiling
-quick: rlhf_rm | The reward model orders completions like the hidden gold utility (within a prompt; BT fixes rewards only up to a per-prompt constant, Problem 21.3b) | rlhf_reward_model | eval/spearman_gold_within_prompt,eval/spearman_gold_centered,eval/spearman_gold | >= 0.8 (within prompt and prompt-centered; raw pooled reported)
-quick: rlhf_rm | sigma(r1 - r2) is calibrated against the labeler's true preference probabilities | rlhf_reward_model | eval/calibration_error | small
-quick: rlhf_kl_sweep0.0 | RLHF without a KL penalty (beta=0): proxy reward rises, gold reward peaks then falls (over-optimization) | rlhf_ppo_kl --kl-coef 0.0 | eval/gold_reward,eval/max_gold_reward,eval/proxy_reward,eval/kl,eval/sft_gold_reward | final gold below its peak and below SFT
-quick: rlhf_kl_sweep0.1 | RLHF with a KL penalty (beta=0.1): gold reward ends well above SFT, no collapse | rlhf_ppo_kl --kl-coef 0.1 | eval/gold_reward,eval/sft_gold_reward,eval/kl,eval/bon_gold_reward,eval/bon_n | gold well above SFT; best-of-n at matched KL comparable
-full: rlhf_kl_sweep0.01 | RLHF, beta=0.01 | rlhf_ppo_kl --kl-coef 0.01 | eval/gold_reward,eval/kl | between beta=0 and beta=0.1
-full: rlhf_kl_sweep0.03 | RLHF, beta=0.03 | rlhf_ppo_kl --kl-coef 0.03 | eval/gold_reward,eval/kl | between beta=0 and beta=0.1
-full: rlhf_kl_sweep0.3 | RLHF, beta=0.3 | rlhf_ppo_kl --kl-coef 0.3 | eval/gold_reward,eval/kl | small KL, gold above SFT
-full: rlhf_bandit | RLHF, sequence-level (bandit) advantages instead of per-token GAE | rlhf_ppo_kl --advantage bandit | eval/gold_reward,eval/sft_gold_reward,eval/kl | about the same as GAE
-full: ilql | GuessTheImage: per-token ILQL beats BC and filtered BC, approaching the optimal questioner | ilql_per_token | eval/episodic_return,eval/success_rate,eval/episodic_length,eval/normalized_score | > filtered BC >= BC (about 0.41), toward 0.783
-full: ilql | GuessTheImage: BC on all data (the same model decoded with beta = 0) | ilql_per_token | eval/bc_episodic_return,eval/bc_success_rate | about the dataset mixture (0.412)
-full: ilql | GuessTheImage: the behavior mixture and the optimal questioner (anchors) | ilql_per_token | dataset/mean_return,ref/optimal_episodic_return | 0.412 and 0.783
-full: ilql_filtered_bc | GuessTheImage: filtered BC, top 20% of dialogues by return | ilql_per_token --bc-only --filter-top-frac 0.2 | eval/episodic_return,eval/success_rate | about 0.41 (premature lucky guesses dominate the top)
-full: cql_utterance | GuessTheImage: per-utterance CQL (CHAI-style) beats BC and filtered BC | dialogue_cql_utterance | eval/episodic_return,eval/success_rate,eval/episodic_length,eval/normalized_score,eval/bc_proposer_episodic_return | > filtered BC >= BC, toward 0.783
+quick: ppo_line_none | ThreeStateLine (Problem 21.1): the best memoryless policy is stochastic, p(right)=1/2, 2 steps | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn none --total-timesteps 30000 --eval-episodes 1000 | eval/p_right_first_step,eval/episodic_length | 0.5 and 2.0 | 0.42 <= eval/p_right_first_step <= 0.58 ; eval/episodic_length <= 2.3
+quick: ppo_line_none | ThreeStateLine: the greedy version of that policy is deterministic and fails half the episodes | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn none --total-timesteps 30000 --eval-episodes 1000 | eval/greedy_episodic_length | about 10.5 (half the episodes hit the 20-step limit) | eval/greedy_episodic_length >= 7
+quick: ppo_line_gru | ThreeStateLine with memory (GRU): reverse after a wall bump, 1.5 steps | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn gru --total-timesteps 30000 --eval-episodes 1000 | eval/episodic_length,eval/p_reverse_second_step | 1.5 and 1.0 | eval/episodic_length <= 1.65 ; eval/p_reverse_second_step >= 0.95
+quick: ppo_tmaze_gru | TMaze (corridor 10) with a GRU | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn gru | eval/success_rate,eval/episodic_return | success >= 0.95 (optimal return 3.0) | eval/success_rate >= 0.95
+quick: ppo_tmaze_none | TMaze (corridor 10), memoryless | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn none | eval/success_rate,eval/episodic_return | success 0.5 (return 0.5) | 0.3 <= eval/success_rate <= 0.7
+quick: ppo_cartpole_gru | MaskedCartPole with a GRU | ppo_recurrent --env-id seqrl/MaskedCartPole-v0 --rnn gru --reward-scale 0.01 --total-timesteps 300000 | eval/episodic_return | >= 475 | eval/episodic_return >= 475
+quick: ppo_cartpole_none | MaskedCartPole, memoryless | ppo_recurrent --env-id seqrl/MaskedCartPole-v0 --rnn none --reward-scale 0.01 --total-timesteps 300000 | eval/episodic_return | far below 475 | eval/episodic_return <= 150
+quick: ppo_tiger_gru | Tiger with a GRU: listens before opening, positive return | ppo_recurrent --env-id seqrl/Tiger-v0 --rnn gru --reward-scale 0.1 --no-bootstrap-truncated --total-timesteps 150000 --eval-episodes 1000 | eval/episodic_return,eval/listens_per_episode,eval/success_rate | > 0 (optimum 5.01), >= 2 listens | eval/episodic_return > 2 ; eval/listens_per_episode >= 2
+quick: ppo_tiger_none | Tiger, memoryless | ppo_recurrent --env-id seqrl/Tiger-v0 --rnn none --reward-scale 0.1 --no-bootstrap-truncated --total-timesteps 150000 --eval-episodes 1000 | eval/episodic_return,eval/listens_per_episode | < 0 (best memoryless -7.5) | eval/episodic_return < 0
+quick: ssm_twodoors | TwoDoors (Problem 21.2): after a failed try the latent model predicts retry-same ~0, other ~1 | ssm_vae_q --env-id seqrl/TwoDoors-v0 | model/p_pass_retry_same_door,model/p_pass_other_door | 0 and 1 | model/p_pass_retry_same_door <= 0.1 ; model/p_pass_other_door >= 0.9
+quick: ssm_twodoors | TwoDoors (Problem 21.2): a Markovian model of p(o' given o, a) predicts the same for both doors | ssm_vae_q --env-id seqrl/TwoDoors-v0 | model/markov_p_pass_same_door,model/markov_p_pass_other_door | 0.5 and 0.5 | 0.4 <= model/markov_p_pass_same_door <= 0.6 ; 0.4 <= model/markov_p_pass_other_door <= 0.6
+quick: ssm_twodoors | TwoDoors: Q-learning on the latent belief is memory-optimal | ssm_vae_q --env-id seqrl/TwoDoors-v0 | eval/episodic_return | 0.95 (memoryless best 0.90) | eval/episodic_return >= 0.94
+quick: ssm_tmaze5 | TMaze (corridor 5): Q-learning on the latent belief remembers the cue | ssm_vae_q --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 5}' --seq-len 16 --total-timesteps 30000 | eval/success_rate,eval/one_step_obs_error | success 1 (memoryless 0.5) | eval/success_rate >= 0.95
+quick: dqn_cartpole_k4 | MaskedCartPole: a 4-frame stack recovers the velocities | dqn_framestack --frame-stack 4 | eval/episodic_return | >= 475 | eval/episodic_return >= 475
+quick: dqn_cartpole_k1 | MaskedCartPole: Q-learning on single observations fails | dqn_framestack --frame-stack 1 --total-timesteps 40000 | eval/episodic_return | far below 475 | eval/episodic_return <= 150
+quick: dqn_line_k1 | ThreeStateLine (Problem 21.1): the greedy Q policy on o is deterministic and fails half the episodes | dqn_framestack --env-id seqrl/ThreeStateLine-v0 --frame-stack 1 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/failure_rate,eval/episodic_return | failure 0.5 (stochastic optimum: 0, return -2) | 0.35 <= eval/failure_rate <= 0.65
+quick: dqn_tmaze_k4_corridor_sweep1 | TMaze, 4-frame stack, corridor 1 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 1}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/success_rate | 1 (cue inside the window) | eval/success_rate >= 0.95
+quick: dqn_tmaze_k4_corridor_sweep2 | TMaze, 4-frame stack, corridor 2 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 2}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/success_rate | 1 (cue inside the window) | eval/success_rate >= 0.95
+quick: dqn_tmaze_k4_corridor_sweep4 | TMaze, 4-frame stack, corridor 4 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 4}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/success_rate | 0.5 (cue out of the window) | 0.3 <= eval/success_rate <= 0.7
+quick: dqn_tmaze_k4_corridor_sweep8 | TMaze, 4-frame stack, corridor 8 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 8}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/success_rate | 0.5 (chance) | 0.3 <= eval/success_rate <= 0.7
+quick: r2d2_tmaze20 | TMaze (corridor 20): R2D2 with stored LSTM state + burn-in solves it (a 4-frame DQN is at chance) | r2d2_rnnstate --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' | eval/success_rate,eval/episodic_return | success >= 0.95 (optimal return 2.0) | eval/success_rate >= 0.95
+quick: r2d2_tmaze20 | R2D2 ablation: stored state + burn-in has the smallest Q discrepancy at the last trained step | r2d2_rnnstate --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' | model/delta_q_first,model/delta_q_last | smallest of the three (burn-in repairs stale states) | mean: model/delta_q_last < r2d2_tmaze20_stored_noburnin:model/delta_q_last
+quick: r2d2_tmaze20_stored_noburnin | R2D2 ablation, stored state, no burn-in | r2d2_rnnstate --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' --burn-in 0 | model/delta_q_first,model/delta_q_last,eval/success_rate | between zero state and stored + burn-in | mean: model/delta_q_last < r2d2_tmaze20_zero:model/delta_q_last
+quick: r2d2_tmaze20_zero | R2D2 ablation, zero initial state, no burn-in | r2d2_rnnstate --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' --state-init zero --burn-in 0 | model/delta_q_first,model/delta_q_last,eval/success_rate | largest Q discrepancy | info
+quick: r2d2_cartpole | MaskedCartPole: the LSTM recovers the velocities (network of the best evaluation during training kept) | r2d2_rnnstate --env-id seqrl/MaskedCartPole-v0 --total-timesteps 150000 --eval-episodes 20 --select-frequency 10000 --keep-best | eval/episodic_return,eval/last_network_episodic_return | >= 475 (kept network; last network reported too) | eval/episodic_return >= 475
+quick: rlhf_rm | Bradley-Terry reward model from pairwise preferences reaches the labeler's Bayes-optimal accuracy | rlhf_reward_model | eval/preference_accuracy,eval/bayes_accuracy | accuracy within 3 points of the ceiling | eval/preference_accuracy >= eval/bayes_accuracy - 0.03
+quick: rlhf_rm | The reward model orders completions like the hidden gold utility (within a prompt; BT fixes rewards only up to a per-prompt constant, Problem 21.3b) | rlhf_reward_model | eval/spearman_gold_within_prompt,eval/spearman_gold_centered,eval/spearman_gold | >= 0.8 (within prompt and prompt-centered; raw pooled reported) | eval/spearman_gold_within_prompt >= 0.8 ; eval/spearman_gold_centered >= 0.8
+quick: rlhf_rm | sigma(r1 - r2) is calibrated against the labeler's true preference probabilities | rlhf_reward_model | eval/calibration_error | small | eval/calibration_error <= 0.05
+quick: rlhf_kl_sweep0.0 | RLHF without a KL penalty (beta=0): proxy reward rises, gold reward peaks then falls (over-optimization) | rlhf_ppo_kl --kl-coef 0.0 | eval/gold_reward,eval/max_gold_reward,eval/proxy_reward,eval/kl,eval/sft_gold_reward | final gold below its peak and below SFT | eval/gold_reward <= eval/max_gold_reward - 0.3 ; eval/gold_reward < eval/sft_gold_reward
+quick: rlhf_kl_sweep0.1 | RLHF with a KL penalty (beta=0.1): gold reward ends well above SFT, no collapse | rlhf_ppo_kl --kl-coef 0.1 | eval/gold_reward,eval/sft_gold_reward,eval/kl,eval/bon_gold_reward,eval/bon_n | gold well above SFT | eval/gold_reward >= eval/sft_gold_reward + 0.5
+full: rlhf_kl_sweep0.01 | RLHF, beta=0.01 | rlhf_ppo_kl --kl-coef 0.01 | eval/gold_reward,eval/kl | between beta=0 and beta=0.1 | info
+full: rlhf_kl_sweep0.03 | RLHF, beta=0.03 | rlhf_ppo_kl --kl-coef 0.03 | eval/gold_reward,eval/kl | between beta=0 and beta=0.1 | info
+full: rlhf_kl_sweep0.3 | RLHF, beta=0.3 | rlhf_ppo_kl --kl-coef 0.3 | eval/gold_reward,eval/kl | small KL, gold above SFT | info
+full: rlhf_bandit | RLHF, sequence-level (bandit) advantages instead of per-token GAE | rlhf_ppo_kl --advantage bandit | eval/gold_reward,eval/sft_gold_reward,eval/kl | about the same as GAE | info
+full: ilql | GuessTheImage: per-token ILQL beats BC and filtered BC, approaching the optimal questioner | ilql_per_token | eval/episodic_return,eval/success_rate,eval/episodic_length,eval/normalized_score | > filtered BC >= BC (about 0.41), toward 0.783 | eval/episodic_return >= ilql_filtered_bc:eval/episodic_return + 0.1 ; eval/episodic_return >= eval/bc_episodic_return + 0.1
+full: ilql | GuessTheImage: the behavior mixture and the optimal questioner (anchors) | ilql_per_token | dataset/mean_return,ref/optimal_episodic_return | 0.412 and 0.783 | info
+full: ilql_filtered_bc | GuessTheImage: filtered BC, top 20% of dialogues by return | ilql_per_token --bc-only --filter-top-frac 0.2 | eval/episodic_return,eval/success_rate | about 0.41 (premature lucky guesses dominate the top) | info
+full: cql_utterance | GuessTheImage: per-utterance CQL (CHAI-style) beats BC and filtered BC | dialogue_cql_utterance | eval/episodic_return,eval/success_rate,eval/episodic_length,eval/normalized_score,eval/bc_proposer_episodic_return | > filtered BC >= BC, toward 0.783 | eval/episodic_return >= ilql_filtered_bc:eval/episodic_return + 0.1 ; eval/episodic_return >= ilql:eval/bc_episodic_return + 0.1
 EOF
 )
 # Settings shared by the small discrete-observation DQN runs (TMaze, ThreeStateLine), substituted above.
 DQN_SMALL_ARGS="--learning-rate 5e-4 --train-frequency 1 --gradient-steps 1 --batch-size 128 --exploration-fraction 0.5 --end-e 0.05 --hidden-size 128 --target-network-frequency 500"
 EXPERIMENTS="${EXPERIMENTS//DQN_SMALL_ARGS/$DQN_SMALL_ARGS}"
 
-if [ -n "$AGGREGATE" ]; then
-  OUT="${AGGREGATE%/}"
-  [ -f "$OUT/experiments.txt" ] || { echo "benchmark.sh: $OUT/experiments.txt not found" >&2; exit 2; }
-else
-OUT="results/$(date +%Y%m%d-%H%M%S)"
-mkdir -p "$OUT/runs" "$OUT/logs"
-echo "# id | claim | command | metrics | prediction" >"$OUT/experiments.txt"
-printf '%s\n' "$EXPERIMENTS" | grep -v '^\s*$' | while IFS= read -r line; do
-  mode="${line%%:*}"; spec="${line#*:}"
-  if [ "$mode" = full ] && [ "$QUICK" = 1 ]; then continue; fi
-  id=$(echo "$spec" | cut -d'|' -f1 | xargs)
-  if [ -n "$ONLY" ] && ! [[ "$id" =~ $ONLY ]]; then continue; fi
-  echo "$spec" >>"$OUT/experiments.txt"
-done
-N_EXP=$(tail -n +2 "$OUT/experiments.txt" | cut -d'|' -f1 | sort -u | wc -l)
-N_SEEDS=$(echo $SEEDS | wc -w)
-TOTAL=$((N_EXP * N_SEEDS))
-echo "benchmark: $N_EXP experiments x $N_SEEDS seed(s) = $TOTAL runs, $JOBS at a time -> $OUT"
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1
+# The figures, one per claim group:  kind | file | title | series | y | reference
+#   curve    series `label=id, ...`; y a tensorboard tag, smoothed (rolling mean over SMOOTH_EPISODES episodes for
+#            charts/ tags), mean over seeds with a ± std band, x in env steps; reference `value label` or -
+#   bar      series `label=id:metric, ...`; one bar per series (mean over seeds), seeds as dots
+#   overopt  series = the id prefix of the RLHF KL sweep; gold and proxy reward against KL, and gold against sqrt(KL)
+FIGURES=$(cat <<'EOF'
+curve | line | ThreeStateLine: PPO with a GRU vs memoryless (episode length) | GRU=ppo_line_gru, memoryless=ppo_line_none | charts/episodic_length | 1.5 optimum with memory
+curve | tmaze_ppo | TMaze, corridor 10: PPO with a GRU vs memoryless | GRU=ppo_tmaze_gru, memoryless=ppo_tmaze_none | charts/episodic_return | 3.0 optimum
+curve | maskedcartpole | MaskedCartPole: memory recovers the velocities | PPO GRU=ppo_cartpole_gru, PPO memoryless=ppo_cartpole_none, DQN k=4=dqn_cartpole_k4, DQN k=1=dqn_cartpole_k1, R2D2=r2d2_cartpole | charts/episodic_return | 475 claim
+curve | tiger | Tiger: PPO with a GRU vs memoryless | GRU=ppo_tiger_gru, memoryless=ppo_tiger_none | charts/episodic_return | 5.01 optimum
+curve | r2d2_ablation | R2D2 on TMaze-20: stored state + burn-in vs stored vs zero state | stored + burn-in=r2d2_tmaze20, stored=r2d2_tmaze20_stored_noburnin, zero state=r2d2_tmaze20_zero | charts/episodic_return | 2.0 optimum
+bar | tmaze_window | TMaze, 4-frame DQN: success against corridor length | 1=dqn_tmaze_k4_corridor_sweep1:eval/success_rate, 2=dqn_tmaze_k4_corridor_sweep2:eval/success_rate, 4=dqn_tmaze_k4_corridor_sweep4:eval/success_rate, 8=dqn_tmaze_k4_corridor_sweep8:eval/success_rate | success rate | 0.5 chance
+bar | dialogue | GuessTheImage: offline RL vs behavior cloning (mean return) | ILQL=ilql:eval/episodic_return, BC=ilql:eval/bc_episodic_return, filtered BC=ilql_filtered_bc:eval/episodic_return, CQL=cql_utterance:eval/episodic_return, dataset=ilql:dataset/mean_return | mean return | 0.783 optimal questioner
+overopt | rlhf_overoptimization | RLHF over-optimization: gold and proxy reward against the KL to the SFT policy | rlhf_kl_sweep | - | -
+EOF
+)
 
-run_one() {  # id seed args... ; prints one progress line
-  local id="$1" seed="$2"; shift 2
-  local script="$1"; shift
-  local start=$SECONDS rc
-  python3 "algos/$script.py" --seed "$seed" --runs-dir "$OUT/runs/$id/seed$seed" --exp-name "$id" "$@" \
-    </dev/null >"$OUT/logs/${id}_seed${seed}.log" 2>&1
-  rc=$?
-  local status="ok"; [ $rc -eq 0 ] || status="FAILED (exit $rc, see logs/${id}_seed${seed}.log)"
-  echo "[$(date +%H:%M:%S)] $id seed=$seed $status in $((SECONDS - start))s" | tee -a "$OUT/log.txt"
-}
+AGG_PY=$(cat <<'PY'
+"""Check every claim of a benchmark folder, write results.md and the figures. Modes: validate, aggregate."""
 
-T0=$SECONDS
-i=0
-declare -A SEEN=()
-while IFS='|' read -r id claim cmd metrics prediction; do
-  [[ "$id" == \#* ]] && continue
-  id=$(echo "$id" | xargs)
-  [ -z "${SEEN[$id]:-}" ] || continue  # several claims (lines) may read the same run
-  SEEN[$id]=1
-  for seed in $SEEDS; do
-    i=$((i + 1))
-    while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
-    echo "[$(date +%H:%M:%S)] start $i/$TOTAL: $id seed=$seed"
-    eval "run_one \"\$id\" \"\$seed\" $cmd" &  # eval: the command's quoted arguments stay whole
-  done
-done <"$OUT/experiments.txt"
-wait
-echo "benchmark: all runs finished in $((SECONDS - T0))s; aggregating"
-fi
-
-python3 - "$OUT" <<'PY'
-"""Aggregate every run's summary.json into results.md, and plot learning curves and sweeps."""
-
+import ast
 import json
 import math
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-out = Path(sys.argv[1])
-rows, sweeps = [], defaultdict(lambda: defaultdict(dict))
-experiments = []
-for line in (out / "experiments.txt").read_text().splitlines()[1:]:
+SMOOTH_EPISODES = 20  # rolling-mean window (episodes) of the charts/ curves in the figures
+GRID_POINTS = 200  # curves of all seeds are interpolated onto this many env steps before the mean and band
+REF_RE = re.compile(r"(?:(?P<exp>[A-Za-z_][\w.\-]*):)?(?P<metric>[A-Za-z_]\w*/\w+)")
+FUNCS = {"abs": abs, "min": min, "max": max}
+ALLOWED = (ast.Expression, ast.Compare, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Load, ast.Call,
+           ast.Add, ast.Sub, ast.Mult, ast.USub, ast.UAdd, ast.Lt, ast.LtE, ast.Gt, ast.GtE)  # fmt: skip
+
+
+class CheckError(ValueError):
+    pass
+
+
+def parse_condition(text: str) -> dict:
+    """One condition of a check: {'mean', 'code', 'refs': [(exp or None, metric)], 'text'}; CheckError if malformed."""
+    text = text.strip()
+    mean = text.startswith("mean:")
+    body = text[len("mean:") :].strip() if mean else text
+    refs = []
+
+    def name_ref(match):
+        refs.append((match.group("exp"), match.group("metric")))
+        return f"_r{len(refs) - 1}"
+
+    expr = REF_RE.sub(name_ref, body)
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError as err:
+        raise CheckError(f"cannot parse {body!r} ({err.msg})") from None
+    if not isinstance(tree.body, ast.Compare):
+        raise CheckError(f"{body!r} is not a comparison (use <, <=, >, >=)")
+    for node in ast.walk(tree):
+        bad = not isinstance(node, ALLOWED)
+        bad |= isinstance(node, ast.Constant) and not isinstance(node.value, (int, float))
+        bad |= isinstance(node, ast.Name) and not (node.id.startswith("_r") or node.id in FUNCS)
+        bad |= isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in FUNCS)
+        if bad:
+            raise CheckError(f"{body!r}: {type(node).__name__} is not allowed (numbers, metric refs, + - *, abs/min/max)")
+    if not refs:
+        raise CheckError(f"{body!r} names no metric")
+    return {"mean": mean, "code": compile(tree, "<check>", "eval"), "refs": refs, "text": text}
+
+
+def parse_line(line: str, where: str) -> dict:
     fields = [f.strip() for f in line.split("|")]
-    if len(fields) != 5:
-        sys.exit(f"benchmark.sh: experiment line needs 5 '|'-separated fields, got {len(fields)}: {line}")
-    exp_id, claim, cmd, metrics, prediction = fields
-    experiments.append((exp_id, claim, cmd, [m.strip() for m in metrics.split(",")], prediction))
+    if len(fields) != 6:
+        raise CheckError(f"{where}: needs 6 '|'-separated fields (id | claim | command | metrics | prediction | "
+                         f"check), got {len(fields)}")  # fmt: skip
+    exp_id, claim, cmd, metrics, prediction, check = fields
+    if not re.fullmatch(r"[A-Za-z_][\w.\-]*", exp_id):
+        raise CheckError(f"{where}: bad experiment id {exp_id!r}")
+    if not check:
+        raise CheckError(f"{where}: empty check (write a prediction the results can test, or `info`)")
+    conditions = []
+    if check != "info":
+        for part in check.split(" ; "):
+            try:
+                conditions.append(parse_condition(part))
+            except CheckError as err:
+                raise CheckError(f"{where} (id {exp_id}): check {err}") from None
+    return dict(id=exp_id, claim=claim, cmd=cmd, metrics=[m.strip() for m in metrics.split(",") if m.strip()],
+                prediction=prediction, check=check, conditions=conditions, where=where)  # fmt: skip
+
+
+def parse_experiments(lines: list[tuple[str, str]]) -> list[dict]:
+    experiments = [parse_line(line, where) for line, where in lines]
+    ids = {e["id"] for e in experiments}
+    for e in experiments:
+        for cond in e["conditions"]:
+            for exp, _ in cond["refs"]:
+                if exp is not None and exp not in ids:
+                    raise CheckError(f"{e['where']} (id {e['id']}): check refers to unknown experiment {exp!r}")
+    return experiments
+
+
+def fmt(v) -> str:
+    if v is None:
+        return "—"
+    return f"{v:.3f}" if abs(v) < 1000 else f"{v:.0f}"
 
 
 def mean_std(values):
@@ -164,121 +211,342 @@ def mean_std(values):
     return m, s
 
 
-seeds_by_exp = {}
-for exp_id, claim, cmd, metrics, prediction in experiments:
-    summaries, failed = [], []
-    for seed_dir in sorted((out / "runs" / exp_id).glob("seed*")):
-        found = list(seed_dir.glob("*/summary.json"))
-        if found:
-            summaries.append(json.loads(found[0].read_text()))
+def evaluate_claim(e: dict, metric_of, seeds: list[int], ran: set) -> dict:
+    """Verdict of one claim: per-seed conditions on every seed, `mean:` conditions on the means over seeds."""
+    missing = sorted({exp for c in e["conditions"] for exp, _ in c["refs"] if exp is not None and exp not in ran})
+    if missing:
+        return {"status": "not checked", "text": f"not checked: {', '.join(missing)} not run"}
+    per_seed, failures, mean_ok = {}, [], True
+    for cond in e["conditions"]:
+        def values(seed):
+            return [metric_of(exp or e["id"], metric, seed) for exp, metric in cond["refs"]]
+
+        if cond["mean"]:
+            columns = [values(s) for s in seeds]
+            complete = [col for col in columns if None not in col]
+            if not complete:
+                mean_ok = False
+                failures.append(f"`{cond['text']}`: no seed has all values")
+                continue
+            means = [sum(col[i] for col in complete) / len(complete) for i in range(len(cond["refs"]))]
+            ok = bool(eval(cond["code"], {**FUNCS}, {f"_r{i}": v for i, v in enumerate(means)}))
+            mean_ok &= ok
+            if not ok:
+                shown = ", ".join(f"{m}={fmt(v)}" for (_, m), v in zip(cond["refs"], means))
+                failures.append(f"`{cond['text']}` false on the means ({shown})")
+            continue
+        for seed in seeds:
+            vals = values(seed)
+            ok = None not in vals and bool(eval(cond["code"], {**FUNCS}, {f"_r{i}": v for i, v in enumerate(vals)}))
+            per_seed[seed] = per_seed.get(seed, True) and ok
+            if not ok:
+                shown = ", ".join(f"{(x + ':') if x else ''}{m}={fmt(v)}" for (x, m), v in zip(cond["refs"], vals))
+                failures.append(f"seed {seed}: `{cond['text']}` false ({shown})")
+    n_hold = sum(per_seed.values()) if per_seed else len(seeds)
+    holds = mean_ok and n_hold == len(seeds)
+    has_seed_conds = any(not c["mean"] for c in e["conditions"])
+    text = (f"holds {n_hold}/{len(seeds)} seeds" if has_seed_conds else "holds") if holds else "**FAILS**"
+    if not holds and has_seed_conds:
+        text += f" (holds on {n_hold}/{len(seeds)} seeds)"
+    if any(c["mean"] for c in e["conditions"]):
+        text += f"; mean over {len(seeds)} seeds"
+    if failures:
+        text += ": " + "; ".join(failures)
+    return {"status": "holds" if holds else "fails", "text": text}
+
+
+def aggregate(out: Path) -> int:
+    lines = [(line, f"experiments.txt line {i}") for i, line in enumerate((out / "experiments.txt").read_text()
+             .splitlines(), start=1) if line.strip() and not line.startswith("#")]  # fmt: skip
+    experiments = parse_experiments(lines)
+    meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").is_file() else {}
+    summaries, crashed = defaultdict(dict), defaultdict(list)  # id -> seed -> summary; id -> seeds without one
+    for exp_id in dict.fromkeys(e["id"] for e in experiments):
+        for seed_dir in sorted((out / "runs" / exp_id).glob("seed*")):
+            seed = int(seed_dir.name[len("seed") :])
+            found = sorted(seed_dir.glob("*/summary.json"))
+            if found:
+                summaries[exp_id][seed] = json.loads(found[-1].read_text())
+            else:
+                crashed[exp_id].append(seed)
+    seeds = [int(s) for s in meta.get("seeds", "").split()] or sorted(
+        {s for d in summaries.values() for s in d} | {s for v in crashed.values() for s in v}
+    )
+    ran = {exp_id for exp_id in summaries} | {exp_id for exp_id in crashed}
+
+    def metric_of(exp_id, metric, seed):
+        value = summaries.get(exp_id, {}).get(seed, {}).get("metrics", {}).get(metric)
+        return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+    claim_rows, verdicts = [], []
+    for n, e in enumerate(experiments, start=1):
+        if e["id"] not in ran:
+            continue
+        cells = []
+        for metric in e["metrics"]:
+            vals = [metric_of(e["id"], metric, s) for s in seeds]
+            got = [v for v in vals if v is not None]
+            summary = f" (mean {fmt(mean_std(got)[0])} ± {fmt(mean_std(got)[1])})" if len(got) > 1 else ""
+            cells.append(f"`{metric}`: {' / '.join(fmt(v) for v in vals)}{summary}")
+        if e["conditions"]:
+            verdict = evaluate_claim(e, metric_of, seeds, ran)
+            verdicts.append(verdict["status"])
         else:
-            failed.append(seed_dir.name)
-    seeds_by_exp[exp_id] = summaries
-    status = f"ok {len(summaries)}/{len(summaries) + len(failed)}"
-    if failed:
-        status = f"**FAILED** {', '.join(failed)} (see logs/) · {status}"
-    for metric in metrics:
-        values = [s["metrics"][metric] for s in summaries if metric in s["metrics"]]
-        cell = "—"
-        if values:
-            m, s = mean_std(values)
-            cell = f"{m:.3f} ± {s:.3f} (n={len(values)})"
-        elif summaries:
-            status += f"; metric {metric} missing"
-        script, _, script_args = cmd.partition(" ")
-        command = f"python algos/{script}.py {script_args}"
-        rows.append(f"| {claim} | `{command}` | `{metric}` | {cell} | {prediction} | {status} |")
-        # sweeps: ids like `<name>_sweep<X>` are plotted as metric against X
-        if "_sweep" in exp_id and values:
-            name, x = exp_id.rsplit("_sweep", 1)
-            sweeps[(name, metric)][float(x)] = mean_std(values)
+            verdict = {"text": "reported (anchor, not a claim)"}
+        check = "—" if not e["conditions"] else "`" + e["check"].replace("|", "\\|") + "`"
+        claim_rows.append(f"| {n} | {e['claim']} | {'<br>'.join(cells)} | {e['prediction']} | {check} | "
+                          f"{verdict['text']} |")  # fmt: skip
 
-seeds = sorted({s["args"]["seed"] for ss in seeds_by_exp.values() for s in ss})
-table = [
-    "# seqrl benchmark results",
-    "",
-    f"Seeds: {seeds}. Mean ± sample std over seeds. Generated by `benchmark.sh` into `{out}`.",
-    "",
-    "| claim | command (plus `--seed S`) | metric | measured | lecture predicts | status |",
-    "|---|---|---|---|---|---|",
-    *rows,
-]
-(out / "results.md").write_text("\n".join(table) + "\n")
-print("\n".join(table))
+    run_rows, n_runs, n_ok = [], 0, 0
+    for exp_id in dict.fromkeys(e["id"] for e in experiments):
+        if exp_id not in ran:
+            continue
+        e = next(x for x in experiments if x["id"] == exp_id)
+        ok_seeds, bad = sorted(summaries[exp_id]), crashed[exp_id]
+        n_runs, n_ok = n_runs + len(ok_seeds) + len(bad), n_ok + len(ok_seeds)
+        times = [summaries[exp_id][s]["wall_time_s"] for s in ok_seeds if "wall_time_s" in summaries[exp_id][s]]
+        status = f"finished {len(ok_seeds)}/{len(ok_seeds) + len(bad)}"
+        if bad:
+            status = f"**CRASHED** seeds {', '.join(map(str, bad))} (see logs/) · " + status
+        script, _, script_args = e["cmd"].partition(" ")
+        wall = f"{sum(times) / len(times):.0f}" if times else "—"
+        run_rows.append(f"| {exp_id} | `python algos/{script}.py {script_args}` | {status} | {wall} |")
 
-try:
+    n_hold, n_fail = verdicts.count("holds"), verdicts.count("fails")
+    n_checked, n_unchecked = n_hold + n_fail, verdicts.count("not checked")
+    head = f"**claims holding: {n_hold} of {n_checked}**"
+    if n_unchecked:
+        head += f" ({n_unchecked} not checked: an experiment they compare with was not run)"
+    head += f" · runs finished: {n_ok} of {n_runs}"
+    minutes = f"{meta['total_s'] / 60:.1f} min" if "total_s" in meta else "unknown"
+    doc = [
+        "# seqrl benchmark results", "", head, "",
+        f"- seeds: {' '.join(map(str, seeds))}; command: `bash benchmark.sh {meta.get('argv', '')}`; "
+        f"git: {meta.get('git', '?')}",
+        f"- machine: {meta.get('cpu', '?')}, {meta.get('cores', '?')} cores; {meta.get('jobs', '?')} runs at a time, "
+        "one torch thread each; total wall time " + minutes,
+        "- Single-seed numbers differ across CPUs (torch's CPU kernels round differently per instruction set); the "
+        "checks are set with margin so that they hold on other seeds and machines.", "",
+        "## Claims", "",
+        "Measured: per-seed values in seed order (mean ± sample std over seeds). Check: evaluated on every seed "
+        "(`mean:` conditions on the means over seeds).", "",
+        "| # | claim | measured | lecture predicts | check | verdict |", "|---|---|---|---|---|---|",
+        *claim_rows, "",
+        "## Runs", "", "| experiment | command (plus `--seed S`) | status | wall time per run (s) |", "|---|---|---|---|",
+        *run_rows,
+    ]  # fmt: skip
+    (out / "results.md").write_text("\n".join(doc) + "\n")
+    print("\n".join(doc))
+    try:
+        plot(out, summaries, seeds, metric_of)
+    except ImportError as err:  # matplotlib or tensorboard missing: the table is still complete
+        print(f"no figures: {err}")
+    print(f"\n{head.replace('**', '')}\nwrote {out / 'results.md'}")
+    return 0 if n_fail == 0 and n_ok == n_runs else 1
+
+
+def read_curve(run_dir: str, tag: str):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    if tag not in acc.Tags().get("scalars", []):
+        return None
+    events = acc.Scalars(tag)
+    return [e.step for e in events], [e.value for e in events]
+
+
+def plot(out: Path, summaries, seeds, metric_of):
     import matplotlib
 
     matplotlib.use("Agg")
+    figures = [[f.strip() for f in line.split("|")] for line in (out / "figures.txt").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]  # fmt: skip
+    for fields in figures:
+        try:
+            draw(out, summaries, seeds, metric_of, *fields)
+        except Exception as err:  # noqa: BLE001  a broken figure must not hide the checked table
+            print(f"figure {fields[1] if len(fields) > 1 else fields}: not drawn ({type(err).__name__}: {err})")
+
+
+def draw(out: Path, summaries, seeds, metric_of, kind, name, title, series, ylabel, reference):
+    """One figure of figures.txt (see FIGURES in benchmark.sh)."""
     import matplotlib.pyplot as plt
-except ImportError:
-    print("matplotlib missing: no plots")
-    sys.exit(0)
+    import numpy as np
+    from matplotlib.ticker import EngFormatter
 
-# Sweep figures: one per sweep name, metric against the swept value.
-for (name, metric), points in sweeps.items():
-    xs = sorted(points)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.errorbar(xs, [points[x][0] for x in xs], yerr=[points[x][1] for x in xs], marker="o", capsize=3)
-    ax.set_xlabel(name.split("_")[-1] if "_" in name else "x")
-    ax.set_ylabel(metric)
-    ax.set_title(name)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / f"sweep_{name}_{metric.replace('/', '_')}.png", dpi=120)
-    plt.close(fig)
-
-# Learning curves from the tensorboard logs: one panel per experiment, seeds overlaid.
-try:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-except ImportError:
-    EventAccumulator = None
-curves = {}
-if EventAccumulator is not None:
-    for exp_id, *_ in experiments:
-        for summary in seeds_by_exp[exp_id]:
-            acc = EventAccumulator(summary["run_dir"], size_guidance={"scalars": 0})
-            acc.Reload()
-            tags = acc.Tags().get("scalars", [])
-            tag = next((t for t in ("charts/episodic_return", "eval/gold_reward", "losses/loss") if t in tags), None)
-            if tag:
-                events = acc.Scalars(tag)
-                curves.setdefault(exp_id, (tag, []))[1].append(([e.step for e in events], [e.value for e in events]))
-if curves:
-    n = len(curves)
-    cols = min(4, n)
-    fig, axes = plt.subplots(math.ceil(n / cols), cols, figsize=(4 * cols, 3 * math.ceil(n / cols)), squeeze=False)
-    for ax, (exp_id, (tag, runs)) in zip(axes.flat, curves.items()):
-        for steps, values in runs:
-            ax.plot(steps, values, alpha=0.7)
-        ax.set_title(exp_id, fontsize=9)
-        ax.set_ylabel(tag, fontsize=8)
+    pairs = [s.strip().rsplit("=", 1) for s in series.split(",")] if kind != "overopt" else []
+    fig = None
+    if kind == "curve":
+        fig, ax = plt.subplots(figsize=(6.4, 4))
+        drawn = 0
+        for label, exp_id in pairs:
+            curves = []
+            for seed in seeds:
+                summary = summaries.get(exp_id, {}).get(seed)
+                got = summary and read_curve(summary["run_dir"], ylabel)
+                if got and len(got[0]) > 1:
+                    steps, values = np.array(got[0], float), np.array(got[1], float)
+                    if ylabel.startswith("charts/") and len(values) >= SMOOTH_EPISODES:
+                        kernel = np.ones(SMOOTH_EPISODES) / SMOOTH_EPISODES
+                        values = np.convolve(values, kernel, mode="valid")
+                        steps = steps[SMOOTH_EPISODES - 1 :]
+                    curves.append((steps, values))
+            if not curves:
+                continue
+            grid = np.linspace(max(c[0][0] for c in curves), min(c[0][-1] for c in curves), GRID_POINTS)
+            stack = np.stack([np.interp(grid, s, v) for s, v in curves])
+            mean, std = stack.mean(0), stack.std(0)
+            line = ax.plot(grid, mean, label=f"{label} ({len(curves)} seeds)")[0]
+            ax.fill_between(grid, mean - std, mean + std, color=line.get_color(), alpha=0.2, linewidth=0)
+            drawn += 1
+        if not drawn:
+            plt.close(fig)
+            return
+        smoothing = f" (rolling mean over {SMOOTH_EPISODES} episodes)" if ylabel.startswith("charts/") else ""
+        ax.set_ylabel(ylabel.split("/")[-1].replace("_", " ") + smoothing)
+        ax.set_xlabel("environment steps")
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+    elif kind == "bar":
+        fig, ax = plt.subplots(figsize=(6.4, 4))
+        xs, drawn = np.arange(len(pairs)), 0
+        for x, (label, ref) in zip(xs, pairs):
+            exp_id, metric = ref.split(":", 1)
+            vals = [v for v in (metric_of(exp_id, metric, s) for s in seeds) if v is not None]
+            if vals:
+                ax.bar(x, np.mean(vals), color="C0", alpha=0.5)
+                ax.scatter(np.full(len(vals), x), vals, color="k", s=12, zorder=3)
+                drawn += 1
+        if not drawn:
+            plt.close(fig)
+            return
+        ax.set_xticks(xs, [label for label, _ in pairs])
+        ax.set_ylabel(f"{ylabel} (bar: mean, dots: seeds)")
+    elif kind == "overopt":
+        files = sorted((out / "runs").glob(f"{series}*/seed*/*/curve.jsonl"))
+        if not files:
+            return
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        colors = {}
+        for path in files:
+            exp_id = path.parts[-4]
+            color = colors.setdefault(exp_id, f"C{len(colors)}")
+            points = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            kl = np.array([p["kl"] for p in points])
+            label = exp_id.replace(series, "beta=") if path.parts[-3] == f"seed{seeds[0]}" else None
+            axes[0].plot(kl, [p["gold_reward"] for p in points], ".-", color=color, alpha=0.6, label=label)
+            axes[1].plot(kl, [p["proxy_reward"] for p in points], ".-", color=color, alpha=0.6)
+            axes[2].plot(np.sqrt(np.maximum(kl, 0)), [p["gold_reward"] for p in points], ".-", color=color,
+                         alpha=0.6)  # fmt: skip
+        for ax, (xl, yl) in zip(axes, [("KL(pi || pi_SFT)", "gold reward (hidden utility)"),
+                                       ("KL(pi || pi_SFT)", "proxy reward (learned RM)"),
+                                       ("sqrt KL (Gao et al. 2022)", "gold reward")]):  # fmt: skip
+            ax.set_xlabel(xl)
+            ax.set_ylabel(yl)
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8, title="points in training order, one line per seed", title_fontsize=7)
+        fig.suptitle(title)
+    if fig is None:
+        return
+    if kind != "overopt":
+        if reference != "-":
+            value, _, ref_label = reference.partition(" ")
+            ax.axhline(float(value), color="k", linestyle="--", linewidth=1, label=ref_label or None)
+        ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
+        ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "learning_curves.png", dpi=100)
+    fig.savefig(out / f"{name}.png", dpi=120)
     plt.close(fig)
 
-# RLHF over-optimization (Gao et al. 2022): gold and proxy reward against KL(pi || pi_SFT), from curve.jsonl.
-curve_files = sorted((out / "runs").glob("*/seed*/*/curve.jsonl"))
-if curve_files:
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for path in curve_files:
-        points = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        label = path.parts[-4] + " " + path.parts[-3]
-        kl = [p["kl"] for p in points]
-        axes[0].plot(kl, [p["gold_reward"] for p in points], marker=".", label=label)
-        axes[1].plot(kl, [p["proxy_reward"] for p in points], marker=".", label=label)
-    for ax, name in zip(axes, ["gold reward (hidden utility)", "proxy reward (learned RM)"]):
-        ax.set_xlabel("KL(pi || pi_SFT)")
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "rlhf_overoptimization.png", dpi=120)
-    plt.close(fig)
-print(f"\nwrote {out / 'results.md'} and {len(list(out.glob('*.png')))} plot(s)")
+
+if __name__ == "__main__":
+    mode, path = sys.argv[1], Path(sys.argv[2])
+    try:
+        if mode == "validate":  # the selected experiment lines (and every line, for the refs) must parse
+            lines = []
+            for i, line in enumerate(path.read_text().splitlines(), start=1):
+                mode, colon, spec = line.partition(":")
+                if line.strip() and (not colon or mode.strip() not in ("quick", "full")):
+                    raise CheckError(f"experiment line {i}: starts with {mode.strip()!r}, not `quick:` or `full:`")
+                lines.append((spec, f"experiment line {i}"))
+            parse_experiments([(spec, where) for spec, where in lines if spec.strip()])
+            sys.exit(0)
+        sys.exit(aggregate(path))
+    except CheckError as err:
+        print(f"benchmark.sh: {err}", file=sys.stderr)
+        sys.exit(2)
 PY
+)
+
+# Validate every experiment line and check before anything runs (a typo must not cost an hour of runs).
+VALIDATE_FILE=$(mktemp)
+printf '%s\n' "$EXPERIMENTS" | grep -v '^\s*$' >"$VALIDATE_FILE"
+python3 -c "$AGG_PY" validate "$VALIDATE_FILE" || { rc=$?; rm -f "$VALIDATE_FILE"; exit $rc; }
+rm -f "$VALIDATE_FILE"
+if [ "$VALIDATE" = 1 ]; then echo "benchmark.sh: every experiment line and check parses"; exit 0; fi
+
+if [ -n "$AGGREGATE" ]; then
+  OUT="${AGGREGATE%/}"
+  [ -f "$OUT/experiments.txt" ] || { echo "benchmark.sh: $OUT/experiments.txt not found" >&2; exit 2; }
+  [ -f "$OUT/figures.txt" ] || printf '%s\n' "$FIGURES" >"$OUT/figures.txt"
+else
+  OUT="results/$(date +%Y%m%d-%H%M%S)"
+  while ! mkdir -p "$(dirname "$OUT")" || ! mkdir "$OUT" 2>/dev/null; do OUT="${OUT%-r*}-r$RANDOM"; done
+  mkdir -p "$OUT/runs" "$OUT/logs"
+  echo "# id | claim | command | metrics | prediction | check" >"$OUT/experiments.txt"
+  printf '%s\n' "$EXPERIMENTS" | grep -v '^\s*$' | while IFS= read -r line; do
+    mode="${line%%:*}"; spec="${line#*:}"
+    if [ "$mode" = full ] && [ "$QUICK" = 1 ]; then continue; fi
+    id=$(echo "$spec" | cut -d'|' -f1 | xargs)
+    if [ -n "$ONLY" ] && ! [[ "$id" =~ $ONLY ]]; then continue; fi
+    echo "$spec" >>"$OUT/experiments.txt"
+  done
+  printf '%s\n' "$FIGURES" >"$OUT/figures.txt"
+  N_EXP=$(tail -n +2 "$OUT/experiments.txt" | cut -d'|' -f1 | sort -u | wc -l)
+  [ "$N_EXP" -gt 0 ] || { echo "benchmark.sh: no experiment id matches --only '$ONLY'" >&2; rm -r "$OUT"; exit 2; }
+  N_SEEDS=$(echo $SEEDS | wc -w)
+  TOTAL=$((N_EXP * N_SEEDS))
+  CPU=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)
+  GIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  [ -z "$(git status --porcelain 2>/dev/null)" ] || GIT="$GIT (with uncommitted changes)"
+  python3 -c 'import json,sys; print(json.dumps(dict(zip(["argv","seeds","jobs","cpu","cores","git"], sys.argv[1:]))))' \
+    "$ARGV" "$SEEDS" "$JOBS" "${CPU:-unknown}" "$(nproc)" "$GIT" >"$OUT/meta.json"
+  echo "benchmark: $N_EXP experiments x $N_SEEDS seed(s) = $TOTAL runs, $JOBS at a time -> $OUT"
+  export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1
+
+  run_one() {  # id seed script args... ; prints one progress line
+    local id="$1" seed="$2"; shift 2
+    local script="$1"; shift
+    local start=$SECONDS rc
+    python3 "algos/$script.py" --seed "$seed" --runs-dir "$OUT/runs/$id/seed$seed" --exp-name "$id" "$@" \
+      </dev/null >"$OUT/logs/${id}_seed${seed}.log" 2>&1
+    rc=$?
+    local status="ok"; [ $rc -eq 0 ] || status="CRASHED (exit $rc, see logs/${id}_seed${seed}.log)"
+    echo "[$(date +%H:%M:%S)] $id seed=$seed $status in $((SECONDS - start))s" | tee -a "$OUT/log.txt"
+  }
+
+  T0=$SECONDS
+  i=0
+  declare -A SEEN=()
+  while IFS='|' read -r id claim cmd rest; do
+    [[ "$id" == \#* ]] && continue
+    id=$(echo "$id" | xargs)
+    [ -z "${SEEN[$id]:-}" ] || continue  # several claims (lines) may read the same run
+    SEEN[$id]=1
+    for seed in $SEEDS; do
+      i=$((i + 1))
+      while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
+      echo "[$(date +%H:%M:%S)] start $i/$TOTAL: $id seed=$seed"
+      eval "run_one \"\$id\" \"\$seed\" $cmd" &  # eval: the command's quoted arguments stay whole
+    done
+  done <"$OUT/experiments.txt"
+  wait
+  echo "benchmark: all runs finished in $((SECONDS - T0))s; checking the claims"
+  python3 -c 'import json,sys; p=sys.argv[1]; m=json.load(open(p)); m["total_s"]=int(sys.argv[2]); json.dump(m,open(p,"w"))' \
+    "$OUT/meta.json" "$((SECONDS - T0))"
+fi
+
+python3 -c "$AGG_PY" aggregate "$OUT"
 exit $?
 }
