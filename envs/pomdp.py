@@ -1,4 +1,4 @@
-"""The POMDP suite: five small partially observed environments whose optimal values are known exactly.
+"""The POMDP suite: six small partially observed environments whose optimal values are known exactly.
 
 Every env is a `gymnasium.Env` with seeded `reset(seed=...)`, `render_mode="ansi"`, a Box observation (one-hot
 codes for discrete observations), a Discrete action space, and its own time limit (reported as `truncated`).
@@ -8,12 +8,14 @@ hidden state for analysis and tests; agents must not read it.
 | id                         | memoryless optimum                  | optimum with memory                |
 |----------------------------|-------------------------------------|------------------------------------|
 | seqrl/ThreeStateLine-v0    | p(right)=1/2, 2 steps (return -2)   | right then left, 1.5 steps (-1.5)  |
+| seqrl/ShortCorridor-v0     | p(right)=2-sqrt(2)~0.586, -11.657   | right, left, right: -3             |
 | seqrl/TwoDoors-v0          | p(left)=1/2, return 0.9             | other door after a failure, 0.95   |
 | seqrl/TMaze-v0 (length L)  | success 1/2, return 1.5 - 0.1 L     | success 1, return 4 - 0.1 L        |
 | seqrl/MaskedCartPole-v0    | far below 500                       | 500                                |
 | seqrl/Tiger-v0 (horizon 10)| -7.5 (listen once, then open)       | `tiger_optimal_value()` = 5.01  |
 
-References: Problems 21.1 and 21.2 of the lecture (../shared/seeds); B. Bakker, "Reinforcement Learning with
+References: Problems 21.1 and 21.2 of the lecture (../shared/seeds); R. Sutton, A. Barto, "Reinforcement Learning:
+An Introduction", 2nd ed. 2018, Example 13.1 (short corridor); B. Bakker, "Reinforcement Learning with
 Long Short-Term Memory", NeurIPS 2001 (T-maze); L. Kaelbling, M. Littman, A. Cassandra, "Planning and acting in
 partially observable stochastic domains", AIJ 1998 (Tiger); POPGym (Morad et al. 2023) for masked CartPole.
 """
@@ -79,6 +81,73 @@ class ThreeStateLineEnv(gym.Env):
         cells = ["A", "B", "C"]
         cells[self.state] = f"[{cells[self.state]}]"
         return " - ".join(cells) + "\n"
+
+
+class ShortCorridorEnv(gym.Env):
+    """Sutton & Barto (2nd ed.), Example 13.1: the short corridor with switched actions.
+
+    Cells 0 - 1 - 2 - G in a line; the episode starts in cell 0 and terminates on reaching the goal G (cell 3).
+    Actions 0 = left, 1 = right. In cells 0 and 2 they move as labelled (left in cell 0 bumps the wall and stays);
+    in cell 1 they are reversed (right moves to cell 0, left to cell 2). Reward -1 per step. The three non-goal
+    cells give the same observation (the constant 1), so a memoryless policy is one number, p = p(right).
+
+    Optimal values. With v_s the expected return from cell s under p, the Bellman equations
+    v_0 = -1 + p v_1 + (1-p) v_0, v_1 = -1 + p v_0 + (1-p) v_2, v_2 = -1 + (1-p) v_1 (right from cell 2 ends)
+    give J(p) = v_0 = -2 (2 - p) / (p (1 - p)), maximized at p* = 2 - sqrt(2) ~ 0.586 with J(p*) ~ -11.657.
+    Both deterministic memoryless policies never arrive (always right: 0 <-> 1 forever; always left: stuck at
+    the wall): return -`max_steps`. With memory (of the steps taken) "right, left, right" takes 3 steps (-3).
+
+    Time limit `max_steps` = 100 (truncation): under p* an episode is still running after 100 steps with
+    probability 2.8e-5, and the truncated value -11.6566 differs from J(p*) by 3e-4 (checked in the tests),
+    while a near-deterministic policy shows up clearly as episodes of 100 steps.
+    """
+
+    metadata = {"render_modes": ["ansi"], "render_fps": 4}
+    LEFT, RIGHT = 0, 1
+    GOAL = 3
+    SWITCHED = 1  # the cell whose actions are reversed
+    OPTIMAL_MEMORYLESS_P_RIGHT = 2.0 - np.sqrt(2.0)
+    OPTIMAL_MEMORYLESS_RETURN = -2.0 * np.sqrt(2.0) / ((2.0 - np.sqrt(2.0)) * (np.sqrt(2.0) - 1.0))  # -11.657
+    OPTIMAL_MEMORY_RETURN = -3.0
+
+    def __init__(self, render_mode: str | None = None, max_steps: int = 100):
+        if max_steps < 1:
+            raise ValueError(f"ShortCorridor: max_steps must be >= 1, got {max_steps}")
+        self.render_mode = render_mode
+        self.max_steps = max_steps
+        self.observation_space = spaces.Box(0.0, 1.0, shape=(1,), dtype=np.float32)
+        self.action_space = spaces.Discrete(2)
+
+    @staticmethod
+    def memoryless_value(p_right: float) -> float:
+        """J(p) = -2 (2 - p) / (p (1 - p)), the expected return of "right with probability p" (no time limit)."""
+        if not 0.0 < p_right < 1.0:
+            return -np.inf  # a deterministic memoryless policy never reaches the goal
+        return -2.0 * (2.0 - p_right) / (p_right * (1.0 - p_right))
+
+    def _obs(self) -> np.ndarray:
+        return np.ones(1, dtype=np.float32)  # uninformative: the same in every cell
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self.state, self.t = 0, 0
+        return self._obs(), {"state": self.state}
+
+    def step(self, action):
+        action = _check_action(self.action_space, action, "ShortCorridor")
+        move = 1 if action == self.RIGHT else -1
+        if self.state == self.SWITCHED:
+            move = -move
+        self.state = max(self.state + move, 0)
+        self.t += 1
+        terminated = self.state == self.GOAL
+        truncated = not terminated and self.t >= self.max_steps
+        return self._obs(), -1.0, terminated, truncated, {"state": self.state}
+
+    def render(self):
+        cells = ["0", "1*", "2", "G"]  # * marks the cell with reversed actions
+        cells[self.state] = f"[{cells[self.state]}]"
+        return f"t={self.t} " + " - ".join(cells) + "\n"
 
 
 class TwoDoorsEnv(gym.Env):
@@ -207,11 +276,11 @@ class TMazeEnv(gym.Env):
     def step(self, action):
         action = _check_action(self.action_space, action, "TMaze")
         self.t += 1
-        terminated, info = False, self._info()
+        terminated, success = False, None
         if self.pos == self.corridor_length and action in (self.NORTH, self.SOUTH):
             success = (action == self.NORTH) == (self.cue == self.CUE_UP)
             reward = self.GOAL_REWARD if success else self.WRONG_REWARD
-            terminated, info["success"] = True, success
+            terminated = True
         else:
             reward = self.STEP_REWARD
             if action == self.EAST:
@@ -219,8 +288,9 @@ class TMazeEnv(gym.Env):
             elif action == self.WEST:
                 self.pos = max(self.pos - 1, 0)
         truncated = not terminated and self.t >= self.max_steps
-        if truncated:
-            info["success"] = False
+        info = self._info()  # built after the move: info["state"] is the state the returned obs belongs to
+        if terminated or truncated:
+            info["success"] = bool(success)
         return self._obs(), reward, terminated, truncated, info
 
     def render(self):

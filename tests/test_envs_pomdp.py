@@ -6,9 +6,17 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import envs  # noqa: F401  (registers seqrl/)
-from envs.pomdp import TigerEnv, TMazeEnv, tiger_optimal_value, tiger_q_values, true_pass_probability
+from envs.pomdp import (
+    ShortCorridorEnv,
+    TigerEnv,
+    TMazeEnv,
+    tiger_optimal_value,
+    tiger_q_values,
+    true_pass_probability,
+)
 
-ENV_IDS = [f"seqrl/{name}-v0" for name in ["ThreeStateLine", "TwoDoors", "TMaze", "MaskedCartPole", "Tiger"]]
+ENV_NAMES = ["ThreeStateLine", "ShortCorridor", "TwoDoors", "TMaze", "MaskedCartPole", "Tiger"]
+ENV_IDS = [f"seqrl/{name}-v0" for name in ENV_NAMES]
 
 
 def rollout_returns(env, policy, episodes: int, seed: int = 0):
@@ -138,6 +146,17 @@ def test_tmaze_optimal_and_memoryless(length):
     assert abs(returns.mean() - env.memoryless_return()) < 0.15
 
 
+def test_tmaze_info_state_is_the_state_after_the_step():
+    env = TMazeEnv(corridor_length=3)
+    _, info = env.reset(seed=0)
+    assert info["state"] == (0, env.cue)
+    for expected_pos in (1, 2, 3, 3):  # the last EAST bumps the junction's east wall
+        _, _, _, _, info = env.step(TMazeEnv.EAST)
+        assert info["state"] == (expected_pos, env.cue) and env.pos == expected_pos
+    _, _, _, _, info = env.step(TMazeEnv.WEST)
+    assert info["state"] == (2, env.cue)
+
+
 def test_tmaze_cue_only_at_first_step():
     env = TMazeEnv(corridor_length=3)
     obs, _ = env.reset(seed=0)
@@ -184,3 +203,68 @@ def test_tiger_dp_matches_threshold_policy_and_memoryless_bound():
 
     returns, _, _ = rollout_returns(env, listen_once, n)
     assert abs(returns.mean() - TigerEnv.MEMORYLESS_BEST_RETURN) < 4 * returns.std() / np.sqrt(n)
+
+
+def short_corridor_chain(env: ShortCorridorEnv, p_right: float) -> np.ndarray:
+    """Transition matrix among the non-goal cells under "right with probability p", read off the env itself."""
+    chain = np.zeros((3, 3))
+    for cell in range(3):
+        for action, prob in ((ShortCorridorEnv.RIGHT, p_right), (ShortCorridorEnv.LEFT, 1.0 - p_right)):
+            env.reset(seed=0)
+            env.state = cell
+            _, reward, terminated, _, info = env.step(action)
+            assert reward == -1.0 and terminated == (info["state"] == ShortCorridorEnv.GOAL)
+            if not terminated:
+                chain[cell, info["state"]] += prob
+    return chain
+
+
+def test_short_corridor_dynamics():
+    env = ShortCorridorEnv()
+    obs, info = env.reset(seed=0)
+    assert info["state"] == 0 and obs.tolist() == [1.0]
+    moves = {(0, 1): 1, (0, 0): 0, (1, 1): 0, (1, 0): 2, (2, 1): 3, (2, 0): 1}  # (cell, action) -> next cell
+    for (cell, action), nxt in moves.items():
+        env.reset(seed=0)
+        env.state = cell
+        obs, _, terminated, _, info = env.step(action)
+        assert info["state"] == nxt and terminated == (nxt == 3) and obs.tolist() == [1.0], (cell, action)
+    # with memory: right, left, right reaches the goal in 3 steps
+    _, lengths, _ = rollout_returns(env, lambda o, t, h: [1, 0, 1][t], 3)
+    assert lengths.tolist() == [3, 3, 3] and ShortCorridorEnv.OPTIMAL_MEMORY_RETURN == -3.0
+    # deterministic memoryless policies never arrive: truncated at the time limit
+    for action in (0, 1):
+        returns, lengths, _ = rollout_returns(env, lambda o, t, h, a=action: a, 2)
+        assert lengths.tolist() == [env.max_steps] * 2 and returns.tolist() == [-env.max_steps] * 2
+
+
+def test_short_corridor_best_memoryless_policy_exactly():
+    """Exact linear solve of v = -1 + P_p v on the env's own transitions, over a fine grid of p = p(right)."""
+    env = ShortCorridorEnv()
+    grid = np.linspace(0.001, 0.999, 9981)  # step 1e-4
+    values = np.array([np.linalg.solve(np.eye(3) - short_corridor_chain(env, p), -np.ones(3))[0] for p in grid])
+    best = grid[values.argmax()]
+    assert best == pytest.approx(2 - np.sqrt(2), abs=2e-4)  # 0.5858
+    assert values.max() == pytest.approx(-11.6569, abs=1e-3)
+    assert values.max() == pytest.approx(ShortCorridorEnv.OPTIMAL_MEMORYLESS_RETURN, abs=1e-6)
+    np.testing.assert_allclose(values, [ShortCorridorEnv.memoryless_value(p) for p in grid], rtol=1e-9)
+    # the time limit does not distort this: finite-horizon value after max_steps steps, under p*
+    chain = short_corridor_chain(env, ShortCorridorEnv.OPTIMAL_MEMORYLESS_P_RIGHT)
+    v_limit = np.zeros(3)
+    for _ in range(env.max_steps):
+        v_limit = -1.0 + chain @ v_limit
+    assert abs(v_limit[0] - ShortCorridorEnv.OPTIMAL_MEMORYLESS_RETURN) < 1e-3
+    near = np.linspace(0.55, 0.62, 701)  # the truncated optimum is still at p* (to 1e-4)
+    truncated = []
+    for p in near:
+        chain, v = short_corridor_chain(env, p), np.zeros(3)
+        for _ in range(env.max_steps):
+            v = -1.0 + chain @ v
+        truncated.append(v[0])
+    assert near[int(np.argmax(truncated))] == pytest.approx(2 - np.sqrt(2), abs=2e-4)
+    assert ShortCorridorEnv.memoryless_value(0.5) == pytest.approx(-12.0)  # the uniform policy is clearly worse
+    # Monte Carlo with the env itself (truncation included)
+    rng = np.random.default_rng(0)
+    n = 20_000
+    returns, _, _ = rollout_returns(env, lambda o, t, h: int(rng.random() < 2 - np.sqrt(2)), n)
+    assert abs(returns.mean() - ShortCorridorEnv.OPTIMAL_MEMORYLESS_RETURN) < 4 * returns.std() / np.sqrt(n)
