@@ -71,7 +71,7 @@ from torch.distributions import Categorical
 from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
-from envs.pomdp import ThreeStateLineEnv, TigerEnv  # noqa: E402  (importing envs registers the seqrl/ environments)
+from envs.pomdp import ShortCorridorEnv, ThreeStateLineEnv, TigerEnv  # noqa: E402  (importing envs registers the seqrl/ environments)
 
 ADAM_EPS = 1e-5  # CleanRL's Adam epsilon for PPO (the 37-details blog, item 3)
 ADV_NORM_EPS = 1e-8  # keeps advantage normalization finite when all advantages are equal
@@ -81,7 +81,10 @@ ACTOR_INIT_STD = 0.01  # small policy-head weights: near-uniform initial policy 
 EVAL_SEED_STRIDE = 10_000  # eval env i of training seed s gets seed 10_000 (s + 1) + i: disjoint sets per seed
 MAX_EVAL_STEPS = 10_000  # guard for envs without a time limit: evaluation stops after this many steps
 # Args that `--eval-only` takes from the checkpoint's args.json: they fix the env, the network and its inputs
-ARCH_FIELDS = ("env_id", "env_kwargs", "rnn", "hidden_size", "prev_action", "prev_reward", "norm_obs", "reward_scale")
+ARCH_FIELDS = (
+    "env_id", "env_kwargs", "rnn", "hidden_size", "prev_action", "prev_reward", "norm_obs", "shared_torso",
+    "reward_scale",
+)  # fmt: skip
 
 
 @dataclass
@@ -122,6 +125,8 @@ class Args:
     """feed the previous reward into the RNN (ignored with `--rnn none`)"""
     norm_obs: bool = True
     """normalize observations by running mean/std (kept in the model's state dict, updated after each update)"""
+    shared_torso: bool = False
+    """one torso (encoder + RNN) for policy and value (CleanRL ppo_atari_lstm.py); default: one each (ppo.py)"""
 
     # PPO
     total_timesteps: int = 100_000
@@ -137,7 +142,11 @@ class Args:
     gamma: float = 0.99
     """the discount factor gamma"""
     gae_lambda: float = 0.95
-    """the GAE lambda; 1.0 gives Monte Carlo returns (no bootstrapping within an episode)"""
+    """the GAE lambda (0: one-step TD advantages from the critic); with `--returns gae` only"""
+    returns: Literal["gae", "mc"] = "gae"
+    """`gae`: GAE-lambda, bootstrapped from V at every rollout end and (with `--bootstrap-truncated`) at truncations;
+    `mc`: pure Monte Carlo, nothing bootstrapped: each rollout resets the envs and runs until every env finished its
+    episode (at most `num_steps`, which must cover the time limit); A_t = G_t - V(o_t) on those episodes only"""
     bootstrap_truncated: bool = True
     """on truncation (time limit) add gamma * V(final obs) to the last reward; terminations never bootstrap"""
     reward_scale: float = 1.0
@@ -167,7 +176,7 @@ class Args:
     envs_per_minibatch: int = 0
     """num_envs // num_minibatches"""
     num_iterations: int = 0
-    """total_timesteps // batch_size"""
+    """total_timesteps // batch_size (with `--returns mc` rollouts end early, so there are more iterations)"""
 
 
 # ALGO LOGIC: advantages, losses and minibatches as small pure functions (tested in tests/test_ppo_recurrent.py)
@@ -187,24 +196,37 @@ def compute_gae(rewards, values, dones, next_value, gamma: float, gae_lambda: fl
     return advantages, advantages + values
 
 
-def clipped_policy_loss(new_logprob, old_logprob, advantages, clip_coef: float):
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean of x over the entries where mask is 1 (all entries if mask is None)."""
+    return x.mean() if mask is None else (x * mask).sum() / mask.sum()
+
+
+def clipped_policy_loss(new_logprob, old_logprob, advantages, clip_coef: float, mask=None):
     """PPO's clipped surrogate (to minimize); also returns the approximate KL and the clipped fraction."""
     logratio = new_logprob - old_logprob
     ratio = logratio.exp()
-    pg_loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_coef, 1 + clip_coef)).mean()
+    pg_loss = masked_mean(torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_coef, 1 + clip_coef)), mask)
     with torch.no_grad():
-        approx_kl = ((ratio - 1) - logratio).mean()  # http://joschu.net/blog/kl-approx.html
-        clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
+        approx_kl = masked_mean((ratio - 1) - logratio, mask)  # http://joschu.net/blog/kl-approx.html
+        clipfrac = masked_mean(((ratio - 1.0).abs() > clip_coef).float(), mask)
     return pg_loss, approx_kl, clipfrac
 
 
-def value_loss(new_value, old_value, returns, clip_coef: float, clip: bool = True):
+def value_loss(new_value, old_value, returns, clip_coef: float, clip: bool = True, mask=None):
     """0.5 * squared error; with `clip`, the pessimistic max with the error of a value moved at most clip_coef."""
     unclipped = (new_value - returns) ** 2
     if not clip:
-        return 0.5 * unclipped.mean()
+        return 0.5 * masked_mean(unclipped, mask)
     clipped = (old_value + (new_value - old_value).clamp(-clip_coef, clip_coef) - returns) ** 2
-    return 0.5 * torch.max(unclipped, clipped).mean()
+    return 0.5 * masked_mean(torch.max(unclipped, clipped), mask)
+
+
+def normalize_advantages(advantages: torch.Tensor, mask=None) -> torch.Tensor:
+    """(A - mean) / (std + eps) over the (masked) entries of a minibatch."""
+    if mask is None:
+        return (advantages - advantages.mean()) / (advantages.std() + ADV_NORM_EPS)
+    valid = advantages[mask.bool()]
+    return (advantages - valid.mean()) / (valid.std() + ADV_NORM_EPS)
 
 
 def env_minibatches(num_envs: int, num_minibatches: int, rng: np.random.Generator) -> np.ndarray:
@@ -218,20 +240,16 @@ def layer_init(layer, std: float = 2**0.5, bias_const: float = 0.0):
     return layer
 
 
-class Agent(nn.Module):
-    """Actor-critic with a shared torso: encoder -> RNN cell (or a 2nd MLP layer for `none`) -> policy/value heads.
+class Torso(nn.Module):
+    """Encoder -> RNN cell (or a 2nd MLP layer for `none`): the memory that turns the history into features (T, B, H).
 
     The recurrent state is one tensor (B, S): S = H for a GRU, 2H for an LSTM (h and c concatenated), 0 for none.
     """
 
-    def __init__(self, obs_dim, num_actions, rnn: str, hidden_size: int, prev_action, prev_reward, norm_obs=True):
+    def __init__(self, in_dim: int, rnn: str, hidden_size: int):
         super().__init__()
-        self.rnn, self.hidden_size, self.num_actions, self.norm_obs = rnn, hidden_size, num_actions, norm_obs
-        self.register_buffer("obs_mean", torch.zeros(obs_dim))  # running observation statistics (saved)
-        self.register_buffer("obs_var", torch.ones(obs_dim))
-        self.register_buffer("obs_count", torch.tensor(OBS_NORM_EPS))
-        self.prev_action, self.prev_reward = prev_action and rnn != "none", prev_reward and rnn != "none"
-        in_dim = obs_dim + num_actions * self.prev_action + self.prev_reward
+        self.rnn, self.hidden_size = rnn, hidden_size
+        self.state_size = {"lstm": 2 * hidden_size, "gru": hidden_size, "none": 0}[rnn]
         self.encoder = nn.Sequential(layer_init(nn.Linear(in_dim, hidden_size)), nn.Tanh())
         if rnn == "none":
             self.core = nn.Sequential(layer_init(nn.Linear(hidden_size, hidden_size)), nn.Tanh())
@@ -242,6 +260,42 @@ class Agent(nn.Module):
                     nn.init.orthogonal_(param, 1.0)
                 else:
                     nn.init.constant_(param, 0.0)
+
+    def forward(self, inputs, state, keep):
+        """inputs (T, B, in_dim), state (B, S), keep (T, B) = 1 - starts. Returns features (T, B, H), final state."""
+        x = self.encoder(inputs)  # (T, B, H)
+        if self.rnn == "none":
+            return self.core(x), state  # memoryless
+        outputs = []
+        for t in range(x.shape[0]):
+            state = state * keep[t, :, None]  # CRUCIAL: forget the previous episode at its boundary
+            if self.rnn == "lstm":
+                h, c = self.core(x[t], (state[:, : self.hidden_size], state[:, self.hidden_size :]))
+                state = torch.cat([h, c], dim=-1)  # (B, 2H)
+            else:
+                h = state = self.core(x[t], state)  # (B, H)
+            outputs.append(h)
+        return torch.stack(outputs), state  # (T, B, H), (B, S)
+
+
+class Agent(nn.Module):
+    """Actor-critic: policy and value heads, each on its own torso (CleanRL ppo.py, SB3-contrib RecurrentPPO), or on
+    one shared torso with `shared_torso` (CleanRL ppo_atari_lstm.py). The state (B, S) concatenates the torsos' states.
+    """
+
+    def __init__(
+        self, obs_dim, num_actions, rnn: str, hidden_size: int, prev_action, prev_reward, norm_obs=True,
+        shared_torso=False,
+    ):  # fmt: skip
+        super().__init__()
+        self.rnn, self.hidden_size, self.num_actions, self.norm_obs = rnn, hidden_size, num_actions, norm_obs
+        self.register_buffer("obs_mean", torch.zeros(obs_dim))  # running observation statistics (saved)
+        self.register_buffer("obs_var", torch.ones(obs_dim))
+        self.register_buffer("obs_count", torch.tensor(OBS_NORM_EPS))
+        self.prev_action, self.prev_reward = prev_action and rnn != "none", prev_reward and rnn != "none"
+        in_dim = obs_dim + num_actions * self.prev_action + self.prev_reward
+        self.actor_torso = Torso(in_dim, rnn, hidden_size)
+        self.critic_torso = None if shared_torso else Torso(in_dim, rnn, hidden_size)
         self.actor = layer_init(nn.Linear(hidden_size, num_actions), std=ACTOR_INIT_STD)
         self.critic = layer_init(nn.Linear(hidden_size, 1), std=1.0)
 
@@ -256,7 +310,7 @@ class Agent(nn.Module):
         self.obs_count.copy_(total)
 
     def initial_state(self, batch: int) -> torch.Tensor:
-        size = {"lstm": 2 * self.hidden_size, "gru": self.hidden_size, "none": 0}[self.rnn]
+        size = self.actor_torso.state_size * (1 if self.critic_torso is None else 2)
         return torch.zeros(batch, size, device=self.actor.weight.device)  # (B, S)
 
     def forward(self, obs, prev_action, prev_reward, state, starts):
@@ -272,21 +326,16 @@ class Agent(nn.Module):
             inputs.append(F.one_hot(prev_action, self.num_actions).float() * keep[..., None])  # (T, B, A)
         if self.prev_reward:
             inputs.append((prev_reward * keep)[..., None])  # (T, B, 1)
-        x = self.encoder(torch.cat(inputs, dim=-1))  # (T, B, H)
-        if self.rnn == "none":
-            hidden = self.core(x)  # (T, B, H): memoryless
-        else:
-            outputs = []
-            for t in range(x.shape[0]):
-                state = state * keep[t, :, None]  # CRUCIAL: forget the previous episode at its boundary
-                if self.rnn == "lstm":
-                    h, c = self.core(x[t], (state[:, : self.hidden_size], state[:, self.hidden_size :]))
-                    state = torch.cat([h, c], dim=-1)  # (B, 2H)
-                else:
-                    h = state = self.core(x[t], state)  # (B, H)
-                outputs.append(h)
-            hidden = torch.stack(outputs)  # (T, B, H)
-        return self.actor(hidden), self.critic(hidden).squeeze(-1), state
+        inputs = torch.cat(inputs, dim=-1)
+        if self.critic_torso is None:
+            hidden, state = self.actor_torso(inputs, state, keep)
+            return self.actor(hidden), self.critic(hidden).squeeze(-1), state
+        n = self.actor_torso.state_size
+        actor_state, critic_state = state[:, :n], state[:, n:]
+        actor_hidden, actor_state = self.actor_torso(inputs, actor_state, keep)
+        critic_hidden, critic_state = self.critic_torso(inputs, critic_state, keep)
+        state = torch.cat([actor_state, critic_state], dim=-1)
+        return self.actor(actor_hidden), self.critic(critic_hidden).squeeze(-1), state
 
 
 def make_vec_env(env_id: str, env_kwargs: dict, num_envs: int) -> gym.vector.SyncVectorEnv:
@@ -366,6 +415,8 @@ def eval_metrics(result: dict, env_id: str, prefix: str) -> dict:
         m[f"{prefix}p_right_first_step"] = result["probs0"][:, ThreeStateLineEnv.RIGHT].mean()
         if len(result["switched"]):  # with memory: after a bump into the wall, reverse (p = 1); memoryless: 0.5
             m[f"{prefix}p_reverse_second_step"] = result["switched"].mean()
+    if env_id.endswith("ShortCorridor-v0"):  # memoryless optimum p(right) = 2 - sqrt(2) in every (identical-looking) cell
+        m[f"{prefix}p_right_first_step"] = result["probs0"][:, ShortCorridorEnv.RIGHT].mean()
     if env_id.endswith("Tiger-v0"):  # information gathering: listens before opening a door
         m[f"{prefix}listens_per_episode"] = result["counts"][:, TigerEnv.LISTEN].mean()
     return {key: float(value) for key, value in m.items()}
@@ -418,7 +469,7 @@ if __name__ == "__main__":
 
     envs = make_vec_env(args.env_id, env_kwargs, args.num_envs)
     obs_dim, num_actions = envs.single_observation_space.shape[0], int(envs.single_action_space.n)
-    arch = (args.rnn, args.hidden_size, args.prev_action, args.prev_reward, args.norm_obs)
+    arch = (args.rnn, args.hidden_size, args.prev_action, args.prev_reward, args.norm_obs, args.shared_torso)
     agent = Agent(obs_dim, num_actions, *arch).to(device)
     if args.eval_only:
         try:
@@ -449,6 +500,7 @@ if __name__ == "__main__":
     starts = torch.zeros((T, B), device=device)  # 1 where obs[t] is the first observation of an episode
     actions = torch.zeros((T, B), dtype=torch.long, device=device)
     logprobs, rewards, dones, values = (torch.zeros((T, B), device=device) for _ in range(4))
+    valid = torch.ones((T, B), device=device)  # 1 where a step is trained on (`--returns mc`: its env's first episode)
 
     # TRY NOT TO MODIFY: start the game
     global_step, start_time = 0, time.time()
@@ -460,15 +512,25 @@ if __name__ == "__main__":
     ep_return, ep_length = np.zeros(B), np.zeros(B, dtype=int)
     recent_returns = []
 
-    for iteration in range(1, args.num_iterations + 1):
+    budget, iteration = args.num_iterations * args.batch_size, 0  # env steps of training
+    while global_step < budget:
+        iteration += 1
+        if args.returns == "mc":  # every rollout starts fresh episodes: no step before it needs a return
+            next_obs = torch.as_tensor(envs.reset()[0], dtype=torch.float32, device=device)
+            next_start.fill_(1.0)
+            next_state = agent.initial_state(B)
+            ep_return[:], ep_length[:] = 0.0, 0
         initial_state = next_state.clone()  # the update replays each sequence from here
         if args.anneal_lr:
-            optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / args.num_iterations) * args.learning_rate
+            optimizer.param_groups[0]["lr"] = (1.0 - global_step / budget) * args.learning_rate
 
-        # 1. collect T steps in each env
+        # 1. collect T steps in each env (`--returns mc`: until every env finished its first episode)
+        ended = np.zeros(B, dtype=bool)  # the env finished an episode in this rollout
         for step in range(T):
             global_step += B
             obs[step], starts[step] = next_obs, next_start
+            if args.returns == "mc":
+                valid[step] = torch.as_tensor(~ended, dtype=torch.float32, device=device)
             prev_actions[step], prev_rewards[step] = next_prev_action, next_prev_reward
             with torch.no_grad():
                 logits, value, next_state = agent(
@@ -484,7 +546,8 @@ if __name__ == "__main__":
             rewards[step], dones[step] = scaled_reward, torch.as_tensor(done, dtype=torch.float32, device=device)
             # CRUCIAL: with SAME_STEP autoreset next_obs_np is already the reset obs where done; on truncation the
             # episode did not really end, so bootstrap from V(final obs), computed from the unreset memory
-            cut_np = np.flatnonzero(truncated & ~terminated) if args.bootstrap_truncated else np.zeros(0, dtype=int)
+            bootstrap = args.bootstrap_truncated and args.returns == "gae"
+            cut_np = np.flatnonzero(truncated & ~terminated) if bootstrap else np.zeros(0, dtype=int)
             if len(cut_np):
                 cut = torch.as_tensor(cut_np, device=device)
                 final_obs = torch.as_tensor(np.stack(infos["final_obs"][cut_np]), dtype=torch.float32, device=device)
@@ -504,31 +567,49 @@ if __name__ == "__main__":
                 writer.add_scalar("charts/episodic_length", ep_length[i], global_step)
                 recent_returns.append(ep_return[i])
             ep_return[done], ep_length[done] = 0.0, 0
+            ended |= done
+            if args.returns == "mc" and ended.all():
+                break
+        n_steps = step + 1  # steps collected in this rollout (T, or fewer with `--returns mc`)
+        if args.returns == "mc" and not ended.all():
+            raise SystemExit(f"error: --returns mc: an episode ran past --num-steps {T}; give --num-steps at least "
+                             "the env's time limit")  # fmt: skip
 
-        # 2. advantages: GAE-lambda, bootstrapped from the value of the observation after the rollout
+        # 2. advantages: GAE-lambda, bootstrapped from the value of the observation after the rollout;
+        #    Monte Carlo: lambda = 1 over whole episodes (every trained step's episode ended: nothing bootstraps)
         with torch.no_grad():
-            _, next_value, _ = agent(
-                next_obs[None], next_prev_action[None], next_prev_reward[None], next_state, next_start[None]
+            if args.returns == "mc":
+                next_value, gae_lambda = torch.zeros(B, device=device), 1.0
+            else:
+                _, next_value, _ = agent(
+                    next_obs[None], next_prev_action[None], next_prev_reward[None], next_state, next_start[None]
+                )
+                next_value, gae_lambda = next_value[0], args.gae_lambda
+            advantages, returns = compute_gae(
+                rewards[:n_steps], values[:n_steps], dones[:n_steps], next_value, args.gamma, gae_lambda
             )
-            advantages, returns = compute_gae(rewards, values, dones, next_value[0], args.gamma, args.gae_lambda)
+        mask = valid[:n_steps] if args.returns == "mc" else None  # (n_steps, B)
 
         # 3. PPO update on minibatches of whole env sequences, each replayed from its initial recurrent state
         clipfracs = []
         for _epoch in range(args.update_epochs):
             for mb in env_minibatches(B, args.num_minibatches, rng):
-                mb_t = torch.as_tensor(mb, device=device)
+                mb_t, t = torch.as_tensor(mb, device=device), slice(0, n_steps)
                 logits, new_value, _ = agent(
-                    obs[:, mb_t], prev_actions[:, mb_t], prev_rewards[:, mb_t], initial_state[mb_t], starts[:, mb_t]
-                )  # (T, b, A), (T, b)
+                    obs[t, mb_t], prev_actions[t, mb_t], prev_rewards[t, mb_t], initial_state[mb_t], starts[t, mb_t]
+                )  # (n_steps, b, A), (n_steps, b)
                 dist = Categorical(logits=logits)
+                mb_mask = None if mask is None else mask[:, mb_t]
                 mb_advantages = advantages[:, mb_t]
                 if args.norm_adv:
-                    mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + ADV_NORM_EPS)
+                    mb_advantages = normalize_advantages(mb_advantages, mb_mask)
                 pg_loss, approx_kl, clipfrac = clipped_policy_loss(
-                    dist.log_prob(actions[:, mb_t]), logprobs[:, mb_t], mb_advantages, args.clip_coef
+                    dist.log_prob(actions[t, mb_t]), logprobs[t, mb_t], mb_advantages, args.clip_coef, mb_mask
                 )
-                v_loss = value_loss(new_value, values[:, mb_t], returns[:, mb_t], args.clip_coef, args.clip_vloss)
-                entropy = dist.entropy().mean()
+                v_loss = value_loss(
+                    new_value, values[t, mb_t], returns[:, mb_t], args.clip_coef, args.clip_vloss, mb_mask
+                )
+                entropy = masked_mean(dist.entropy(), mb_mask)
                 loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
 
                 optimizer.zero_grad()
@@ -540,11 +621,12 @@ if __name__ == "__main__":
                 break
 
         if args.norm_obs:  # after the update, so that each rollout and its update see the same normalization
-            agent.update_obs_stats(obs.reshape(T * B, obs_dim))
+            trained = obs[:n_steps] if mask is None else obs[:n_steps][mask.bool()]
+            agent.update_obs_stats(trained.reshape(-1, obs_dim))
 
         # 4. log
         var_returns = returns.var().item()
-        explained_var = np.nan if var_returns == 0 else 1 - (returns - values).var().item() / var_returns
+        explained_var = np.nan if var_returns == 0 else 1 - (returns - values[:n_steps]).var().item() / var_returns
         sps = int(global_step / (time.time() - start_time))
         for tag, scalar in [
             ("charts/learning_rate", optimizer.param_groups[0]["lr"]), ("charts/SPS", sps),
@@ -553,9 +635,8 @@ if __name__ == "__main__":
             ("losses/clipfrac", np.mean(clipfracs)), ("losses/explained_variance", explained_var),
         ]:  # fmt: skip
             writer.add_scalar(tag, scalar, global_step)
-        if iteration % max(1, args.num_iterations // 20) == 0 or iteration == args.num_iterations:
-            mean_ret = np.mean(recent_returns) if recent_returns else float("nan")
-            print(f"iter {iteration}/{args.num_iterations} step={global_step} return={mean_ret:.3f} SPS={sps}")
+        if len(recent_returns) and (global_step * 20) // budget > ((global_step - n_steps * B) * 20) // budget:
+            print(f"iter {iteration} step={global_step}/{budget} return={np.mean(recent_returns):.3f} SPS={sps}")
             recent_returns = []
     envs.close()
     train_time = time.time() - start_time

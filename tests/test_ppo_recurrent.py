@@ -110,11 +110,43 @@ def test_recurrent_state_resets_at_episode_start(rnn):
 def test_memoryless_agent_ignores_history():
     agent = make_agent("none")
     obs, prev_action, prev_reward, state = random_inputs(agent)
-    assert state.shape == (2, 0) and agent.encoder[0].in_features == 3  # no previous action/reward inputs
+    assert state.shape == (2, 0) and agent.actor_torso.encoder[0].in_features == 3  # no previous action/reward
     with torch.no_grad():
         logits, _, _ = agent(obs, prev_action, prev_reward, state, torch.zeros(6, 2))
         reversed_logits, _, _ = agent(obs.flip(0), prev_action, prev_reward, state, torch.zeros(6, 2))
     assert torch.allclose(logits, reversed_logits.flip(0))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_value_loss_moves_the_policy_only_through_a_shared_torso(shared):
+    """Separate torsos (the default): the critic's loss has zero gradient on every actor parameter."""
+    torch.manual_seed(0)
+    agent = ppo.Agent(3, 2, "gru", hidden_size=8, prev_action=True, prev_reward=False, shared_torso=shared)
+    obs, prev_action, prev_reward, _ = random_inputs(agent)
+    _, values, _ = agent(obs, prev_action, prev_reward, agent.initial_state(2), torch.zeros(6, 2))
+    (values**2).mean().backward()
+    actor_grad = sum(p.grad.abs().sum().item() for p in agent.actor_torso.parameters() if p.grad is not None)
+    assert (actor_grad > 0) == shared
+    assert agent.initial_state(2).shape == (2, 8 if shared else 16)  # one GRU state per torso
+
+
+def test_masked_losses_equal_the_losses_of_the_kept_entries():
+    g = torch.Generator().manual_seed(0)
+    new, old, adv = (torch.randn(5, 3, generator=g) * 0.3 for _ in range(3))
+    returns, new_v, old_v = (torch.randn(5, 3, generator=g) for _ in range(3))
+    mask = torch.ones(5, 3)
+    mask[3:, 0] = mask[1:, 2] = 0.0  # env 0 ended its episode at step 2, env 2 at step 0
+    keep = mask.bool()
+    loss, kl, clipfrac = ppo.clipped_policy_loss(new, old, adv, 0.2, mask)
+    ref_loss, ref_kl, ref_clipfrac = ppo.clipped_policy_loss(new[keep], old[keep], adv[keep], 0.2)
+    assert torch.allclose(loss, ref_loss) and torch.allclose(kl, ref_kl) and torch.allclose(clipfrac, ref_clipfrac)
+    v = ppo.value_loss(new_v, old_v, returns, 0.2, True, mask)
+    assert torch.allclose(v, ppo.value_loss(new_v[keep], old_v[keep], returns[keep], 0.2, True))
+    normalized = ppo.normalize_advantages(adv, mask)[keep]
+    assert abs(normalized.mean().item()) < 1e-6 and normalized.std().item() == pytest.approx(1.0, abs=1e-4)
+    adv_changed = adv.clone()
+    adv_changed[~keep] = 100.0  # masked entries must not matter at all
+    assert torch.equal(ppo.normalize_advantages(adv_changed, mask)[keep], ppo.normalize_advantages(adv, mask)[keep])
 
 
 def test_running_obs_stats_match_numpy():
@@ -201,6 +233,27 @@ def test_autoreset_no_transition_crosses_an_episode_boundary(runs_dir, monkeypat
     assert bootstrapped[truncated].sum() > 0 if bootstrap else not bootstrapped.any()
 
 
+def test_monte_carlo_mode_trains_on_whole_first_episodes_and_never_bootstraps(runs_dir, monkeypatch):
+    """`--returns mc` on CounterEnv (episodes of 1-3 steps): each rollout starts fresh episodes, trains on each env's
+    first episode only, and its returns are the discounted sums of that episode's rewards (the critic plays no part,
+    truncations included)."""
+    if "CounterTest-v0" not in gym.registry:
+        gym.register("CounterTest-v0", entry_point=CounterEnv)
+    args = ["--env-id", "CounterTest-v0", "--runs-dir", str(runs_dir), "--returns", "mc", "--gamma", "0.9"]
+    g = run_main(monkeypatch, *args, *TINY)
+    n, valid, dones, rewards, obs = g["n_steps"], g["valid"], g["dones"], g["rewards"], g["obs"][..., 0]
+    assert n <= 3 and g["starts"][0].eq(1).all()  # the rollout ended once every env finished its episode
+    first_end = dones[:n].argmax(0)  # (B,) the step at which each env's first episode ended
+    for b in range(valid.shape[1]):
+        assert valid[: first_end[b] + 1, b].eq(1).all() and valid[first_end[b] + 1 : n, b].eq(0).all()
+        for t in range(first_end[b] + 1):
+            mc = sum(0.9 ** (k - t) * (obs[k, b].item() + 1) for k in range(t, first_end[b] + 1))
+            assert g["returns"][t, b].item() == pytest.approx(mc, rel=1e-5)
+    assert torch.equal(rewards[:n], obs[:n] + 1)  # no truncation bootstrap was added
+    with pytest.raises(SystemExit, match="error: --returns mc: an episode ran past --num-steps 2"):
+        run_main(monkeypatch, *args, "--total-timesteps", "256", "--num-envs", "4", "--num-steps", "2")
+
+
 def test_smoke_run_writes_summary_and_reloads(runs_dir):
     summary = run_script(
         "ppo_recurrent",
@@ -241,7 +294,16 @@ def test_smoke_memoryless_three_state_line_and_module_env_id(runs_dir):
     summary = run_script(
         "ppo_recurrent", "--env-id", "seqrl/ThreeStateLine-v0", "--rnn", "none", *TINY, runs_dir=runs_dir, timeout=120
     )
-    assert 0.0 < summary["metrics"]["eval/p_right_first_step"] < 1.0
+    # the metric is the saved policy's own p(right) on the constant observation (eval samples 8 envs in parallel)
+    state = ppo.load_file(str(ROOT / summary["run_dir"] / "model.safetensors"))
+    agent = ppo.Agent(1, 2, "none", 64, True, False)
+    agent.load_state_dict(state)
+    obs = torch.as_tensor(gym.make("seqrl/ThreeStateLine-v0").reset(seed=0)[0], dtype=torch.float32)
+    with torch.no_grad():
+        logits, _, _ = agent(obs[None, None], torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1),
+                             agent.initial_state(1), torch.ones(1, 1))  # fmt: skip
+    p_right = torch.softmax(logits[0, 0], -1)[ppo.ThreeStateLineEnv.RIGHT].item()
+    assert summary["metrics"]["eval/p_right_first_step"] == pytest.approx(p_right, abs=1e-5)
     summary = run_script(
         "ppo_recurrent", "--env-id", "gymnasium.envs.classic_control:CartPole-v1", *TINY, runs_dir=runs_dir, timeout=120
     )
