@@ -82,7 +82,10 @@ from torch.utils.tensorboard import SummaryWriter
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
 import envs  # noqa: E402, F401  (registers the seqrl/ environments)
 
-EVAL_SEED_OFFSET = 100_000  # evaluation envs are seeded seed + 100000 + i, disjoint from the training seeds
+EVAL_SEED_STRIDE = 10_000  # eval env i of training seed s gets seed 10_000 (s + 1) + i: disjoint sets per seed
+# Args that `--eval-only` takes from the checkpoint's args.json: they fix the env, the network and its inputs
+ARCH_FIELDS = ("env_id", "env_kwargs", "frame_stack", "scale_obs", "hidden_size")
+FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
 LOG_EVERY_UPDATES = 100  # write losses/SPS to tensorboard every 100 gradient steps
 
 
@@ -105,11 +108,13 @@ class Args:
     eval_only: bool = False
     """skip training: load `--checkpoint` and evaluate it"""
     checkpoint: str | None = None
-    """run directory or model.safetensors file to load for `--eval-only`"""
+    """run directory or model.safetensors file to load for `--eval-only` (the env, --frame-stack, --scale-obs and
+    --hidden-size come from its args.json when present)"""
 
     # Environment
     env_id: str = "seqrl/MaskedCartPole-v0"
-    """the id of the environment (any gymnasium env with a Discrete action space and Box/Discrete observations)"""
+    """the id of the environment (any gymnasium env with a Discrete action space; observations Box, Discrete,
+    MultiBinary, MultiDiscrete, or Tuple/Dict of these, flattened; also `module:EnvId`)"""
     env_kwargs: str = "{}"
     """JSON dict of keyword arguments for gym.make, e.g. '{"corridor_length": 4}' for seqrl/TMaze-v0"""
     num_envs: int = 4
@@ -183,17 +188,31 @@ def observation_scale(space: gym.spaces.Box) -> np.ndarray:
     return np.where(usable, 1.0 / np.where(usable, bound, 1.0), 1.0).astype(np.float32)
 
 
+def flattenable(space: gym.spaces.Space) -> bool:
+    """True for the spaces gymnasium's `spaces.flatten` turns into one flat vector: Box, Discrete, MultiBinary,
+    MultiDiscrete, and Tuple/Dict of these (nested)."""
+    if isinstance(space, gym.spaces.Tuple):
+        return all(flattenable(sub) for sub in space.spaces)
+    if isinstance(space, gym.spaces.Dict):
+        return all(flattenable(sub) for sub in space.spaces.values())
+    return isinstance(space, FLAT_SPACES)
+
+
 def make_env(env_id: str, env_kwargs: dict, scale_obs: bool = False):
-    """Return a thunk building one env with a flat Box observation (Discrete observations become one-hot),
-    optionally divided by its bounds (`observation_scale`)."""
+    """Return a thunk building one env with a flat float32 Box observation, optionally divided by its bounds
+    (`observation_scale`). gymnasium's FlattenObservation encodes Discrete and each MultiDiscrete component as a
+    one-hot vector and concatenates the parts of a Tuple/Dict (Dict in sorted key order)."""
 
     def thunk():
         env = gym.make(env_id, **env_kwargs)
         if not isinstance(env.action_space, gym.spaces.Discrete):
             raise SystemExit(f"error: {env_id} has action space {env.action_space}; only Discrete is supported")
-        if not isinstance(env.observation_space, (gym.spaces.Box, gym.spaces.Discrete)):
-            raise SystemExit(f"error: {env_id} has observation space {env.observation_space}; Box/Discrete only")
-        env = gym.wrappers.FlattenObservation(env)
+        if not flattenable(env.observation_space):
+            raise SystemExit(
+                f"error: {env_id} has observation space {env.observation_space}; supported: Box, Discrete, "
+                "MultiBinary, MultiDiscrete, and Tuple/Dict of these"
+            )
+        env = gym.wrappers.DtypeObservation(gym.wrappers.FlattenObservation(env), np.float32)
         if scale_obs:
             space = env.observation_space
             scale = observation_scale(space)
@@ -208,7 +227,7 @@ def check_env(env_id: str, env_kwargs: dict) -> None:
     """Build one env early so that a wrong id / kwargs / space ends in one clear line, not a deep traceback."""
     try:
         make_env(env_id, env_kwargs)().close()
-    except gym.error.Error as e:
+    except (gym.error.Error, ImportError, AttributeError) as e:  # unknown id, or a `module:EnvId` that fails
         raise SystemExit(f"error: cannot make env {env_id!r}: {e}") from None
     except (TypeError, ValueError) as e:
         raise SystemExit(f"error: bad --env-kwargs {env_kwargs} for {env_id!r}: {e}") from None
@@ -355,8 +374,8 @@ def evaluate(q_network, args: Args, env_kwargs: dict, device) -> dict[str, float
     (epsilon = `eval_epsilon`) on rolling k-frame stacks. Returns the eval/... metrics."""
     n, k = args.eval_episodes, args.frame_stack
     eval_envs = gym.vector.SyncVectorEnv([make_env(args.env_id, env_kwargs, args.scale_obs) for _ in range(n)])
-    rng = np.random.default_rng(args.seed + EVAL_SEED_OFFSET)
-    obs, _ = eval_envs.reset(seed=args.seed + EVAL_SEED_OFFSET)
+    rng = np.random.default_rng(EVAL_SEED_STRIDE * (args.seed + 1))
+    obs, _ = eval_envs.reset(seed=EVAL_SEED_STRIDE * (args.seed + 1))  # env i: 10_000 (seed + 1) + i
     stack = roll_stack(np.zeros((n, k, obs.shape[1]), dtype=np.float32), obs)  # (n, k, D), zeros before the start
     returns, lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
     running, timed_out = np.ones(n, dtype=bool), np.zeros(n, dtype=bool)
@@ -391,16 +410,23 @@ def evaluate(q_network, args: Args, env_kwargs: dict, device) -> dict[str, float
     return metrics
 
 
-def load_checkpoint(path: str | None) -> dict[str, torch.Tensor]:
+def load_checkpoint(path: str | None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(state_dict, the run's saved args or {}) from a run directory or a model.safetensors file."""
     if path is None:
         raise SystemExit("error: --eval-only needs --checkpoint (a run directory or a model.safetensors file)")
     file = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
     if not file.is_file():
         raise SystemExit(f"error: checkpoint {file} does not exist")
     try:
-        return load_file(str(file))
+        state_dict = load_file(str(file))
     except Exception as e:  # safetensors raises its own error types on corrupt files
         raise SystemExit(f"error: cannot read checkpoint {file}: {e}") from None
+    args_path = file.parent / "args.json"
+    try:
+        saved = json.loads(args_path.read_text()) if args_path.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: cannot read {args_path}: {e}") from None
+    return state_dict, saved
 
 
 def make_run_dir(args: Args) -> tuple[str, Path]:
@@ -418,17 +444,21 @@ def make_run_dir(args: Args) -> tuple[str, Path]:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    state_dict = None
+    if args.eval_only:  # rebuild the env and the network the checkpoint was trained with
+        state_dict, saved_args = load_checkpoint(args.checkpoint)
+        for field in ARCH_FIELDS:
+            setattr(args, field, saved_args.get(field, getattr(args, field)))
     env_kwargs = parse_env_kwargs(args.env_kwargs)
     if args.frame_stack < 1:
         raise SystemExit(f"error: --frame-stack must be >= 1, got {args.frame_stack}")
-    if args.num_envs < 1 or args.eval_episodes < 1:
-        raise SystemExit("error: --num-envs and --eval-episodes must be >= 1")
+    if args.num_envs < 1 or not 1 <= args.eval_episodes <= EVAL_SEED_STRIDE:
+        raise SystemExit(f"error: need --num-envs >= 1 and 1 <= --eval-episodes <= {EVAL_SEED_STRIDE}")
     if not 0.0 <= args.eval_epsilon <= 1.0:
         raise SystemExit(f"error: --eval-epsilon must be in [0, 1], got {args.eval_epsilon}")
     if not args.eval_only and args.learning_starts < args.batch_size:
         raise SystemExit(f"error: --learning-starts ({args.learning_starts}) must be >= --batch-size")
     check_env(args.env_id, env_kwargs)
-    state_dict = load_checkpoint(args.checkpoint) if args.eval_only else None
 
     # TRY NOT TO MODIFY: seeding
     random.seed(args.seed)

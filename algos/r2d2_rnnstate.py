@@ -95,8 +95,10 @@ import envs  # noqa: E402, F401  (registers the seqrl/ environments)
 
 NO_ACTION = -1  # "previous action" at an episode's first step: encoded as an all-zero one-hot
 DELTA_Q_EPS = 1e-6  # keeps the Delta-Q normalization finite when all true Q-values are 0
-EVAL_SEED_OFFSET = 10_000  # final evaluation: env seeds seed + 10000 + i, disjoint from training
-SELECT_SEED_OFFSET = 1_000_000  # evaluations during training: env seeds seed + 1e6 + global_step + i
+EVAL_SEED_STRIDE = 10_000  # final evaluation: episode i of training seed s gets env seed 10_000 (s + 1) + i
+SELECT_SEED_BASE = 10**9  # evaluations during training: env seeds 1e9 + 1e7 s + global_step + i, disjoint from
+SELECT_SEED_STRIDE = 10**7  # the final evaluation's and across training seeds (global_step + i < 1e7)
+FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
 MAX_EVAL_STEPS = 10_000  # guard for envs without a time limit: an evaluation episode stops after this many steps
 ARCH_FIELDS = ("env_id", "env_kwargs", "hidden_size")  # read from a checkpoint's args.json for --eval-only
 
@@ -124,7 +126,8 @@ class Args:
 
     # Environment
     env_id: str = "seqrl/TMaze-v0"
-    """any gymnasium id with a Discrete action space and a Box/Discrete observation space"""
+    """any gymnasium id (also `module:EnvId`) with a Discrete action space; observations Box, Discrete, MultiBinary,
+    MultiDiscrete, or Tuple/Dict of these (flattened: one-hot per discrete component, concatenated)"""
     env_kwargs: str = "{}"
     """keyword arguments for gym.make as a JSON object, e.g. '{"corridor_length": 20}'"""
     num_envs: int = 8
@@ -250,6 +253,61 @@ def delta_q(q: torch.Tensor, q_true: torch.Tensor) -> torch.Tensor:
     return (q - q_true).norm(dim=-1) / q_true.abs().max(-1).values.clamp(min=DELTA_Q_EPS)
 
 
+@torch.no_grad()
+def measure_delta_q(net, rb, ids, q_learner: torch.Tensor, mask: torch.Tensor, burn_in: int) -> dict | None:
+    """Delta-Q of the sampled sequences `ids` whose episode start is still in the ring.
+
+    q_learner (m + n, B, A): the learner's Q-values (stored or zero state, then burn-in) computed with the SAME
+    parameters `net` has now (call this before optimizer.step()). The true state is recomputed by unrolling `net`
+    from the episode's first row. Returns the mean Delta-Q at the first and at the last trained (mask = 1) row,
+    the mean at the first row of sequences that start at an episode start (the zero state is exact there, so it
+    must be 0: a check of the measurement itself; nan if there is none), and the number of sequences; None if
+    no sampled sequence has its episode start stored.
+    """
+    sel = np.nonzero(rb.seq_ep_start[ids] >= rb.t - rb.cap)[0]
+    if len(sel) == 0:
+        return None
+    keep_ids = ids[sel]
+    prefix = int((rb.seq_anchor[keep_ids] - rb.seq_ep_start[keep_ids]).max())  # rows before t0
+    device = q_learner.device
+    full = to_torch(rb.gather(keep_ids, prefix=max(prefix - burn_in, 0)), device)
+    zeros = (torch.zeros(len(keep_ids), net.hidden_size, device=device),) * 2
+    q_true, _ = unroll(net, full, zeros, max(prefix - burn_in, 0) + burn_in)  # (m + n, b, A)
+    q_learner = q_learner[:, sel]  # (m + n, b, A)
+    last = (mask[:, sel].sum(0).long() - 1).clamp(min=0)  # last trained valid row
+    cols = torch.arange(len(sel), device=device)
+    dq_first = delta_q(q_learner[0], q_true[0])  # (b,)
+    at_start = torch.as_tensor(rb.seq_anchor[keep_ids] == rb.seq_ep_start[keep_ids], device=device)
+    return {
+        "first": dq_first.mean().item(),
+        "last": delta_q(q_learner[last, cols], q_true[last, cols]).mean().item(),
+        "first_at_episode_start": dq_first[at_start].mean().item() if at_start.any() else float("nan"),
+        "count": len(sel),
+    }
+
+
+def replay_bytes(rb) -> dict:
+    """Memory of the replay's filled rows as stored (O(T): each step once, with the LSTM state), and of the same
+    rows if each step stored its full history instead of a state (O(T^2) per episode of T steps).
+
+    Per-row arrays: inputs (obs, prev_action, prev_reward), the rest (action, reward, flags, episode step) and the
+    state (h, c). Full histories: row t of an episode, at episode step k, holds the inputs of its k + 1 steps
+    (o_j, a_{j-1}, r_{j-1}, j = 0..k) and its own other fields, and no state. The sequence table is the same for
+    both and not counted. Returns bytes, bytes_full_histories and their ratio.
+    """
+    rows = min(rb.t, rb.cap) * rb.E
+    if rows == 0:
+        return {"bytes": 0.0, "bytes_full_histories": 0.0, "full_histories_ratio": float("nan")}
+    per_row = lambda names: sum(getattr(rb, name).itemsize * getattr(rb, name)[0, 0].size for name in names)  # noqa: E731
+    inputs = per_row(("obs", "prev_action", "prev_reward"))
+    state = per_row(("h", "c"))
+    other = per_row(("action", "reward", "first", "final", "terminal", "ep_step"))
+    filled = rb.ep_step[: min(rb.t, rb.cap)]  # (rows / E, E) episode step of each filled row
+    stored = rows * (inputs + other + state)
+    full = float((filled.astype(np.float64) + 1.0).sum() * inputs + rows * other)
+    return {"bytes": float(stored), "bytes_full_histories": full, "full_histories_ratio": full / stored}
+
+
 class SequenceReplay:
     """O(T) ring buffer of rows (capacity rows per env column) plus a prioritized table of sequences.
 
@@ -269,6 +327,7 @@ class SequenceReplay:
         self.first = np.zeros((capacity, num_envs), dtype=bool)
         self.final = np.zeros((capacity, num_envs), dtype=bool)
         self.terminal = np.zeros((capacity, num_envs), dtype=bool)
+        self.ep_step = np.zeros((capacity, num_envs), dtype=np.int32)  # step of the row within its episode
         self.h = np.zeros((capacity, num_envs, hidden_size), dtype=np.float32)  # actor state before the row
         self.c = np.zeros((capacity, num_envs, hidden_size), dtype=np.float32)
         self.t = 0  # absolute index of the next row (the same for every env column)
@@ -287,7 +346,7 @@ class SequenceReplay:
         self.ep_start[first] = self.t
         for name, value in (("obs", obs), ("first", first), ("final", final), ("terminal", terminal),
                             ("prev_action", prev_action), ("prev_reward", prev_reward), ("h", h), ("c", c),
-                            ("action", action), ("reward", reward)):  # fmt: skip
+                            ("action", action), ("reward", reward), ("ep_step", self.t - self.ep_start)):  # fmt: skip
             getattr(self, name)[r] = value
         # a window is complete when its last row (t0 + m + n - 1) is written ...
         span = self.m + self.n - 1
@@ -436,20 +495,34 @@ def make_vec_env(env_id: str, env_kwargs: dict, num_envs: int) -> gym.vector.Syn
     probe.close()
     if not isinstance(act_space, gym.spaces.Discrete):
         raise SystemExit(f"error: {env_id} has action space {act_space}; only Discrete action spaces are supported")
-    if not isinstance(obs_space, (gym.spaces.Box, gym.spaces.Discrete)):
-        raise SystemExit(f"error: {env_id} has observation space {obs_space}; supported: Box or Discrete")
+    if not flattenable(obs_space):
+        raise SystemExit(f"error: {env_id} has observation space {obs_space}; supported: Box, Discrete, MultiBinary, "
+                         "MultiDiscrete, and Tuple/Dict of these")  # fmt: skip
+    return gym.vector.SyncVectorEnv(
+        [lambda: make_flat_env(env_id, env_kwargs)] * num_envs, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP
+    )
 
-    def thunk():
-        # Discrete observations become one-hot vectors, Box observations are flattened
-        return gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs))
 
-    return gym.vector.SyncVectorEnv([thunk] * num_envs, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
+def flattenable(space: gym.spaces.Space) -> bool:
+    """True for the spaces gymnasium's `spaces.flatten` turns into one flat vector: Box, Discrete, MultiBinary,
+    MultiDiscrete, and Tuple/Dict of these (nested)."""
+    if isinstance(space, gym.spaces.Tuple):
+        return all(flattenable(sub) for sub in space.spaces)
+    if isinstance(space, gym.spaces.Dict):
+        return all(flattenable(sub) for sub in space.spaces.values())
+    return isinstance(space, FLAT_SPACES)
+
+
+def make_flat_env(env_id: str, env_kwargs: dict) -> gym.Env:
+    """The env with a flat float32 observation: gymnasium's FlattenObservation one-hot encodes Discrete and each
+    MultiDiscrete component, flattens Box, and concatenates the parts of Tuple/Dict (Dict in sorted key order)."""
+    return gym.wrappers.DtypeObservation(gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs)), np.float32)
 
 
 @torch.no_grad()
 def evaluate(net, env_id: str, env_kwargs: dict, episodes: int, seed: int, device) -> dict:
     """Greedy episodes, one after the other in a single env: returns, lengths, success (NaN where undefined)."""
-    env = gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs))
+    env = make_flat_env(env_id, env_kwargs)
     returns, lengths, successes = [], [], []
     for ep in range(episodes):
         obs, _ = env.reset(seed=seed + ep)
@@ -508,6 +581,9 @@ if __name__ == "__main__":
         raise SystemExit("error: --keep-best needs --select-frequency > 0")
     if args.burn_in < 0 or args.n_step < 1 or args.num_envs < 1 or args.batch_size < 1:
         raise SystemExit("error: need --burn-in >= 0, --n-step >= 1, --num-envs >= 1, --batch-size >= 1")
+    if not 1 <= args.eval_episodes <= EVAL_SEED_STRIDE or args.total_timesteps >= SELECT_SEED_STRIDE // 2:
+        raise SystemExit(f"error: need 1 <= --eval-episodes <= {EVAL_SEED_STRIDE} and --total-timesteps < "
+                         f"{SELECT_SEED_STRIDE // 2} (disjoint evaluation seeds)")  # fmt: skip
     window = args.burn_in + args.seq_len + args.n_step
     capacity = args.buffer_size // args.num_envs  # rows per env column
     if capacity < 4 * window:
@@ -561,7 +637,7 @@ if __name__ == "__main__":
 
     # TRY NOT TO MODIFY: start the game
     global_step, num_updates_done, start_time = 0, 0, time.time()
-    delta_q_log = []  # (first, last) Delta-Q measurements
+    delta_q_log = []  # (first, last, first at episode starts) Delta-Q measurements
     ep_returns, ep_lengths = [], []
     best_return, best_step, best_state = -np.inf, 0, None  # the kept network (--keep-best)
     if not args.eval_only:
@@ -603,7 +679,7 @@ if __name__ == "__main__":
                 args.select_frequency
                 and global_step // args.select_frequency != (global_step - E) // args.select_frequency
             ):
-                sel_seed = args.seed + SELECT_SEED_OFFSET + global_step
+                sel_seed = SELECT_SEED_BASE + SELECT_SEED_STRIDE * args.seed + global_step
                 sel = evaluate(q_network, args.env_id, env_kwargs, args.select_episodes, sel_seed, device)
                 sel_return = float(sel["ret"].mean())
                 writer.add_scalar("select/episodic_return", sel_return, global_step)
@@ -636,6 +712,17 @@ if __name__ == "__main__":
             w = torch.as_tensor(weights, dtype=torch.float32, device=device)
             per_seq = 0.5 * (td**2 * mask).sum(0) / mask.sum(0).clamp(min=1.0)  # (B,)
             loss = (w * per_seq).mean()
+
+            # 4. Delta-Q: the learner's Q (stored/zero state + burn-in) vs Q from the state recomputed from the
+            #    episode's first row. CRUCIAL: before optimizer.step(), so that both use the same parameters
+            if (num_updates_done + 1) % args.delta_q_frequency == 0:
+                dq = measure_delta_q(q_network, rb, ids, q_all.detach(), mask, L)
+                if dq is not None:
+                    delta_q_log.append((dq["first"], dq["last"], dq["first_at_episode_start"]))
+                    writer.add_scalar("model/delta_q_first", dq["first"], global_step)
+                    writer.add_scalar("model/delta_q_last", dq["last"], global_step)
+
+            # 5. gradient step, new priorities, target network copy
             optimizer.zero_grad()
             loss.backward()
             nn.utils.clip_grad_norm_(q_network.parameters(), args.max_grad_norm)
@@ -645,26 +732,6 @@ if __name__ == "__main__":
             num_updates_done += 1
             if num_updates_done % args.target_network_frequency == 0:
                 target_network.load_state_dict(q_network.state_dict())
-
-            # 4. Delta-Q: the learner's Q (stored/zero state + burn-in) vs Q from the state recomputed from the
-            #    episode's first row with the current network, for sequences whose episode start is still stored
-            if num_updates_done % args.delta_q_frequency == 0:
-                keep_ids = ids[rb.seq_ep_start[ids] >= rb.t - rb.cap]
-                if len(keep_ids):
-                    prefix = int((rb.seq_anchor[keep_ids] - rb.seq_ep_start[keep_ids]).max())  # rows before t0
-                    full = to_torch(rb.gather(keep_ids, prefix=max(prefix - L, 0)), device)
-                    zeros = (torch.zeros(len(keep_ids), H, device=device),) * 2
-                    with torch.no_grad():
-                        q_true, _ = unroll(q_network, full, zeros, max(prefix - L, 0) + L)  # (m + n, b, A)
-                        sel = np.nonzero(rb.seq_ep_start[ids] >= rb.t - rb.cap)[0]  # keep_ids = ids[sel]
-                        q_learner = q_all.detach()[:, sel]  # (m + n, b, A)
-                        last = (mask[:, sel].sum(0).long() - 1).clamp(min=0)  # last trained valid row
-                        dq_first = delta_q(q_learner[0], q_true[0]).mean().item()
-                        cols = torch.arange(len(sel), device=device)
-                        dq_last = delta_q(q_learner[last, cols], q_true[last, cols]).mean().item()
-                    delta_q_log.append((dq_first, dq_last))
-                    writer.add_scalar("model/delta_q_first", dq_first, global_step)
-                    writer.add_scalar("model/delta_q_last", dq_last, global_step)
 
             if num_updates_done % 100 == 0:
                 sps = int(global_step / (time.time() - start_time))
@@ -680,12 +747,13 @@ if __name__ == "__main__":
     # 5. greedy evaluation, summary.json, save
     wall_time = time.time() - start_time
     kept = {}
+    eval_seed = EVAL_SEED_STRIDE * (args.seed + 1)  # episode i: env seed 10_000 (seed + 1) + i
     if args.keep_best and best_state is not None:  # evaluate the last network too, then switch to the kept one
-        last = evaluate(q_network, args.env_id, env_kwargs, args.eval_episodes, args.seed + EVAL_SEED_OFFSET, device)
+        last = evaluate(q_network, args.env_id, env_kwargs, args.eval_episodes, eval_seed, device)
         kept = {"eval/last_network_episodic_return": last["ret"].mean(), "select/best_episodic_return": best_return,
                 "select/best_global_step": best_step}  # fmt: skip
         q_network.load_state_dict(best_state)
-    result = evaluate(q_network, args.env_id, env_kwargs, args.eval_episodes, args.seed + EVAL_SEED_OFFSET, device)
+    result = evaluate(q_network, args.env_id, env_kwargs, args.eval_episodes, eval_seed, device)
     metrics = kept | {
         "eval/episodic_return": result["ret"].mean(),
         "eval/episodic_return_std": result["ret"].std(),
@@ -698,6 +766,10 @@ if __name__ == "__main__":
         metrics["model/delta_q"] = tail[:, 0].mean()
         metrics["model/delta_q_first"] = tail[:, 0].mean()
         metrics["model/delta_q_last"] = tail[:, 1].mean()
+        if not np.isnan(tail[:, 2]).all():
+            metrics["model/delta_q_first_episode_start"] = np.nanmean(tail[:, 2])
+    if not args.eval_only:  # the O(T) replay and what full histories per step would need (O(T^2))
+        metrics.update({f"replay/{key}": value for key, value in replay_bytes(rb).items()})
     metrics = {key: float(value) for key, value in metrics.items()}
     for key, value in metrics.items():
         writer.add_scalar(key, value, global_step)
