@@ -5,13 +5,19 @@ policy pi(a|o_t) can only reach the best *reactive* policy, which may have to be
 p(right) = 1/2, 2 steps, while every deterministic one fails half the episodes); (2) a policy on the history
 (o_1, a_1, ..., o_t), summarized by an RNN state h_t, is Markov again and reaches the optimum with memory
 (ThreeStateLine 1.5 steps, TMaze success 1, MaskedCartPole 500, Tiger: listen, then open, return 5.01);
-(3) the policy gradient never used the Markov property, so it stays valid on o_t with Monte Carlo returns
-(`--gae-lambda 1.0`) and any baseline V(o_t); only a critic that *bootstraps* on o_t (lambda < 1) is biased.
+(3) the policy gradient never used the Markov property, so it stays valid on o_t with *Monte Carlo* returns
+(`--returns mc`: nothing is bootstrapped) and any baseline V(o_t); a critic that *bootstraps* on o_t is biased.
+ShortCorridor (Sutton & Barto Ex. 13.1, three cells that look the same, actions reversed in the middle one) shows
+it: Monte Carlo PPO on o settles near the best memoryless p(right) = 2 - sqrt(2) ~ 0.59 (return ~ -11.7), while
+one-step TD advantages r + gamma V(o') - V(o) (`--gae-lambda 0`) credit only the final "right" step (every other
+step has r + gamma V - V = -1 + (gamma - 1) V < 0 for the same V(o)), so the policy turns deterministic "right"
+and episodes run into the time limit. Note that `--gae-lambda 1.0` alone is *not* Monte Carlo: GAE still
+bootstraps from V(o) at every rollout end and at truncations, exactly the bootstrapping the claim is about.
 
 Key equations (per step t of env b; d_t = 1 if the episode ended at step t):
-    h_t = RNN(h_{t-1} * (1 - start_t), [o_t, onehot(a_{t-1}), r_{t-1}]),  pi(a|h_t), V(h_t)
+    h_t = RNN(h_{t-1} * (1 - start_t), [o_t, onehot(a_{t-1}), r_{t-1}]),  pi(a|h^pi_t), V(h^V_t)
     delta_t = r_t + gamma V(h_{t+1}) (1 - d_t) - V(h_t)
-    A_t = delta_t + gamma lambda (1 - d_t) A_{t+1}      (GAE; lambda = 1: A_t + V(h_t) = Monte Carlo return)
+    A_t = delta_t + gamma lambda (1 - d_t) A_{t+1}      (GAE; `--returns mc`: A_t = G_t - V(h_t), whole episodes)
     L = -E[min(rho A, clip(rho, 1-eps, 1+eps) A)] + c_v E[max((V-R)^2, (V_old + clip(V-V_old, -eps, eps) - R)^2)] / 2
         - c_e E[entropy],   rho = pi(a|h) / pi_old(a|h)
 Implementation details:
@@ -29,12 +35,25 @@ Implementation details:
     with r_t += gamma V(final_obs) (`--bootstrap-truncated`); on termination we never bootstrap.
  5. From CleanRL [2, 3]: orthogonal init (actor gain 0.01, critic 1), Adam eps 1e-5, advantage normalization per
     minibatch, value clipping, entropy bonus, global gradient clipping, linear learning-rate annealing.
- 6. Observations are normalized by a running mean/std kept as buffers in the model (saved with it), updated
-    after each PPO update so that a rollout and its update see the same normalization (as SB3's VecNormalize).
- 7. Policy and value share the torso (as [2]), so large returns would let the value loss drown the policy
-    gradient under one global gradient-norm clip: `--reward-scale` shrinks rewards for learning (CartPole 0.01,
-    Tiger 0.1; logged returns are unscaled).
- 8. Evaluation runs `--eval-episodes` envs in parallel and scores each env's first episode only (no bias to
+ 6. Policy and value each have their own torso (encoder + RNN), as CleanRL ppo.py's separate actor and critic
+    and SB3-contrib RecurrentPPO's `enable_critic_lstm`: with one shared torso (`--shared-torso`, as [2]) the
+    value loss of unscaled returns (hundreds on CartPole) drowns the policy gradient under one global gradient-
+    norm clip. Measured on CartPole-v1 with CleanRL ppo.py's settings (4 envs x 128 steps, lr 2.5e-4, 500k steps,
+    `--rnn none`, tuning seeds 101-105): shared torso 131 (seed 101), separate torsos 500 on all five, CleanRL
+    ppo.py 474-500. So no per-env reward scale is needed (`--reward-scale` stays as an option).
+ 7. `--norm-obs` normalizes observations by a running mean/std kept as buffers in the model (saved with it),
+    updated after each PPO update so that a rollout and its update see the same normalization (as SB3's
+    VecNormalize). Off by default, as in CleanRL ppo.py: on CartPole-v1 its drifting statistics made 2 of 5
+    tuning seeds collapse late in training (500 -> ~100). MaskedCartPole needs it (angle steps of ~0.01 rad carry
+    the velocity) and uses RL Zoo's RecurrentPPO recipe for CartPoleNoVel (8 envs x 32 steps, 20 epochs, gamma
+    0.98, lambda 0.8, no entropy bonus, normalized observations).
+ 8. `--returns mc` (pure Monte Carlo): each rollout resets the envs and runs until every env finished its first
+    episode (the rollout is as long as the longest one, at most `--num-steps`, which must cover the time limit);
+    only those episodes are trained on (a mask in every loss), their returns are discounted sums of their own
+    rewards, and nothing is bootstrapped, truncations included. Training on first episodes only keeps the sample
+    unbiased (episodes cut by a rollout end would favour short ones); the price is idle envs while the longest
+    episode finishes.
+ 9. Evaluation runs `--eval-episodes` envs in parallel and scores each env's first episode only (no bias to
     short episodes); it samples from the policy (the optimal memoryless policy is stochastic) and also reports
     the greedy (argmax) policy with the `eval/greedy_` prefix.
 What was scaled down: small MLP/RNN (64 units) on vector observations instead of a CNN on Atari frames, and
@@ -42,13 +61,19 @@ the whole rollout (64 steps) as the BPTT window, so a default run takes a few mi
 References: [1] J. Schulman et al., "Proximal Policy Optimization Algorithms", 2017. [2] CleanRL ppo_atari_lstm.py
 (github.com/vwxyzjn/cleanrl): done-masked LSTM state, env-wise minibatches. [3] CleanRL ppo.py: the PPO loop and
 its details. [4] S. Huang et al., "The 37 Implementation Details of PPO", ICLR blog track 2022. [5] B. Bakker,
-"Reinforcement Learning with Long Short-Term Memory", NeurIPS 2001 (T-maze).
+"Reinforcement Learning with Long Short-Term Memory", NeurIPS 2001 (T-maze). [6] R. Sutton and A. Barto,
+"Reinforcement Learning: An Introduction", 2nd ed., Example 13.1 (short corridor). [7] A. Raffin et al., RL Baselines3
+Zoo, hyperparameters of RecurrentPPO (ppo_lstm) on CartPoleNoVel-v1.
 Reproduce (seed 1; the same command with `--rnn none` gives the memoryless baseline):
-   python algos/ppo_recurrent.py --env-id seqrl/ThreeStateLine-v0 --rnn gru --total-timesteps 50000
+   python algos/ppo_recurrent.py --env-id seqrl/ThreeStateLine-v0 --rnn gru --total-timesteps 30000
    python algos/ppo_recurrent.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 10}' --rnn gru
-   python algos/ppo_recurrent.py --env-id seqrl/Tiger-v0 --rnn gru --reward-scale 0.1 --no-bootstrap-truncated
-        --total-timesteps 150000 --eval-episodes 1000  (the 10-step horizon is part of the task: no bootstrap)
-   python algos/ppo_recurrent.py --env-id seqrl/MaskedCartPole-v0 --rnn gru --reward-scale 0.01 --total-timesteps 300000
+   python algos/ppo_recurrent.py --env-id seqrl/Tiger-v0 --rnn gru --no-bootstrap-truncated --total-timesteps 150000
+        --eval-episodes 1000  (the 10-step horizon is part of the task: no bootstrap)
+   python algos/ppo_recurrent.py --env-id seqrl/MaskedCartPole-v0 --rnn gru MASKED_CARTPOLE_RECIPE
+   python algos/ppo_recurrent.py --env-id CartPole-v1 --rnn none --num-envs 4 --num-steps 128 --learning-rate 2.5e-4
+        --total-timesteps 500000  (CleanRL ppo.py's settings)
+   python algos/ppo_recurrent.py --env-id seqrl/ShortCorridor-v0 --rnn none --returns mc --num-steps 100
+        --total-timesteps 100000 --eval-episodes 1000  (and `--gae-lambda 0` instead of `--returns mc`)
 """
 
 import json
@@ -123,7 +148,7 @@ class Args:
     """feed the previous action (one-hot) into the RNN (ignored with `--rnn none`)"""
     prev_reward: bool = False
     """feed the previous reward into the RNN (ignored with `--rnn none`)"""
-    norm_obs: bool = True
+    norm_obs: bool = False
     """normalize observations by running mean/std (kept in the model's state dict, updated after each update)"""
     shared_torso: bool = False
     """one torso (encoder + RNN) for policy and value (CleanRL ppo_atari_lstm.py); default: one each (ppo.py)"""
@@ -338,6 +363,19 @@ class Agent(nn.Module):
         return self.actor(actor_hidden), self.critic(critic_hidden).squeeze(-1), state
 
 
+FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
+
+
+def flattenable(space: gym.spaces.Space) -> bool:
+    """True for the spaces gymnasium's `spaces.flatten` turns into one vector: Box, Discrete, MultiBinary,
+    MultiDiscrete, and Tuple/Dict of these (nested)."""
+    if isinstance(space, gym.spaces.Tuple):
+        return all(flattenable(sub) for sub in space.spaces)
+    if isinstance(space, gym.spaces.Dict):
+        return all(flattenable(sub) for sub in space.spaces.values())
+    return isinstance(space, FLAT_SPACES)
+
+
 def make_vec_env(env_id: str, env_kwargs: dict, num_envs: int) -> gym.vector.SyncVectorEnv:
     """Validate the env's spaces once, then build `num_envs` copies that autoreset in the SAME step."""
     try:
@@ -348,12 +386,18 @@ def make_vec_env(env_id: str, env_kwargs: dict, num_envs: int) -> gym.vector.Syn
     probe.close()
     if not isinstance(act_space, gym.spaces.Discrete):
         raise SystemExit(f"error: {env_id} has action space {act_space}; only Discrete action spaces are supported")
-    if not isinstance(obs_space, (gym.spaces.Box, gym.spaces.Discrete)):
-        raise SystemExit(f"error: {env_id} has observation space {obs_space}; supported: Box or Discrete")
+    if not flattenable(obs_space):
+        raise SystemExit(
+            f"error: {env_id} has observation space {obs_space}; supported: Box, Discrete, MultiBinary, "
+            "MultiDiscrete, and Tuple/Dict of these"
+        )
 
     def thunk():
-        # Discrete observations become one-hot vectors, Box observations are flattened
-        return gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs))
+        # gymnasium's FlattenObservation: Discrete and each MultiDiscrete component become one-hot vectors, Box is
+        # flattened, the parts of a Tuple/Dict are concatenated (Dict in sorted key order; POPGym's tasks observe
+        # MultiDiscrete spaces)
+        env = gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs))
+        return gym.wrappers.DtypeObservation(env, np.float32)
 
     return gym.vector.SyncVectorEnv([thunk] * num_envs, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
@@ -415,7 +459,7 @@ def eval_metrics(result: dict, env_id: str, prefix: str) -> dict:
         m[f"{prefix}p_right_first_step"] = result["probs0"][:, ThreeStateLineEnv.RIGHT].mean()
         if len(result["switched"]):  # with memory: after a bump into the wall, reverse (p = 1); memoryless: 0.5
             m[f"{prefix}p_reverse_second_step"] = result["switched"].mean()
-    if env_id.endswith("ShortCorridor-v0"):  # memoryless optimum p(right) = 2 - sqrt(2) in every (identical-looking) cell
+    if env_id.endswith("ShortCorridor-v0"):  # memoryless optimum: p(right) = 2 - sqrt(2) in every (alike) cell
         m[f"{prefix}p_right_first_step"] = result["probs0"][:, ShortCorridorEnv.RIGHT].mean()
     if env_id.endswith("Tiger-v0"):  # information gathering: listens before opening a door
         m[f"{prefix}listens_per_episode"] = result["counts"][:, TigerEnv.LISTEN].mean()

@@ -9,6 +9,7 @@ import sys
 import gymnasium as gym
 import numpy as np
 import pytest
+import spaces_env  # registers the structured-space test envs
 import torch
 from conftest import ROOT, load_script, run_script
 
@@ -310,12 +311,24 @@ def test_smoke_memoryless_three_state_line_and_module_env_id(runs_dir):
     assert summary["metrics"]["eval/episodic_return"] > 0 and "eval/success_rate" not in summary["metrics"]
 
 
+@pytest.mark.parametrize("env_id", spaces_env.MODULE_IDS)
+def test_structured_observation_spaces_are_flattened(runs_dir, monkeypatch, env_id):
+    """MultiDiscrete / Dict / Tuple observations reach the network as the one-hot-and-concatenated vector."""
+    g = run_main(monkeypatch, "--env-id", env_id, "--runs-dir", str(runs_dir), *TINY)
+    probe = gym.make(env_id)
+    raw, _ = probe.reset(seed=g["args"].seed)
+    assert g["obs_dim"] == len(spaces_env.expected_flat(raw))
+    np.testing.assert_allclose(g["obs"][0, 0].numpy(), spaces_env.expected_flat(raw))  # the first stored observation
+    assert "eval/episodic_return" in json.loads((g["run_dir"] / "summary.json").read_text())["metrics"]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--env-id", "seqrl/NoSuchEnv-v0"], "cannot make env"),
         (["--env-id", "no_such_module:Env-v0"], "cannot make env"),
         (["--env-id", "Pendulum-v1"], "only Discrete action spaces are supported"),
+        (["--env-id", "tests.spaces_env:SpacesText-v0"], "supported: Box, Discrete, MultiBinary, MultiDiscrete"),
         (["--env-kwargs", '{"corridor_length": 0}'], "cannot make env"),
         (["--env-kwargs", '{"no_such_kwarg": 1}'], "cannot make env"),
         (["--env-kwargs", "[1]"], "must be a JSON object"),
