@@ -54,14 +54,17 @@ for s in $SEEDS; do [[ "$s" =~ ^[0-9]+$ ]] || { echo "benchmark.sh: --seeds take
 # of a check marks an anchor row that is reported, not judged.
 EXPERIMENTS=$(cat <<'EOF'
 quick: ppo_line_none | ThreeStateLine (Problem 21.1): the best memoryless policy is stochastic, p(right)=1/2, 2 steps | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn none --total-timesteps 30000 --eval-episodes 1000 | eval/p_right_first_step,eval/episodic_length | 0.5 and 2.0 | 0.42 <= eval/p_right_first_step <= 0.58 ; eval/episodic_length <= 2.3
-quick: ppo_line_none | ThreeStateLine: the greedy version of that policy is deterministic and fails half the episodes | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn none --total-timesteps 30000 --eval-episodes 1000 | eval/greedy_episodic_length | about 10.5 (half the episodes hit the 20-step limit) | eval/greedy_episodic_length >= 7
-quick: ppo_line_gru | ThreeStateLine with memory (GRU): reverse after a wall bump, 1.5 steps | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn gru --total-timesteps 30000 --eval-episodes 1000 | eval/episodic_length,eval/p_reverse_second_step | 1.5 and 1.0 | eval/episodic_length <= 1.65 ; eval/p_reverse_second_step >= 0.95
-quick: ppo_tmaze_gru | TMaze (corridor 10) with a GRU | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn gru | eval/success_rate,eval/episodic_return | success >= 0.95 (optimal return 3.0) | eval/success_rate >= 0.95
-quick: ppo_tmaze_none | TMaze (corridor 10), memoryless | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn none | eval/success_rate,eval/episodic_return | success 0.5 (return 0.5) | 0.3 <= eval/success_rate <= 0.7
-quick: ppo_cartpole_gru | MaskedCartPole with a GRU | ppo_recurrent --env-id seqrl/MaskedCartPole-v0 --rnn gru --reward-scale 0.01 --total-timesteps 300000 | eval/episodic_return | >= 475 | eval/episodic_return >= 475
-quick: ppo_cartpole_none | MaskedCartPole, memoryless | ppo_recurrent --env-id seqrl/MaskedCartPole-v0 --rnn none --reward-scale 0.01 --total-timesteps 300000 | eval/episodic_return | far below 475 | eval/episodic_return <= 150
-quick: ppo_tiger_gru | Tiger with a GRU: listens before opening, positive return | ppo_recurrent --env-id seqrl/Tiger-v0 --rnn gru --reward-scale 0.1 --no-bootstrap-truncated --total-timesteps 150000 --eval-episodes 1000 | eval/episodic_return,eval/listens_per_episode,eval/success_rate | > 0 (optimum 5.01), >= 2 listens | eval/episodic_return > 2 ; eval/listens_per_episode >= 2
-quick: ppo_tiger_none | Tiger, memoryless | ppo_recurrent --env-id seqrl/Tiger-v0 --rnn none --reward-scale 0.1 --no-bootstrap-truncated --total-timesteps 150000 --eval-episodes 1000 | eval/episodic_return,eval/listens_per_episode | < 0 (best memoryless -7.5) | eval/episodic_return < 0
+quick: ppo_line_none | ThreeStateLine: the greedy version of that policy is deterministic and fails half the episodes | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn none --total-timesteps 30000 --eval-episodes 1000 | eval/greedy_episodic_length | about 10.5 (half the episodes hit the 20-step limit) | eval/greedy_episodic_length >= 8
+quick: ppo_line_gru | ThreeStateLine with memory (GRU): reverse after a wall bump, 1.5 steps | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn gru --total-timesteps 30000 --eval-episodes 1000 | eval/episodic_length,eval/p_reverse_second_step | 1.5 and 1.0 | eval/episodic_length <= 1.6 ; eval/p_reverse_second_step >= 0.95
+quick: ppo_corridor_mc | ShortCorridor (Sutton & Barto 13.1): memoryless PPO with Monte Carlo returns finds the stochastic optimum | ppo_recurrent --env-id seqrl/ShortCorridor-v0 --rnn none --returns mc --num-steps 100 --total-timesteps 100000 --eval-episodes 1000 | eval/p_right_first_step,eval/episodic_return | p(right) = 2 - sqrt(2) = 0.586, return -11.66 | 0.50 <= eval/p_right_first_step <= 0.68 ; eval/episodic_return >= -13
+quick: ppo_corridor_td | ShortCorridor: the same PPO with a bootstrapped critic on o (one-step TD advantages) turns deterministic and stalls | ppo_recurrent --env-id seqrl/ShortCorridor-v0 --rnn none --gae-lambda 0 --total-timesteps 100000 --eval-episodes 1000 | eval/p_right_first_step,eval/episodic_return | p(right) -> 1, episodes run into the 100-step limit | eval/p_right_first_step >= 0.95 ; eval/episodic_return <= ppo_corridor_mc:eval/episodic_return - 30
+quick: ppo_tmaze_gru | TMaze (corridor 10) with a GRU | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn gru --total-timesteps 200000 | eval/success_rate,eval/episodic_return | success >= 0.95 (optimal return 3.0) | eval/success_rate >= 0.95
+quick: ppo_tmaze_none | TMaze (corridor 10), memoryless | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn none --total-timesteps 200000 | eval/success_rate,eval/episodic_return | success 0.5 (return 0.5) | 0.35 <= eval/success_rate <= 0.65
+quick: ppo_cartpole_v1 | CartPole-v1 (fully observed), memoryless, CleanRL ppo.py's settings: as good as CleanRL ppo.py (mean 491.6 over its last 20 episodes, seeds 101-105 on this machine) | ppo_recurrent --env-id CartPole-v1 --rnn none --num-envs 4 --num-steps 128 --learning-rate 2.5e-4 --total-timesteps 500000 | eval/episodic_return | within 5% of CleanRL: >= 467 | eval/episodic_return >= 467
+quick: ppo_cartpole_gru | MaskedCartPole with a GRU (RL Zoo's RecurrentPPO recipe, no reward scaling) | ppo_recurrent --env-id seqrl/MaskedCartPole-v0 --rnn gru PPO_CARTPOLE_ARGS | eval/episodic_return,eval/greedy_episodic_return | >= 475 | eval/episodic_return >= 475
+quick: ppo_cartpole_none | MaskedCartPole, memoryless (same recipe) | ppo_recurrent --env-id seqrl/MaskedCartPole-v0 --rnn none PPO_CARTPOLE_ARGS | eval/episodic_return | far below 475 | eval/episodic_return <= 150
+quick: ppo_tiger_gru | Tiger with a GRU: listens before opening, positive return | ppo_recurrent --env-id seqrl/Tiger-v0 --rnn gru --no-bootstrap-truncated --total-timesteps 150000 --eval-episodes 1000 | eval/episodic_return,eval/listens_per_episode,eval/success_rate | > 0 (optimum 5.01), >= 2 listens | eval/episodic_return >= 2.5 ; eval/listens_per_episode >= 2
+quick: ppo_tiger_none | Tiger, memoryless | ppo_recurrent --env-id seqrl/Tiger-v0 --rnn none --no-bootstrap-truncated --total-timesteps 150000 --eval-episodes 1000 | eval/episodic_return,eval/listens_per_episode | < 0 (best memoryless -7.5) | eval/episodic_return <= -2
 quick: ssm_twodoors | TwoDoors (Problem 21.2): after a failed try the latent model predicts retry-same ~0, other ~1 | ssm_vae_q --env-id seqrl/TwoDoors-v0 | model/p_pass_retry_same_door,model/p_pass_other_door | 0 and 1 | model/p_pass_retry_same_door <= 0.1 ; model/p_pass_other_door >= 0.9
 quick: ssm_twodoors | TwoDoors (Problem 21.2): a Markovian model of p(o' given o, a) predicts the same for both doors | ssm_vae_q --env-id seqrl/TwoDoors-v0 | model/markov_p_pass_same_door,model/markov_p_pass_other_door | 0.5 and 0.5 | 0.4 <= model/markov_p_pass_same_door <= 0.6 ; 0.4 <= model/markov_p_pass_other_door <= 0.6
 quick: ssm_twodoors | TwoDoors: Q-learning on the latent belief is memory-optimal | ssm_vae_q --env-id seqrl/TwoDoors-v0 | eval/episodic_return | 0.95 (memoryless best 0.90) | eval/episodic_return >= 0.94
@@ -94,6 +97,10 @@ full: cql_utterance | GuessTheImage: per-utterance CQL (CHAI-style) beats BC and
 EOF
 )
 # Settings shared by the small discrete-observation DQN runs (TMaze, ThreeStateLine), substituted above.
+# RL Zoo's RecurrentPPO (ppo_lstm) recipe for CartPoleNoVel, substituted above: 8 envs x 32 steps, 20 epochs on the
+# whole batch, gamma 0.98, lambda 0.8, no entropy bonus, normalized observations.
+PPO_CARTPOLE_ARGS="--num-envs 8 --num-steps 32 --num-minibatches 1 --update-epochs 20 --gamma 0.98 --gae-lambda 0.8 --ent-coef 0 --norm-obs --total-timesteps 150000"
+EXPERIMENTS="${EXPERIMENTS//PPO_CARTPOLE_ARGS/$PPO_CARTPOLE_ARGS}"
 DQN_SMALL_ARGS="--learning-rate 5e-4 --train-frequency 1 --gradient-steps 1 --batch-size 128 --exploration-fraction 0.5 --end-e 0.05 --hidden-size 128 --target-network-frequency 500"
 EXPERIMENTS="${EXPERIMENTS//DQN_SMALL_ARGS/$DQN_SMALL_ARGS}"
 
@@ -104,6 +111,8 @@ EXPERIMENTS="${EXPERIMENTS//DQN_SMALL_ARGS/$DQN_SMALL_ARGS}"
 #   overopt  series = the id prefix of the RLHF KL sweep; gold and proxy reward against KL, and gold against sqrt(KL)
 FIGURES=$(cat <<'EOF'
 curve | line | ThreeStateLine: PPO with a GRU vs memoryless (episode length) | GRU=ppo_line_gru, memoryless=ppo_line_none | charts/episodic_length | 1.5 optimum with memory
+curve | corridor | ShortCorridor: memoryless PPO, Monte Carlo returns vs a bootstrapped critic | Monte Carlo=ppo_corridor_mc, one-step TD critic=ppo_corridor_td | charts/episodic_return | -11.66 best memoryless
+curve | cartpole_v1 | CartPole-v1: memoryless PPO with CleanRL ppo.py's settings | PPO (ours)=ppo_cartpole_v1 | charts/episodic_return | 491.6 CleanRL ppo.py (last 20 episodes)
 curve | tmaze_ppo | TMaze, corridor 10: PPO with a GRU vs memoryless | GRU=ppo_tmaze_gru, memoryless=ppo_tmaze_none | charts/episodic_return | 3.0 optimum
 curve | maskedcartpole | MaskedCartPole: memory recovers the velocities | PPO GRU=ppo_cartpole_gru, PPO memoryless=ppo_cartpole_none, DQN k=4=dqn_cartpole_k4, DQN k=1=dqn_cartpole_k1, R2D2=r2d2_cartpole | charts/episodic_return | 475 claim
 curve | tiger | Tiger: PPO with a GRU vs memoryless | GRU=ppo_tiger_gru, memoryless=ppo_tiger_none | charts/episodic_return | 5.01 optimum
@@ -125,7 +134,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-SMOOTH_EPISODES = 20  # rolling-mean window (episodes) of the charts/ curves in the figures
+SMOOTH_EPISODES = 20  # smallest rolling-mean window (episodes) of the charts/ curves in the figures ...
+SMOOTH_FRACTION = 100  # ... which grows to 1/100 of a run's episodes (thousands of short episodes need more)
 GRID_POINTS = 200  # curves of all seeds are interpolated onto this many env steps before the mean and band
 REF_RE = re.compile(r"(?:(?P<exp>[A-Za-z_][\w.\-]*):)?(?P<metric>[A-Za-z_]\w*/\w+)")
 FUNCS = {"abs": abs, "min": min, "max": max}
@@ -379,7 +389,7 @@ def draw(out: Path, summaries, seeds, metric_of, kind, name, title, series, ylab
     fig = None
     if kind == "curve":
         fig, ax = plt.subplots(figsize=(6.4, 4))
-        drawn = 0
+        drawn, windows = 0, []
         for label, exp_id in pairs:
             curves = []
             for seed in seeds:
@@ -387,10 +397,11 @@ def draw(out: Path, summaries, seeds, metric_of, kind, name, title, series, ylab
                 got = summary and read_curve(summary["run_dir"], ylabel)
                 if got and len(got[0]) > 1:
                     steps, values = np.array(got[0], float), np.array(got[1], float)
-                    if ylabel.startswith("charts/") and len(values) >= SMOOTH_EPISODES:
-                        kernel = np.ones(SMOOTH_EPISODES) / SMOOTH_EPISODES
-                        values = np.convolve(values, kernel, mode="valid")
-                        steps = steps[SMOOTH_EPISODES - 1 :]
+                    window = max(SMOOTH_EPISODES, len(values) // SMOOTH_FRACTION)
+                    if ylabel.startswith("charts/") and len(values) >= window:
+                        values = np.convolve(values, np.ones(window) / window, mode="valid")
+                        steps = steps[window - 1 :]
+                        windows.append(window)
                     curves.append((steps, values))
             if not curves:
                 continue
@@ -403,7 +414,10 @@ def draw(out: Path, summaries, seeds, metric_of, kind, name, title, series, ylab
         if not drawn:
             plt.close(fig)
             return
-        smoothing = f" (rolling mean over {SMOOTH_EPISODES} episodes)" if ylabel.startswith("charts/") else ""
+        smoothing = ""
+        if windows:  # the window grows with the number of episodes: say its range
+            low, high = min(windows), max(windows)
+            smoothing = f"\n(rolling mean over {low}{'' if low == high else f'-{high}'} episodes)"
         ax.set_ylabel(ylabel.split("/")[-1].replace("_", " ") + smoothing)
         ax.set_xlabel("environment steps")
         ax.xaxis.set_major_formatter(EngFormatter(sep=""))
@@ -511,7 +525,7 @@ else
   GIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
   [ -z "$(git status --porcelain 2>/dev/null)" ] || GIT="$GIT (with uncommitted changes)"
   python3 -c 'import json,sys; print(json.dumps(dict(zip(["argv","seeds","jobs","cpu","cores","git"], sys.argv[1:]))))' \
-    "$ARGV" "$SEEDS" "$JOBS" "${CPU:-unknown}" "$(nproc)" "$GIT" >"$OUT/meta.json"
+    "$ARGV" "$SEEDS" "$JOBS" "${CPU:-unknown}" "$(nproc --all)" "$GIT" >"$OUT/meta.json"
   echo "benchmark: $N_EXP experiments x $N_SEEDS seed(s) = $TOTAL runs, $JOBS at a time -> $OUT"
   export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1
 
