@@ -82,6 +82,7 @@ Reproduce (seed 1; the same command with `--rnn none` gives the memoryless basel
 """
 
 import json
+import os
 import random
 import sys
 import time
@@ -485,6 +486,19 @@ def load_checkpoint(path_str: str) -> tuple[dict, dict]:
     return state_dict, json.loads(args_path.read_text()) if args_path.is_file() else {}
 
 
+def check_runs_dir(path_str: str) -> None:
+    """Fail before any work if `--runs-dir` is a file or cannot be written (not after minutes of training)."""
+    path = Path(path_str)
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"error: --runs-dir {path_str} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"error: cannot create --runs-dir {path_str}: {err.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: --runs-dir {path_str} is not writable")
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
     if args.eval_only:
@@ -506,6 +520,7 @@ if __name__ == "__main__":
     args.num_iterations = 0 if args.eval_only else args.total_timesteps // args.batch_size
     if not args.eval_only and args.num_iterations < 1:
         raise SystemExit(f"error: --total-timesteps {args.total_timesteps} < one rollout ({args.batch_size} steps)")
+    check_runs_dir(args.runs_dir)
 
     # TRY NOT TO MODIFY: seeding
     random.seed(args.seed)

@@ -2,6 +2,7 @@
 handling, smoke runs, clear errors, and (slow) learning the T-maze with memory."""
 
 import json
+import os
 import runpy
 import shutil
 import sys
@@ -342,6 +343,28 @@ def test_bad_input_gives_a_clear_error(runs_dir, monkeypatch, args, message):
     with pytest.raises(SystemExit, match=message) as exc:
         run_main(monkeypatch, "--runs-dir", str(runs_dir), *args)
     assert str(exc.value).startswith("error: ")
+
+
+def test_runs_dir_that_is_a_file_is_a_clear_error_before_any_work(tmp_path, monkeypatch):
+    afile = tmp_path / "a_file"
+    afile.write_text("not a directory")
+    with pytest.raises(SystemExit, match="error: --runs-dir .* is a file"):
+        run_main(monkeypatch, "--runs-dir", str(afile), *TINY)
+    with pytest.raises(SystemExit, match="error: cannot create --runs-dir"):
+        run_main(monkeypatch, "--runs-dir", str(afile / "sub"), *TINY)
+
+
+def test_read_only_runs_dir_is_a_clear_error(tmp_path, monkeypatch):
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    read_only.chmod(0o500)
+    try:
+        if os.access(read_only, os.W_OK):  # root ignores permissions: nothing to test there
+            pytest.skip("running as root: a read-only directory is still writable")
+        with pytest.raises(SystemExit, match="error: --runs-dir .* is not writable"):
+            run_main(monkeypatch, "--runs-dir", str(read_only), *TINY)
+    finally:
+        read_only.chmod(0o700)
 
 
 def test_unsupported_env_fails_cleanly_in_a_subprocess(runs_dir):
