@@ -97,6 +97,11 @@ def test_q_is_trained_only_on_beliefs_with_the_whole_episode_in_the_chunk():
     q_mask = m.q_loss_mask(is_first)  # (T-1, B): transition t -> t+1
     assert q_mask[:, 0].tolist() == [0, 0, 0, 1, 1, 1]  # before the episode start nothing, even at t >= burn-in
     assert q_mask[:, 1].tolist() == [1, 0, 1, 1, 1, 1]  # never into an is_first entry (1 -> 2 crosses episodes)
+    # --q-burn-in 4: the approximation for long episodes also uses the mid-episode chunk from t = 4 on
+    no_start = torch.zeros(7, 1, dtype=torch.bool)  # a chunk inside one long episode
+    assert m.q_loss_mask(no_start).sum() == 0
+    assert m.q_loss_mask(no_start, 4)[:, 0].tolist() == [0, 0, 0, 0, 1, 1]
+    assert m.q_loss_mask(is_first, 2)[:, 0].tolist() == [0, 0, 0, 1, 1, 1]  # never across the episode start
     # the ELBO still learns from the tail of a mid-episode chunk (t >= burn-in)
     assert m.valid_mask(is_first, burn_in=4)[:, 0].tolist() == [False, False, False, True, True, True, True]
 
