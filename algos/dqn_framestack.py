@@ -37,6 +37,16 @@ Implementation details:
    rl-baselines3-zoo [5]).
 8. `--eval-only` rebuilds the env and the network from the checkpoint's args.json (`ARCH_FIELDS`); evaluation
    episodes use env seeds 10 000 (seed + 1) + i, a block per training seed, disjoint across seeds.
+9. A frame stack shows observations, not actions. In TMaze a wall bump (west at the start, north/south in the
+   corridor) leaves the observation unchanged, so "bump" and "step east" give the same k-frame stack: at the fixed
+   point Q(s, bump) = Q(s, east), the greedy tie is broken arbitrarily, and one wasted step pushes the cue out of
+   the window before the junction (corridor 3, k = 4, seed 101: greedy paths "WNEEEN" / "WWEEEN", success 0.5,
+   Q(s_0, .) = 1.45 / 1.44 / 1.45 / 1.45). `--stack-actions` appends onehot(a_{t-1}) to every frame, which tells
+   a bump from a step; the agent can then also write the cue into its own action history (extra bumps).
+10. `--select-frequency N --keep-best`: the greedy policy is evaluated on `--select-episodes` episodes every N env
+   steps (env seeds 1e9 + 1e7 seed + global_step + i, disjoint from the final evaluation), the best network is kept
+   (the later one on ties, as SB3's EvalCallback) and saved; the final evaluation runs both the kept and the last
+   network on the same fresh episodes (`eval/episodic_return` and `eval/last_network_episodic_return`).
 
 What was scaled down from the paper [1] and why: an MLP on the concatenated vector frames instead of a CNN on
 84x84 pixels; a 100k replay instead of 1M; a few hundred thousand steps instead of 50M frames; no reward clipping.
@@ -87,6 +97,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` imp
 import envs  # noqa: E402, F401  (registers the seqrl/ environments)
 
 EVAL_SEED_STRIDE = 10_000  # eval env i of training seed s gets seed 10_000 (s + 1) + i: disjoint sets per seed
+SELECT_SEED_BASE = 10**9  # evaluations during training: env seeds 1e9 + 1e7 s + global_step + i, disjoint from
+SELECT_SEED_STRIDE = 10**7  # the final evaluation's and across training seeds (global_step + i < 1e7)
 # Args that `--eval-only` takes from the checkpoint's args.json: they fix the env, the network and its inputs
 ARCH_FIELDS = ("env_id", "env_kwargs", "frame_stack", "stack_actions", "scale_obs", "hidden_size")
 FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
@@ -114,6 +126,14 @@ class Args:
     checkpoint: str | None = None
     """run directory or model.safetensors file to load for `--eval-only` (the env, --frame-stack, --scale-obs and
     --hidden-size come from its args.json when present)"""
+    select_frequency: int = 0
+    """environment steps between greedy evaluations during training (0 = none), logged as select/episodic_return"""
+    select_episodes: int = 10
+    """episodes per evaluation during training (env seeds disjoint from the training and the final evaluation)"""
+    keep_best: bool = False
+    """keep the network of the best evaluation during training (ties: the later one) as the final model, like
+    SB3's EvalCallback; the final evaluation runs on fresh episodes, and summary.json also reports the last
+    network (`eval/last_network_episodic_return`). Needs --select-frequency"""
 
     # Environment
     env_id: str = "seqrl/MaskedCartPole-v0"
@@ -414,14 +434,16 @@ class QNetwork(nn.Module):
         return self.network(x)
 
 
-def evaluate(q_network, args: Args, env_kwargs: dict, device) -> dict[str, float]:
-    """Run `eval_episodes` episodes (one per env, so short episodes are not over-counted) with epsilon-greedy
-    (epsilon = `eval_epsilon`) on rolling k-frame stacks. Returns the eval/... metrics."""
-    n, k = args.eval_episodes, args.frame_stack
+def evaluate(q_network, args: Args, env_kwargs: dict, device, episodes: int = 0, seed: int = -1) -> dict[str, float]:
+    """Run `episodes` (default `eval_episodes`) episodes, one per env so short episodes are not over-counted, on env
+    seeds seed + i (default `eval_env_seed`), epsilon-greedy (epsilon = `eval_epsilon`) on rolling k-frame stacks.
+    Returns the eval/... metrics."""
+    n, k = episodes or args.eval_episodes, args.frame_stack
+    seed = eval_env_seed(args.seed) if seed < 0 else seed
     eval_envs = gym.vector.SyncVectorEnv([make_env(args.env_id, env_kwargs, args.scale_obs) for _ in range(n)])
     num_actions = int(eval_envs.single_action_space.n)
-    rng = np.random.default_rng(eval_env_seed(args.seed))
-    obs, _ = eval_envs.reset(seed=eval_env_seed(args.seed))
+    rng = np.random.default_rng(seed)
+    obs, _ = eval_envs.reset(seed=seed)
     prev_actions = np.full(n, -1) if args.stack_actions else None  # -1: no previous action yet
     frame = eval_frame(obs, prev_actions, num_actions)  # (n, F)
     stack = roll_stack(np.zeros((n, k, frame.shape[1]), dtype=np.float32), frame)  # (n, k, F), zeros before start
@@ -506,6 +528,17 @@ if __name__ == "__main__":
         raise SystemExit(f"error: --eval-epsilon must be in [0, 1], got {args.eval_epsilon}")
     if not args.eval_only and args.learning_starts < args.batch_size:
         raise SystemExit(f"error: --learning-starts ({args.learning_starts}) must be >= --batch-size")
+    if (
+        args.select_frequency < 0
+        or not 1 <= args.select_episodes <= EVAL_SEED_STRIDE
+        or args.total_timesteps >= SELECT_SEED_STRIDE // 2
+    ):
+        raise SystemExit(
+            f"error: need --select-frequency >= 0, 1 <= --select-episodes <= {EVAL_SEED_STRIDE} and "
+            f"--total-timesteps < {SELECT_SEED_STRIDE // 2}"
+        )
+    if args.keep_best and args.select_frequency < 1:
+        raise SystemExit("error: --keep-best needs --select-frequency > 0")
     check_env(args.env_id, env_kwargs)
 
     # TRY NOT TO MODIFY: seeding
@@ -562,6 +595,7 @@ if __name__ == "__main__":
         autoreset = np.zeros(args.num_envs, dtype=bool)  # True where the previous step ended an episode
         ep_return, ep_length = np.zeros(args.num_envs), np.zeros(args.num_envs, dtype=np.int64)
         num_updates = 0
+        best_return, best_step, best_state = -float("inf"), 0, None  # --keep-best
         for iteration in range(num_iterations):
             # 1. act epsilon-greedily on the k-frame stacks built from the replay's newest slots
             epsilon = linear_schedule(
@@ -627,12 +661,33 @@ if __name__ == "__main__":
                 for target_param, param in zip(target_network.parameters(), q_network.parameters(), strict=True):
                     target_param.data.copy_(args.tau * param.data + (1.0 - args.tau) * target_param.data)
 
-        save_file(q_network.state_dict(), str(run_dir / "model.safetensors"))
+            # 7. evaluation during training (--select-frequency), and the kept network (--keep-best)
+            if (
+                args.select_frequency
+                and global_step // args.select_frequency != (global_step - args.num_envs) // args.select_frequency
+            ):
+                sel_seed = SELECT_SEED_BASE + SELECT_SEED_STRIDE * args.seed + global_step
+                sel = evaluate(q_network, args, env_kwargs, device, args.select_episodes, sel_seed)
+                sel_return = sel["eval/episodic_return"]
+                writer.add_scalar("select/episodic_return", sel_return, global_step)
+                print(f"SELECT global_step={global_step} return={sel_return:.1f}")
+                if sel_return >= best_return:
+                    best_return, best_step = sel_return, global_step
+                    best_state = {key: value.clone() for key, value in q_network.state_dict().items()}
     envs.close()
     train_time = time.time() - start_time
 
-    # evaluation of the greedy policy (epsilon = eval_epsilon), then summary.json
-    metrics = evaluate(q_network, args, env_kwargs, device)
+    # evaluation of the greedy policy (epsilon = eval_epsilon), then summary.json; --keep-best: the last network is
+    # evaluated on the same episodes, then the kept one replaces it (and is the one saved)
+    kept = {}
+    if args.keep_best and best_state is not None:
+        last = evaluate(q_network, args, env_kwargs, device)
+        kept = {f"eval/last_network_{key[len('eval/') :]}": value for key, value in last.items()}
+        kept |= {"select/best_episodic_return": best_return, "select/best_global_step": float(best_step)}
+        q_network.load_state_dict(best_state)
+    if not args.eval_only:
+        save_file(q_network.state_dict(), str(run_dir / "model.safetensors"))
+    metrics = kept | evaluate(q_network, args, env_kwargs, device)
     for key, value in metrics.items():
         writer.add_scalar(key, value, global_step)
     sps = global_step / train_time if global_step else 0.0

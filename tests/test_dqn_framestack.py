@@ -248,6 +248,29 @@ def test_eval_only_restores_the_architecture_from_args_json(runs_dir):
     assert again["metrics"] == summary["metrics"]  # same inputs (unscaled), same weights, same eval seeds
 
 
+def test_keep_best_saves_and_reports_the_kept_network(runs_dir):
+    tmaze = ["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 2}', "--eval-episodes", "8"]
+    summary = run_script("dqn_framestack", *tmaze, *TINY, "--select-frequency", "200", "--keep-best",
+                         runs_dir=runs_dir, timeout=120)  # fmt: skip
+    metrics = summary["metrics"]
+    assert metrics["select/best_global_step"] in (200.0, 400.0)  # evaluations at 200 and 400 env steps
+    assert {"eval/last_network_episodic_return", "eval/last_network_success_rate"} <= set(metrics)
+    again = run_script("dqn_framestack", "--eval-only", "--checkpoint", summary["run_dir"], "--eval-episodes", "8",
+                       runs_dir=runs_dir, timeout=120)  # fmt: skip
+    assert again["metrics"]["eval/episodic_return"] == metrics["eval/episodic_return"]  # the kept one is saved
+    if metrics["select/best_global_step"] == 400.0:  # the kept network is the last one: same evaluation
+        assert metrics["eval/last_network_episodic_return"] == metrics["eval/episodic_return"]
+
+
+def test_select_seeds_disjoint_from_the_final_evaluation_and_across_seeds():
+    """Evaluations during training of seed s use 1e9 + 1e7 s + global_step + i (global_step + i < 1e7 as the
+    script enforces); the final evaluations of seeds up to 99 998 end before 1e9."""
+    base, stride = dqn.SELECT_SEED_BASE, dqn.SELECT_SEED_STRIDE
+    assert dqn.eval_env_seed(99_998) + dqn.EVAL_SEED_STRIDE <= base
+    largest = stride // 2 + dqn.EVAL_SEED_STRIDE  # global_step < stride / 2, episodes <= EVAL_SEED_STRIDE
+    assert base + stride * 3 + largest < base + stride * 4  # seed 3's block ends before seed 4's begins
+
+
 def test_eval_seeds_disjoint_across_training_seeds():
     num_envs, episodes = 4, dqn.EVAL_SEED_STRIDE
     blocks = [set(range(dqn.eval_env_seed(s), dqn.eval_env_seed(s) + episodes)) for s in range(0, 120)]
@@ -289,6 +312,7 @@ def test_smoke_three_state_line_reports_failure_rate(runs_dir):
         (["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 0}'], "corridor_length"),
         (["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"no_such_kwarg": 1}'], "bad --env-kwargs"),
         (["--frame-stack", "0"], "--frame-stack"),
+        (["--keep-best"], "--keep-best needs --select-frequency"),
         (["--eval-only"], "needs --checkpoint"),
         (["--eval-only", "--checkpoint", "/nonexistent/run"], "does not exist"),
     ],
