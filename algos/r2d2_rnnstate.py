@@ -48,6 +48,14 @@ Implementation details:
     true state, and so is the stored state; `model/delta_q_first_episode_start` (Delta-Q at the first row of the
     sequences that start an episode) is therefore 0 in every mode, a check of the measurement itself. The replay
     holds the whole default run (100k steps), so the oldest stored states come from a nearly untrained network.
+    These training-time values come from three runs that each train their own network, and their ordering across
+    the three ablation runs did not hold per seed (TMaze-20, tuning seeds). `final_delta_q` measures the ablation
+    once more at the end on ONE network (the last), on up to 512 mid-episode sequences of its replay started three
+    ways (zeros / stored state / stored state + burn-in): `model/final_delta_q_{first,last}_{zero,stored,
+    stored_burn_in}`. With the default 100k replay (stale states of the first steps included) the ordering failed
+    on 2 of 10 tuning seeds and 2 others did not solve TMaze-20 (success 0.62, 0.48); with `--buffer-size 30000`
+    (the benchmark's TMaze lines) the last row gives zero > stored on 10/10 tuning seeds (101-110, ratio >= 1.84)
+    and stored > stored + burn-in on 10/10 (ratio 1.10-3.8; means 0.99 / 0.22 / 0.17), and all 10 solve TMaze-20.
  8. Memory (`replay/bytes`, `replay/bytes_full_histories`, `replay_bytes`): the filled rows as stored (each step
     once, with the 2 x 64 floats of (h, c)) against the same rows storing each step's full history of inputs
     (o, a_{t-1}, r_{t-1} of all k + 1 steps so far) instead of a state: T(T + 1)/2 inputs per episode of T steps.
@@ -77,9 +85,9 @@ does: `--select-frequency 10000 --keep-best` evaluates the greedy policy on 10 e
 disjoint from the final evaluation), keeps the best (the later one on ties), and reports the final evaluation of
 that network on fresh episodes; summary.json also gives the last network's return. Kept network (benchmark.sh,
 results/20261202-193826): 498.4 / 500.0 / 480.6 (seeds 1 / 2 / 3; kept at 150k / 140k / 130k steps), 2 min a run.
-Reproduce (TMaze-20: success 1.00 in 3/3 seeds; ablation: add `--state-init zero --burn-in 0` or `--burn-in 0`
-to the TMaze command):
-    python algos/r2d2_rnnstate.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}'
+Reproduce (TMaze-20: success 1.00 on tuning seeds 101-110; the run also reports the one-network ablation,
+`model/final_delta_q_*`; training-time ablation runs: add `--state-init zero --burn-in 0` or `--burn-in 0`):
+    python algos/r2d2_rnnstate.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' --buffer-size 30000
     python algos/r2d2_rnnstate.py --env-id seqrl/MaskedCartPole-v0 --total-timesteps 150000 --eval-episodes 20
         (the benchmark adds --select-frequency 10000 --keep-best)
 """
