@@ -58,6 +58,13 @@ Implementation details:
 
 8. Observations: gymnasium's FlattenObservation (Discrete and each MultiDiscrete component one-hot, Box
    flattened, Tuple/Dict parts concatenated). Evaluation env i of seed s runs on env seed 10 000 (s + 1) + i.
+9. Learning rates: Q's is annealed linearly to 0 (`--anneal-q-lr`), the world model's is not by default (the
+   ELBO is a stationary objective; annealing it too left a TwoDoors tuning seed without the door memory).
+   `--select-frequency N --keep-best`: the greedy policy is evaluated on `--select-episodes` episodes every N env
+   steps (env seeds 1e9 + 1e7 seed + global_step + i), the world model and Q of the best evaluation are kept (the
+   later one on ties, as SB3's EvalCallback) and saved; the last networks are evaluated on the same final episodes
+   (`eval/last_network_*`). Evaluations draw their z samples from their own seeded generator, so they do not
+   change the training run.
 
 Scaled down from the papers: vector observations (no CNN), tiny sizes (h 64, z 8), Gaussian z (not DreamerV2's
 categorical z), DQN instead of SAC/actor-critic in imagination, unit-variance reward likelihood, fixed obs_std.
@@ -100,6 +107,8 @@ PROBE_PARTICLES = 1000  # Monte Carlo particles for the TwoDoors probe probabili
 MAX_CODE_BITS = 12  # Markov baseline only for binary observations of at most 12 bits (4096 codes)
 ARCH_FIELDS = ("deter_size", "stoch_size", "hidden_size")  # read back from args.json on --eval-only
 EVAL_SEED_STRIDE = 10_000  # eval env i of training seed s gets seed 10_000 (s + 1) + i: disjoint sets per seed
+SELECT_SEED_BASE = 10**9  # evaluations during training: env seeds 1e9 + 1e7 s + global_step + i, disjoint from
+SELECT_SEED_STRIDE = 10**7  # the final evaluation's and across training seeds (global_step + i < 1e7)
 MAX_TRIES = 5  # TwoDoors: p(pass within k tries of the same door) is reported for k = 1..5
 FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
 
@@ -193,6 +202,14 @@ class Args:
     TwoDoors tuning seed with a model that predicts p(pass) 0.92 for both doors after a failure)"""
     log_every: int = 100
     """updates between logging the losses"""
+    select_frequency: int = 0
+    """environment steps between greedy evaluations during training (0 = none), logged as select/episodic_return"""
+    select_episodes: int = 20
+    """episodes per evaluation during training (env seeds disjoint from the training and the final evaluation)"""
+    keep_best: bool = False
+    """keep the world model and Q-network of the best evaluation during training (ties: the later one) as the final
+    model, like SB3's EvalCallback; the final evaluation runs on fresh episodes, and summary.json also reports the
+    last networks (`eval/last_network_*`). Needs --select-frequency"""
 
     # filled in at runtime
     obs_dim: int = 0
@@ -530,7 +547,15 @@ def markov_probe(replay: SequenceReplay, num_actions: int, limit: int | None = N
 
 @torch.no_grad()
 def evaluate(model, q_net, env_id, env_kwargs, episodes: int, seed: int, device) -> dict:
-    """Greedy episodes (one per env of a vector env) + held-out one-step observation prediction error."""
+    """Greedy episodes (one per env of a vector env) + held-out one-step observation prediction error. The filter's
+    z samples come from a generator seeded with `seed` (same networks + seed: same result), and the training RNG
+    stream is left untouched (evaluations during training do not change what is trained)."""
+    with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
+        torch.manual_seed(seed)
+        return _evaluate(model, q_net, env_id, env_kwargs, episodes, seed, device)
+
+
+def _evaluate(model, q_net, env_id, env_kwargs, episodes: int, seed: int, device) -> dict:
     venv = make_vector_env(env_id, env_kwargs, episodes)
     obs, _ = venv.reset(seed=seed)
     h = torch.zeros(episodes, model.deter, device=device)
@@ -616,6 +641,12 @@ if __name__ == "__main__":
         raise SystemExit(f"error: --eval-episodes must be <= {EVAL_SEED_STRIDE} (disjoint evaluation seeds)")
     if args.seq_len < 2:
         raise SystemExit("error: --seq-len must be >= 2 (a transition needs two entries)")
+    if args.select_frequency < 0 or not 1 <= args.select_episodes <= EVAL_SEED_STRIDE:
+        raise SystemExit(f"error: need --select-frequency >= 0 and 1 <= --select-episodes <= {EVAL_SEED_STRIDE}")
+    if args.total_timesteps >= SELECT_SEED_STRIDE // 2:
+        raise SystemExit(f"error: --total-timesteps must be < {SELECT_SEED_STRIDE // 2}")
+    if args.keep_best and args.select_frequency < 1:
+        raise SystemExit("error: --keep-best needs --select-frequency > 0")
     capacity = args.buffer_size // args.num_envs
     if not args.eval_only and capacity < args.seq_len + 1:
         raise SystemExit(f"error: --buffer-size {args.buffer_size} too small for {args.num_envs} envs x seq-len")
@@ -666,6 +697,7 @@ if __name__ == "__main__":
     reward, terminated = np.zeros(args.num_envs, np.float32), np.zeros(args.num_envs, bool)
     done_prev = np.zeros(args.num_envs, bool)  # env returned terminated|truncated at the previous step()
     ep_return, ep_len, online_err = np.zeros(args.num_envs), np.zeros(args.num_envs), []
+    best_return, best_step, best_state = -float("inf"), 0, None  # --keep-best
     for iteration in range(num_iterations):
         # 1. store the entry (o_t, a_{t-1}, r_t, term_t, is_first_t); an autoreset step becomes an is_first entry
         replay.add(
@@ -757,7 +789,28 @@ if __name__ == "__main__":
                 for k in ("recon_obs", "recon_reward", "recon_done", "kl", "neg_elbo"):
                     metrics.setdefault(f"losses/{k}_first", terms[k].item())
                     metrics[f"losses/{k}_last"] = terms[k].item()
+
+        # evaluation during training (--select-frequency), and the kept networks (--keep-best)
+        if (
+            args.select_frequency
+            and global_step // args.select_frequency != (global_step - args.num_envs) // args.select_frequency
+        ):
+            sel_seed = SELECT_SEED_BASE + SELECT_SEED_STRIDE * args.seed + global_step
+            sel_return = evaluate(model, q_net, args.env_id, env_kwargs, args.select_episodes, sel_seed, device)[
+                "eval/episodic_return"
+            ]
+            writer.add_scalar("select/episodic_return", sel_return, global_step)
+            print(f"SELECT step {global_step} return {sel_return:.3f}")
+            if sel_return >= best_return:
+                best_return, best_step = sel_return, global_step
+                best_state = [{k: v.clone() for k, v in net.state_dict().items()} for net in (model, q_net)]
     venv.close()
+    if args.keep_best and best_state is not None:  # evaluate the last networks, then switch to the kept ones
+        last = evaluate(model, q_net, args.env_id, env_kwargs, args.eval_episodes, eval_env_seed(args.seed), device)
+        metrics.update({f"eval/last_network_{k[len('eval/') :]}": v for k, v in last.items()})
+        metrics.update({"select/best_episodic_return": best_return, "select/best_global_step": float(best_step)})
+        model.load_state_dict(best_state[0])
+        q_net.load_state_dict(best_state[1])
 
     # 6. the lecture's measurement (Problem 21.2): latent model vs Markovian model after a failed door
     if args.env_id == "seqrl/TwoDoors-v0":

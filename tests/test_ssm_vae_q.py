@@ -231,6 +231,25 @@ def test_smoke_run_eval_only_and_errors(runs_dir):
         assert "error:" in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr[-500:])
 
 
+def test_keep_best_saves_and_reports_the_kept_networks(runs_dir):
+    tiny = ["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 2}', "--total-timesteps", "400",
+            "--learning-starts", "200", "--num-envs", "4", "--eval-episodes", "6", "--deter-size", "16",
+            "--hidden-size", "16", "--select-frequency", "200", "--select-episodes", "4", "--keep-best"]  # fmt: skip
+    s = run_script("ssm_vae_q", *tiny, runs_dir=runs_dir, timeout=120)
+    metrics = s["metrics"]
+    assert metrics["select/best_global_step"] in (200.0, 400.0)  # evaluations at 200 and 400 env steps
+    assert {"eval/last_network_episodic_return", "eval/last_network_success_rate"} <= set(metrics)
+    env = tiny[:4]  # --eval-only takes the architecture from args.json, the env from the flags
+    e = run_script("ssm_vae_q", *env, "--eval-only", "--checkpoint", s["run_dir"], "--eval-episodes", "6",
+                   runs_dir=runs_dir)  # fmt: skip
+    assert e["metrics"]["eval/success_rate"] == metrics["eval/success_rate"]  # the kept networks are the saved ones
+    assert e["metrics"]["eval/one_step_obs_error"] == pytest.approx(metrics["eval/one_step_obs_error"])
+    if metrics["select/best_global_step"] == 400.0:  # the kept networks are the last ones: the same evaluation
+        assert metrics["eval/last_network_one_step_obs_error"] == metrics["eval/one_step_obs_error"]
+    proc = run_script("ssm_vae_q", "--keep-best", runs_dir=runs_dir, expect_fail=True)
+    assert "--keep-best needs --select-frequency" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_smoke_run_continuous_obs_skips_markov(runs_dir):
     s = run_script(
         "ssm_vae_q",
