@@ -42,9 +42,29 @@ Implementation details:
     Dueling head. Adam, gradient clipping, target network copied every `--target-network-frequency` updates.
  7. Delta-Q (`model/delta_q_first`, `model/delta_q_last`) is measured every `--delta-q-frequency` updates on the
     sampled batch, for sequences whose episode start is still in the buffer (episode starts are kept per
-    sequence). It is computed on the network outputs (the rescaled value space). `--state-init zero` starts every
-    sequence (and its Delta-Q) from zeros: at t0 = episode start that *is* the true state. The replay holds the
-    whole default run (100k steps), so the oldest stored states come from a nearly untrained network.
+    sequence), *before* the optimizer step, so that the learner's Q and the recomputed true Q come from the same
+    parameters (`measure_delta_q`). It is computed on the network outputs (the rescaled value space).
+    `--state-init zero` starts every sequence (and its Delta-Q) from zeros: at t0 = episode start that *is* the
+    true state, and so is the stored state; `model/delta_q_first_episode_start` (Delta-Q at the first row of the
+    sequences that start an episode) is therefore 0 in every mode, a check of the measurement itself. The replay
+    holds the whole default run (100k steps), so the oldest stored states come from a nearly untrained network.
+    These training-time values come from three runs that each train their own network, and their ordering across
+    the three ablation runs did not hold per seed (TMaze-20, tuning seeds). `final_delta_q` measures the ablation
+    once more at the end on ONE network (the last), on up to 512 mid-episode sequences of its replay started three
+    ways (zeros / stored state / stored state + burn-in): `model/final_delta_q_{first,last}_{zero,stored,
+    stored_burn_in}`. With the default 100k replay (stale states of the first steps included) the ordering failed
+    on 2 of 10 tuning seeds and 2 others did not solve TMaze-20 (success 0.62, 0.48); with `--buffer-size 30000`
+    (the benchmark's TMaze lines) the last row gives zero > stored on 10/10 tuning seeds (101-110, ratio >= 1.84)
+    and stored > stored + burn-in on 10/10 (ratio 1.10-3.8; means 0.99 / 0.22 / 0.17), and all 10 solve TMaze-20.
+ 8. Memory (`replay/bytes`, `replay/bytes_full_histories`, `replay_bytes`): the filled rows as stored (each step
+    once, with the 2 x 64 floats of (h, c)) against the same rows storing each step's full history of inputs
+    (o, a_{t-1}, r_{t-1} of all k + 1 steps so far) instead of a state: T(T + 1)/2 inputs per episode of T steps.
+    Per row the inputs are small (TMaze: 3 floats + an int64 action + a float = 24 bytes) and the state is 512
+    bytes: full histories cost more only for episodes longer than about 2 x 536 / 24 ~ 45 steps (TMaze-20's
+    optimal episodes have 22 rows; MaskedCartPole's reach 500).
+ 9. Observations: gymnasium's FlattenObservation (Discrete and each MultiDiscrete component one-hot, Box
+    flattened, Tuple/Dict parts concatenated). Final evaluation episode i of seed s runs on env seed
+    10 000 (s + 1) + i, the evaluations during training on 1e9 + 1e7 s + global_step + i: disjoint blocks.
 What was scaled down from the paper and why: one process instead of 256 actors + a learner (the vector env is
 the actors, the ring buffer the replay), 64 LSTM units on vector observations instead of a CNN + 512-unit LSTM;
 m = 30 trained steps with overlap 15 and burn-in 10 instead of 80 / 40 / 40 (the paper's burn-in is part of the
@@ -65,9 +85,9 @@ does: `--select-frequency 10000 --keep-best` evaluates the greedy policy on 10 e
 disjoint from the final evaluation), keeps the best (the later one on ties), and reports the final evaluation of
 that network on fresh episodes; summary.json also gives the last network's return. Kept network (benchmark.sh,
 results/20261202-193826): 498.4 / 500.0 / 480.6 (seeds 1 / 2 / 3; kept at 150k / 140k / 130k steps), 2 min a run.
-Reproduce (TMaze-20: success 1.00 in 3/3 seeds; ablation: add `--state-init zero --burn-in 0` or `--burn-in 0`
-to the TMaze command):
-    python algos/r2d2_rnnstate.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}'
+Reproduce (TMaze-20: success 1.00 on tuning seeds 101-110; the run also reports the one-network ablation,
+`model/final_delta_q_*`; training-time ablation runs: add `--state-init zero --burn-in 0` or `--burn-in 0`):
+    python algos/r2d2_rnnstate.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' --buffer-size 30000
     python algos/r2d2_rnnstate.py --env-id seqrl/MaskedCartPole-v0 --total-timesteps 150000 --eval-episodes 20
         (the benchmark adds --select-frequency 10000 --keep-best)
 """
@@ -182,6 +202,9 @@ class Args:
     """global gradient-norm clipping"""
     delta_q_frequency: int = 50
     """gradient updates between Delta-Q measurements (recomputing states from the episode start)"""
+    final_delta_q_sequences: int = 512
+    """sequences of the replay on which the last network's Delta-Q is measured for the three ways of starting a
+    sequence (zero, stored, stored + burn-in: `model/final_delta_q_*`, `final_delta_q`)"""
     select_frequency: int = 0
     """environment steps between greedy evaluations during training (0 = none), logged as select/episodic_return"""
     select_episodes: int = 10
@@ -197,6 +220,12 @@ class Args:
 
 
 # ALGO LOGIC: small pure functions (imported by the tests)
+def eval_env_seed(seed: int) -> int:
+    """First env seed of the final evaluation of training seed `seed`; episode i uses eval_env_seed(seed) + i. Blocks
+    of EVAL_SEED_STRIDE seeds: disjoint across training seeds and from the training envs' seeds (seed + i)."""
+    return EVAL_SEED_STRIDE * (seed + 1)
+
+
 def value_rescale(x: torch.Tensor, eps: float) -> torch.Tensor:
     """h(x) = sign(x)(sqrt(|x| + 1) - 1) + eps x  (Pohlen et al. 2018), invertible for eps >= 0."""
     return torch.sign(x) * (torch.sqrt(x.abs() + 1.0) - 1.0) + eps * x
@@ -284,6 +313,46 @@ def measure_delta_q(net, rb, ids, q_learner: torch.Tensor, mask: torch.Tensor, b
         "first_at_episode_start": dq_first[at_start].mean().item() if at_start.any() else float("nan"),
         "count": len(sel),
     }
+
+
+@torch.no_grad()
+def final_delta_q(net, rb, rng: np.random.Generator, num_sequences: int, device) -> dict:
+    """The ablation on ONE network: Delta-Q of the same replayed sequences started three ways.
+
+    Samples up to `num_sequences` sequences uniformly among those that start mid-episode (at an episode start all
+    three starts are exact) and whose episode start is still stored, recomputes their true states from the episode
+    start with `net`, and compares Q at the first and last trained row when the sequence starts from zeros at t0
+    (`zero`), from the state stored at t0 (`stored`), or from the state stored at t0 - burn_in followed by the
+    burn-in (`stored_burn_in`, if the replay has a burn-in). Measured on one network, the three differ only in
+    the initial state: training noise (each ablation run trains its own network) is gone. Returns
+    {"first_zero": ..., "last_zero": ..., ...} (means over sequences) and "count".
+    """
+    mid_episode = rb.seq_anchor > rb.seq_ep_start
+    ok = np.nonzero(rb.valid() & mid_episode & (rb.seq_ep_start >= rb.t - rb.cap))[0]
+    if len(ok) == 0:
+        return {}
+    ids = rng.choice(ok, size=min(num_sequences, len(ok)), replace=False)
+    L, H = rb.burn_in, net.hidden_size
+    prefix = int((rb.seq_anchor[ids] - rb.seq_ep_start[ids]).max())  # rows from the episode start to t0
+    full = to_torch(rb.gather(ids, prefix=max(prefix - L, 0)), device)
+    zeros = (torch.zeros(len(ids), H, device=device), torch.zeros(len(ids), H, device=device))
+    q_true, _ = unroll(net, full, zeros, max(prefix - L, 0) + L)  # (m + n, b, A) from the episode start
+    win = to_torch(rb.gather(ids), device)  # rows t0 - L .. t0 + m + n
+    trained = {key: value[L:] for key, value in win.items() if key not in ("h0", "c0")}  # rows t0 ..
+    anchor_rows, cols = rb.seq_anchor[ids] % rb.cap, rb.seq_env[ids]
+    stored_t0 = (torch.as_tensor(rb.h[anchor_rows, cols], device=device),
+                 torch.as_tensor(rb.c[anchor_rows, cols], device=device))  # fmt: skip
+    variants = {"zero": unroll(net, trained, zeros, 0)[0], "stored": unroll(net, trained, stored_t0, 0)[0]}
+    if L > 0:
+        variants["stored_burn_in"] = unroll(net, win, (win["h0"], win["c0"]), L)[0]
+    mask = torch.cumprod(1.0 - trained["final"][: rb.m].float(), dim=0)  # (m, b) trained rows
+    last = (mask.sum(0).long() - 1).clamp(min=0)
+    col = torch.arange(len(ids), device=device)
+    out = {"count": float(len(ids))}
+    for name, q in variants.items():
+        out[f"first_{name}"] = delta_q(q[0], q_true[0]).mean().item()
+        out[f"last_{name}"] = delta_q(q[last, col], q_true[last, col]).mean().item()
+    return out
 
 
 def replay_bytes(rb) -> dict:
@@ -743,11 +812,12 @@ if __name__ == "__main__":
                 print(f"global_step={global_step} updates={num_updates_done} return(last 50)={recent:.2f} "
                       f"loss={loss.item():.4f} dq={delta_q_log[-1] if delta_q_log else None} SPS={sps}")  # fmt: skip
     vec_env.close()
+    final_dq = {} if args.eval_only else final_delta_q(q_network, rb, rng, args.final_delta_q_sequences, device)
 
     # 5. greedy evaluation, summary.json, save
     wall_time = time.time() - start_time
-    kept = {}
-    eval_seed = EVAL_SEED_STRIDE * (args.seed + 1)  # episode i: env seed 10_000 (seed + 1) + i
+    kept = {"model/final_delta_q_" + key: value for key, value in final_dq.items() if key != "count"}
+    eval_seed = eval_env_seed(args.seed)
     if args.keep_best and best_state is not None:  # evaluate the last network too, then switch to the kept one
         last = evaluate(q_network, args.env_id, env_kwargs, args.eval_episodes, eval_seed, device)
         kept = {"eval/last_network_episodic_return": last["ret"].mean(), "select/best_episodic_return": best_return,

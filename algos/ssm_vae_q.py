@@ -24,9 +24,16 @@ Implementation details:
    returns the reset observation, ignores our action and gives reward 0; we store it as an `is_first` entry
    (no action, no reward), so no transition ever crosses an episode boundary. The online filter resets (h, z)
    to zero on `is_first` in the same way.
-2. Training samples B random chunks of length T (Dreamer-style) and filters them from a zero state. Entries
-   whose history is cut by the chunk start are masked out of all losses for the first `burn_in` steps; after
-   an `is_first` inside the chunk the history is complete and the entry always counts.
+2. Training samples B random chunks of length T (Dreamer-style) and filters them from a zero state. For the
+   ELBO, entries whose history is cut by the chunk start are masked out for the first `burn_in` steps; after an
+   `is_first` inside the chunk the history is complete and the entry always counts. Q is trained only on
+   entries with a complete history (`q_loss_mask`): a chunk that starts mid-episode is filtered from a zero state
+   that online acting never has there (in TMaze a belief without the cue), and Q-learning on such beliefs
+   teaches values of states the agent never acts in. The cost: episodes much longer than `--seq-len` are
+   Q-trained only near their start. `--q-burn-in N` (> 0) also trains Q on mid-episode chunks from position N
+   on: an approximation that holds where the last N observations carry the state (MaskedCartPole: velocities
+   from two frames) and fails where information lies further back (TMaze's cue); the MaskedCartPole line below
+   passes `--q-burn-in 4`.
 3. The Q-network sees h_t and the posterior MEAN mu_q (not a sample: less noise, same information). The Q loss
    does NOT reach the world model (features detached), as in SLAC [2] and Dreamer [3]: the latent is learned
    only by the ELBO, so it stays a proper filter/generative model and is not dragged around by bootstrapped,
@@ -40,8 +47,24 @@ Implementation details:
 6. TwoDoors probe: 1000 particles are filtered through the scripted history (reset; try left; fail) and its
    mirror (try right; fail); the next step is imagined under the PRIOR for "same" and "other" door; we report
    E[sigmoid(done logit)] (termination = passing) and the decoded "passed" observation bit.
+   Within k tries (Problem 21.2(b), `model/*p_pass_within_{k}_tries`, k = 1..5): the probability that an agent
+   that tries the SAME door k times from the episode start (a fixed open-loop plan, averaged over left/right)
+   has passed by then. Truth (`true_`): the first try passes with 1/2 and a failed door never opens, so 1/2
+   for every k. Markov (`markov_`): each try passes independently with its fitted p(passed | in_room, door),
+   1 - (1 - p)^k (1 - 0.5^k at p = 1/2: 0.97 at k = 5). Latent: 1 - prod_j (1 - p_j) with p_j the model's
+   predicted p(done) of try j after its j - 1 failures, each failure filtered in as the observation in_room.
 7. Held-out one-step observation error: before the filter sees o_{t+1}, the prior predicts it from (s_t, a_t);
    the squared error (mean over dims) is logged online on fresh, not-yet-replayed data and in greedy eval.
+
+8. Observations: gymnasium's FlattenObservation (Discrete and each MultiDiscrete component one-hot, Box
+   flattened, Tuple/Dict parts concatenated). Evaluation env i of seed s runs on env seed 10 000 (s + 1) + i.
+9. Learning rates: Q's is annealed linearly to 0 (`--anneal-q-lr`), the world model's is not by default (the
+   ELBO is a stationary objective; annealing it too left a TwoDoors tuning seed without the door memory).
+   `--select-frequency N --keep-best`: the greedy policy is evaluated on `--select-episodes` episodes every N env
+   steps (env seeds 1e9 + 1e7 seed + global_step + i), the world model and Q of the best evaluation are kept (the
+   later one on ties, as SB3's EvalCallback) and saved; the last networks are evaluated on the same final episodes
+   (`eval/last_network_*`). Evaluations draw their z samples from their own seeded generator, so they do not
+   change the training run.
 
 Scaled down from the papers: vector observations (no CNN), tiny sizes (h 64, z 8), Gaussian z (not DreamerV2's
 categorical z), DQN instead of SAC/actor-critic in imagination, unit-variance reward likelihood, fixed obs_std.
@@ -49,13 +72,15 @@ References: [1] Hafner et al., "Learning Latent Dynamics for Planning from Pixel
 google-research/planet; [2] Lee et al., "Stochastic Latent Actor-Critic" (SLAC), NeurIPS 2020, code
 alexlee-gk/slac; [3] Hafner et al., "Mastering Atari with Discrete World Models" (DreamerV2, KL balancing),
 ICLR 2021, code danijar/dreamerv2; [4] CleanRL dqn.py (Huang et al. 2022) for the DQN loop; [5] lecture Problem 21.2.
-Reproduce (seed 1; 2-core CPU shared with other jobs): TwoDoors p_same 0.000, p_other 0.999, Markov 0.508,
-return 0.951 (~3 min); TMaze L=5 success 1.00, return 3.45 (~7 min); MaskedCartPole 30k steps: 166 +- 10 (~5.5 min).
+Reproduce (seed 1; 2-core CPU shared with other jobs; measured before the Q mask of detail 2 and --anneal-q-lr, see
+benchmark.sh for current numbers): TwoDoors p_same 0.000, p_other 0.999, Markov 0.508, return 0.951 (~3 min);
+TMaze L=5 success 1.00, return 3.45 (~7 min); MaskedCartPole 30k steps (without --q-burn-in): 166 +- 10 (~5.5 min).
     python algos/ssm_vae_q.py --env-id seqrl/TwoDoors-v0 --seed 1
     python algos/ssm_vae_q.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 5}' --seq-len 16 \
         --total-timesteps 30000
     python algos/ssm_vae_q.py --env-id seqrl/MaskedCartPole-v0 --total-timesteps 30000 --seq-len 16 --obs-std 0.05 \
-        --learning-starts 5000 --exploration-fraction 0.2 --target-network-frequency 250 --eval-episodes 10
+        --learning-starts 5000 --exploration-fraction 0.2 --target-network-frequency 250 --eval-episodes 10 \
+        --q-burn-in 4
 """
 
 import json
@@ -75,12 +100,17 @@ from safetensors.torch import load_file, save_file
 from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
-import envs  # noqa: E402,F401  (registers the seqrl/ environments)
+from envs.pomdp import true_pass_probability  # noqa: E402  (importing envs registers the seqrl/ environments)
 
 MIN_STD = 0.1  # lower bound of the latent standard deviations (PlaNet's min_stddev), keeps the KL finite
 PROBE_PARTICLES = 1000  # Monte Carlo particles for the TwoDoors probe probabilities
 MAX_CODE_BITS = 12  # Markov baseline only for binary observations of at most 12 bits (4096 codes)
 ARCH_FIELDS = ("deter_size", "stoch_size", "hidden_size")  # read back from args.json on --eval-only
+EVAL_SEED_STRIDE = 10_000  # eval env i of training seed s gets seed 10_000 (s + 1) + i: disjoint sets per seed
+SELECT_SEED_BASE = 10**9  # evaluations during training: env seeds 1e9 + 1e7 s + global_step + i, disjoint from
+SELECT_SEED_STRIDE = 10**7  # the final evaluation's and across training seeds (global_step + i < 1e7)
+MAX_TRIES = 5  # TwoDoors: p(pass within k tries of the same door) is reported for k = 1..5
+FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
 
 
 @dataclass
@@ -96,7 +126,8 @@ class Args:
     runs_dir: str = "runs"
     """where run directories are written"""
     env_id: str = "seqrl/TwoDoors-v0"
-    """the gymnasium id of the environment (Box or Discrete observations, Discrete actions)"""
+    """the gymnasium id of the environment (also `module:EnvId`); Discrete actions; observations Box, Discrete,
+    MultiBinary, MultiDiscrete, or Tuple/Dict of these (flattened: one-hot per discrete component, concatenated)"""
     env_kwargs: str = "{}"
     """JSON dict of keyword arguments for gym.make, e.g. '{"corridor_length": 5}'"""
     num_envs: int = 8
@@ -137,7 +168,10 @@ class Args:
     seq_len: int = 8
     """length of a sampled sequence (chunk)"""
     burn_in: int = 4
-    """entries of a chunk before this index whose episode started before the chunk are masked out of the losses"""
+    """entries of a chunk before this index whose episode started before the chunk are masked out of the ELBO"""
+    q_burn_in: int = 0
+    """0: Q is trained only on beliefs whose whole episode is in the chunk (exact); N > 0: also on entries of
+    chunks that start mid-episode from position N on (beliefs filtered from zeros over N steps, detail 2)"""
 
     # DQN on the latent belief state
     q_lr: float = 5e-4
@@ -160,8 +194,22 @@ class Args:
     """vector steps (num_envs env steps each) between updates"""
     q_max_grad_norm: float = 10.0
     """gradient clipping of the Q-network"""
+    anneal_q_lr: bool = True
+    """anneal the Q-network's learning rate linearly to 0 over training, so that Q settles and the evaluated policy
+    is the one training converged to (without it a TMaze-5 tuning seed learned, then collapsed late: 0 success)"""
+    anneal_model_lr: bool = False
+    """anneal the world model's learning rate too (off: the ELBO is a stationary objective; annealing it left a
+    TwoDoors tuning seed with a model that predicts p(pass) 0.92 for both doors after a failure)"""
     log_every: int = 100
     """updates between logging the losses"""
+    select_frequency: int = 0
+    """environment steps between greedy evaluations during training (0 = none), logged as select/episodic_return"""
+    select_episodes: int = 20
+    """episodes per evaluation during training (env seeds disjoint from the training and the final evaluation)"""
+    keep_best: bool = False
+    """keep the world model and Q-network of the best evaluation during training (ties: the later one) as the final
+    model, like SB3's EvalCallback; the final evaluation runs on fresh episodes, and summary.json also reports the
+    last networks (`eval/last_network_*`). Needs --select-frequency"""
 
     # filled in at runtime
     obs_dim: int = 0
@@ -212,11 +260,25 @@ def elbo_terms(out: dict, batch: dict, mask: torch.Tensor, obs_std: float, free_
     return terms
 
 
+def history_complete(is_first: torch.Tensor) -> torch.Tensor:
+    """(T, B) bool: an is_first entry at or before t in the chunk, so the filter from zeros saw the whole episode
+    up to t and its belief is exactly the one online acting computes."""
+    return torch.cumsum(is_first.long(), dim=0) > 0
+
+
 def valid_mask(is_first: torch.Tensor, burn_in: int) -> torch.Tensor:
-    """(T, B) bool: the entry's history is complete (an is_first at or before it in the chunk) or t >= burn_in."""
-    complete = torch.cumsum(is_first.long(), dim=0) > 0
+    """(T, B) bool for the ELBO: the entry's history is complete (`history_complete`) or t >= burn_in."""
     t = torch.arange(is_first.shape[0], device=is_first.device)[:, None]
-    return complete | (t >= burn_in)
+    return history_complete(is_first) | (t >= burn_in)
+
+
+def q_loss_mask(is_first: torch.Tensor, q_burn_in: int = 0) -> torch.Tensor:
+    """(T-1, B) float: the transitions t -> t+1 Q is trained on: inside one episode (no is_first at t+1) and with a
+    complete history at t. A chunk that starts mid-episode is filtered from a zero state that online acting never
+    has there (in TMaze: a belief without the cue), so its beliefs before the next episode start are not used,
+    unless q_burn_in > 0 and t >= q_burn_in (the approximation of `--q-burn-in`)."""
+    usable = valid_mask(is_first, q_burn_in) if q_burn_in > 0 else history_complete(is_first)
+    return (usable[:-1] & ~is_first[1:]).float()
 
 
 def double_q_target(reward, terminated, q_next_online, q_next_target, gamma: float) -> torch.Tensor:
@@ -243,6 +305,12 @@ def markov_prob(counts: np.ndarray, code: int, action: int, next_code: int) -> f
     """p(o' | o, a) = N(o, a, o') / N(o, a) (nan if (o, a) was never seen)."""
     total = counts[code, action].sum()
     return float(counts[code, action, next_code] / total) if total > 0 else float("nan")
+
+
+def eval_env_seed(seed: int) -> int:
+    """First env seed of the final evaluation of training seed `seed`; episode i uses eval_env_seed(seed) + i. Blocks
+    of EVAL_SEED_STRIDE seeds: disjoint across training seeds and from the training envs' seeds (seed + i)."""
+    return EVAL_SEED_STRIDE * (seed + 1)
 
 
 def linear_schedule(start_e: float, end_e: float, duration: int, t: int) -> float:
@@ -373,10 +441,28 @@ class SequenceReplay:
 
 
 # ---------------------------------------------------------------- env helpers
+def flattenable(space: gym.spaces.Space) -> bool:
+    """True for the spaces gymnasium's `spaces.flatten` turns into one flat vector: Box, Discrete, MultiBinary,
+    MultiDiscrete, and Tuple/Dict of these (nested)."""
+    if isinstance(space, gym.spaces.Tuple):
+        return all(flattenable(sub) for sub in space.spaces)
+    if isinstance(space, gym.spaces.Dict):
+        return all(flattenable(sub) for sub in space.spaces.values())
+    return isinstance(space, FLAT_SPACES)
+
+
 def make_env(env_id: str, env_kwargs: dict):
+    """Thunk of one env with a flat float32 observation: gymnasium's FlattenObservation one-hot encodes Discrete and
+    each MultiDiscrete component, flattens Box, and concatenates the parts of Tuple/Dict (Dict in sorted key order)."""
+
     def thunk():
         env = gym.make(env_id, **env_kwargs)
-        return gym.wrappers.FlattenObservation(env) if isinstance(env.observation_space, gym.spaces.Discrete) else env
+        if not flattenable(env.observation_space):
+            raise SystemExit(
+                f"error: {env_id} has observation space {env.observation_space}; supported: Box, Discrete, "
+                "MultiBinary, MultiDiscrete, and Tuple/Dict of these"
+            )
+        return gym.wrappers.DtypeObservation(gym.wrappers.FlattenObservation(env), np.float32)
 
     return thunk
 
@@ -385,44 +471,62 @@ def make_vector_env(env_id: str, env_kwargs: dict, n: int):
     """SyncVectorEnv with gymnasium 1.x's default NEXT_STEP autoreset; validates the spaces with a clear error."""
     try:
         envs_ = gym.vector.SyncVectorEnv([make_env(env_id, env_kwargs) for _ in range(n)])
-    except (gym.error.Error, TypeError, ValueError) as e:
+    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as e:
         raise SystemExit(f"error: cannot make env {env_id!r} with kwargs {env_kwargs}: {e}") from None
-    obs_space, act_space = envs_.single_observation_space, envs_.single_action_space
+    act_space = envs_.single_action_space
     if not isinstance(act_space, gym.spaces.Discrete):
         raise SystemExit(f"error: ssm_vae_q supports Discrete action spaces only, got {act_space}")
-    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
-        raise SystemExit(f"error: ssm_vae_q supports flat Box (or Discrete) observations only, got {obs_space}")
     return envs_
 
 
 @torch.no_grad()
 def two_doors_probe(model: WorldModel, device, particles: int = PROBE_PARTICLES) -> dict:
-    """p(pass) predicted by the latent model after (reset), (reset, try d, fail), averaged over d in {left, right}."""
+    """p(pass) predicted by the latent model after (reset), (reset, try d, fail), averaged over d in {left, right};
+    and p(pass within k tries of the same door), k = 1..MAX_TRIES (`within_same`, see `pass_within_k`)."""
     in_room = torch.tensor([[1.0, 0.0]], device=device).expand(particles, 2)
     zeros_a = torch.zeros(particles, model.num_actions, device=device)
-    first, not_first = (
-        torch.ones(particles, dtype=torch.bool, device=device),
-        torch.zeros_like(torch.ones(particles, dtype=torch.bool, device=device)),
-    )
+    first = torch.ones(particles, dtype=torch.bool, device=device)
+    not_first = torch.zeros(particles, dtype=torch.bool, device=device)
     h0, z0 = torch.zeros(particles, model.deter, device=device), torch.zeros(particles, model.stoch, device=device)
     h, z, _, _ = model.filter_step(h0, z0, zeros_a, in_room, first)  # reset: o_0 = in_room
 
+    def onehot(door):
+        return F.one_hot(torch.full((particles,), door, device=device), model.num_actions).float()
+
     def predict(h, z, door):  # imagine one step under the prior: E[p(done)], E[passed bit]
-        a = F.one_hot(torch.full((particles,), door, device=device), model.num_actions).float()
-        h2, (mu, std) = model.transition(h, z, a)
+        h2, (mu, std) = model.transition(h, z, onehot(door))
         obs_mean, _, done_logit = model.decode(h2, mu + std * torch.randn_like(std))
         return torch.sigmoid(done_logit).mean().item(), obs_mean[:, 1].mean().item()
 
     res = {"first_try": np.mean([predict(h, z, d)[0] for d in (0, 1)])}
-    same, other, same_obs, other_obs = [], [], [], []
-    for door in (0, 1):  # history: try `door`, fail (observe in_room again)
-        a = F.one_hot(torch.full((particles,), door, device=device), model.num_actions).float()
-        h1, z1, _, _ = model.filter_step(h, z, a, in_room, not_first)
+    same, other, same_obs, other_obs, within = [], [], [], [], []
+    for door in (0, 1):
+        # history: try `door`, fail (observe in_room again)
+        h1, z1, _, _ = model.filter_step(h, z, onehot(door), in_room, not_first)
         (ps, os_), (po, oo) = predict(h1, z1, door), predict(h1, z1, 1 - door)
         same.append(ps), other.append(po), same_obs.append(os_), other_obs.append(oo)
+        # k tries of `door` from the start: p(pass at try j | j - 1 failures), the failures filtered in as observations
+        hj, zj, per_try = h, z, []
+        for _ in range(MAX_TRIES):
+            per_try.append(predict(hj, zj, door)[0])
+            hj, zj, _, _ = model.filter_step(hj, zj, onehot(door), in_room, not_first)
+        within.append(pass_within_k(per_try))
     res.update(same=np.mean(same), other=np.mean(other), same_obs=np.mean(same_obs), other_obs=np.mean(other_obs))
-    res.update(same_left=same[0], other_left=other[0])
+    res.update(same_left=same[0], other_left=other[0], within_same=np.mean(within, axis=0))
     return res
+
+
+def pass_within_k(per_try) -> np.ndarray:
+    """P(pass within k tries) = 1 - prod_{j<=k} (1 - p_j), k = 1..len, from p_j = P(pass at try j | j - 1 failures)."""
+    return 1.0 - np.cumprod(1.0 - np.asarray(per_try, dtype=np.float64))
+
+
+def true_pass_within_k(max_tries: int = MAX_TRIES) -> np.ndarray:
+    """The truth for "try the same door k times from the episode start", averaged over the door tried: the first
+    try passes with 1/2, a retry of a failed door never does (`envs.pomdp.true_pass_probability`), so 1/2 for all k."""
+    per_door = [pass_within_k([true_pass_probability(set() if j == 0 else {d}, d) for j in range(max_tries)])
+                for d in (0, 1)]  # fmt: skip
+    return np.mean(per_door, axis=0)
 
 
 def markov_probe(replay: SequenceReplay, num_actions: int, limit: int | None = None) -> dict | None:
@@ -435,12 +539,23 @@ def markov_probe(replay: SequenceReplay, num_actions: int, limit: int | None = N
     in_room, passed = 1, 2  # binary codes of [1, 0] and [0, 1]
     p = [markov_prob(counts, in_room, d, passed) for d in (0, 1)]
     # history is ignored: "same door" after failing d is p(pass|in_room, d), "other door" is p(pass|in_room, 1-d)
-    return {"same": float(np.mean(p)), "other": float(np.mean(p[::-1])), "same_left": p[0], "other_left": p[1]}
+    # and every try of door d passes independently with p(pass|in_room, d): within k tries 1 - (1 - p)^k
+    within = np.mean([pass_within_k([pd] * MAX_TRIES) for pd in p], axis=0)
+    return {"same": float(np.mean(p)), "other": float(np.mean(p[::-1])), "same_left": p[0], "other_left": p[1],
+            "within_same": within}  # fmt: skip
 
 
 @torch.no_grad()
 def evaluate(model, q_net, env_id, env_kwargs, episodes: int, seed: int, device) -> dict:
-    """Greedy episodes (one per env of a vector env) + held-out one-step observation prediction error."""
+    """Greedy episodes (one per env of a vector env) + held-out one-step observation prediction error. The filter's
+    z samples come from a generator seeded with `seed` (same networks + seed: same result), and the training RNG
+    stream is left untouched (evaluations during training do not change what is trained)."""
+    with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
+        torch.manual_seed(seed)
+        return _evaluate(model, q_net, env_id, env_kwargs, episodes, seed, device)
+
+
+def _evaluate(model, q_net, env_id, env_kwargs, episodes: int, seed: int, device) -> dict:
     venv = make_vector_env(env_id, env_kwargs, episodes)
     obs, _ = venv.reset(seed=seed)
     h = torch.zeros(episodes, model.deter, device=device)
@@ -522,8 +637,16 @@ if __name__ == "__main__":
     for name in ("num_envs", "total_timesteps", "eval_episodes", "batch_size", "seq_len", "train_frequency"):
         if getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.eval_episodes > EVAL_SEED_STRIDE:
+        raise SystemExit(f"error: --eval-episodes must be <= {EVAL_SEED_STRIDE} (disjoint evaluation seeds)")
     if args.seq_len < 2:
         raise SystemExit("error: --seq-len must be >= 2 (a transition needs two entries)")
+    if args.select_frequency < 0 or not 1 <= args.select_episodes <= EVAL_SEED_STRIDE:
+        raise SystemExit(f"error: need --select-frequency >= 0 and 1 <= --select-episodes <= {EVAL_SEED_STRIDE}")
+    if args.total_timesteps >= SELECT_SEED_STRIDE // 2:
+        raise SystemExit(f"error: --total-timesteps must be < {SELECT_SEED_STRIDE // 2}")
+    if args.keep_best and args.select_frequency < 1:
+        raise SystemExit("error: --keep-best needs --select-frequency > 0")
     capacity = args.buffer_size // args.num_envs
     if not args.eval_only and capacity < args.seq_len + 1:
         raise SystemExit(f"error: --buffer-size {args.buffer_size} too small for {args.num_envs} envs x seq-len")
@@ -574,6 +697,7 @@ if __name__ == "__main__":
     reward, terminated = np.zeros(args.num_envs, np.float32), np.zeros(args.num_envs, bool)
     done_prev = np.zeros(args.num_envs, bool)  # env returned terminated|truncated at the previous step()
     ep_return, ep_len, online_err = np.zeros(args.num_envs), np.zeros(args.num_envs), []
+    best_return, best_step, best_state = -float("inf"), 0, None  # --keep-best
     for iteration in range(num_iterations):
         # 1. store the entry (o_t, a_{t-1}, r_t, term_t, is_first_t); an autoreset step becomes an is_first entry
         replay.add(
@@ -616,6 +740,11 @@ if __name__ == "__main__":
             and iteration % args.train_frequency == 0
             and replay.size() > args.seq_len
         ):
+            frac = 1.0 - iteration / num_iterations  # linear annealing to 0 (--anneal-q-lr, --anneal-model-lr)
+            if args.anneal_model_lr:
+                model_opt.param_groups[0]["lr"] = frac * args.model_lr
+            if args.anneal_q_lr:
+                q_opt.param_groups[0]["lr"] = frac * args.q_lr
             batch = replay.sample(args.batch_size, args.seq_len, rng, device)
             out = model.observe(batch["obs"], batch["prev_action"], batch["is_first"])
             mask = valid_mask(batch["is_first"], args.burn_in)  # (T, B)
@@ -630,7 +759,7 @@ if __name__ == "__main__":
                     batch["reward"][1:], batch["terminated"][1:], q_net(feats[1:]), target_net(feats[1:]), args.gamma
                 )  # (T-1, B)
             q_taken = q_net(feats[:-1]).gather(-1, batch["prev_action"][1:].clamp(min=0)[..., None]).squeeze(-1)
-            q_mask = (mask[:-1] & ~batch["is_first"][1:]).float()  # transition t -> t+1 inside one episode
+            q_mask = q_loss_mask(batch["is_first"], args.q_burn_in)  # (T-1, B) beliefs acting also has
             q_loss = (((q_taken - y) ** 2) * q_mask).sum() / q_mask.sum().clamp(min=1.0)
             q_opt.zero_grad()
             q_loss.backward()
@@ -646,7 +775,7 @@ if __name__ == "__main__":
                 writer.add_scalar("losses/q_loss", q_loss.item(), global_step)
                 writer.add_scalar("losses/q_values", (q_taken * q_mask).sum().item() / q_mask.sum().item(), global_step)
                 writer.add_scalar("charts/epsilon", epsilon, global_step)
-                writer.add_scalar("charts/learning_rate", args.model_lr, global_step)
+                writer.add_scalar("charts/learning_rate", model_opt.param_groups[0]["lr"], global_step)
                 if online_err:
                     writer.add_scalar("charts/one_step_obs_error_online", float(np.mean(online_err)), global_step)
                     online_err = []
@@ -660,7 +789,28 @@ if __name__ == "__main__":
                 for k in ("recon_obs", "recon_reward", "recon_done", "kl", "neg_elbo"):
                     metrics.setdefault(f"losses/{k}_first", terms[k].item())
                     metrics[f"losses/{k}_last"] = terms[k].item()
+
+        # evaluation during training (--select-frequency), and the kept networks (--keep-best)
+        if (
+            args.select_frequency
+            and global_step // args.select_frequency != (global_step - args.num_envs) // args.select_frequency
+        ):
+            sel_seed = SELECT_SEED_BASE + SELECT_SEED_STRIDE * args.seed + global_step
+            sel_return = evaluate(model, q_net, args.env_id, env_kwargs, args.select_episodes, sel_seed, device)[
+                "eval/episodic_return"
+            ]
+            writer.add_scalar("select/episodic_return", sel_return, global_step)
+            print(f"SELECT step {global_step} return {sel_return:.3f}")
+            if sel_return >= best_return:
+                best_return, best_step = sel_return, global_step
+                best_state = [{k: v.clone() for k, v in net.state_dict().items()} for net in (model, q_net)]
     venv.close()
+    if args.keep_best and best_state is not None:  # evaluate the last networks, then switch to the kept ones
+        last = evaluate(model, q_net, args.env_id, env_kwargs, args.eval_episodes, eval_env_seed(args.seed), device)
+        metrics.update({f"eval/last_network_{k[len('eval/') :]}": v for k, v in last.items()})
+        metrics.update({"select/best_episodic_return": best_return, "select/best_global_step": float(best_step)})
+        model.load_state_dict(best_state[0])
+        q_net.load_state_dict(best_state[1])
 
     # 6. the lecture's measurement (Problem 21.2): latent model vs Markovian model after a failed door
     if args.env_id == "seqrl/TwoDoors-v0":
@@ -672,6 +822,9 @@ if __name__ == "__main__":
         metrics["model/obs_passed_other_door"] = float(probe["other_obs"])
         metrics["model/p_pass_retry_same_door_left"] = float(probe["same_left"])
         metrics["model/p_pass_other_door_left"] = float(probe["other_left"])
+        for k, (latent, truth) in enumerate(zip(probe["within_same"], true_pass_within_k(), strict=True), start=1):
+            metrics[f"model/p_pass_within_{k}_tries"] = float(latent)
+            metrics[f"model/true_p_pass_within_{k}_tries"] = float(truth)
         print(
             f"latent model after (reset, try door, fail): p(pass | same door) = {probe['same']:.3f}, "
             f"p(pass | other door) = {probe['other']:.3f}  (truth 0 and 1; first try {probe['first_try']:.3f})"
@@ -687,6 +840,8 @@ if __name__ == "__main__":
                     metrics[f"model/{tag}_p_pass_other_door"] = res["other"]
                     metrics[f"model/{tag}_p_pass_left"] = res["same_left"]
                     metrics[f"model/{tag}_p_pass_right"] = res["other_left"]
+                    for k, value in enumerate(res["within_same"], start=1):
+                        metrics[f"model/{tag}_p_pass_within_{k}_tries"] = float(value)
                     print(
                         f"{tag} p(o'|o,a): p(pass | same door) = {res['same']:.3f}, p(pass | other door) = "
                         f"{res['other']:.3f}  (p(pass|in_room,L) = {res['same_left']:.3f}, R = {res['other_left']:.3f})"
@@ -695,7 +850,8 @@ if __name__ == "__main__":
         print("note: observations are not binary codes, so the count-based Markov baseline p(o'|o,a) is skipped")
 
     # 7. greedy evaluation, summary.json, safetensors
-    metrics.update(evaluate(model, q_net, args.env_id, env_kwargs, args.eval_episodes, args.seed + 10_000, device))
+    eval_seed = eval_env_seed(args.seed)
+    metrics.update(evaluate(model, q_net, args.env_id, env_kwargs, args.eval_episodes, eval_seed, device))
     for k, v in metrics.items():
         writer.add_scalar(k, v, global_step)
     print(" ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith("eval/")))

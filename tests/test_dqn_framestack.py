@@ -1,10 +1,12 @@
 """Tests of algos/dqn_framestack.py: stacks by index, replay validity, TD targets, autoreset, runs and errors."""
 
 import json
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
 import pytest
+import spaces_env
 import torch
 from conftest import load_script, run_script
 
@@ -98,13 +100,16 @@ def test_double_q_target_by_hand():
     torch.testing.assert_close(y, torch.tensor([1.0 + 0.9 * 1.0, 2.0, 3.0 + 0.9 * 3.0]))
 
 
-def drive(env_id, env_kwargs, num_envs, k, steps, policy, capacity=64):
-    """Run the script's collection loop (NEXT_STEP autoreset) and an independent rolling stack side by side."""
+def drive(env_id, env_kwargs, num_envs, k, steps, policy, capacity=64, num_actions=0):
+    """Run the script's collection loop (NEXT_STEP autoreset) and an independent rolling stack side by side
+    (`num_actions` > 0: frames with the previous action, --stack-actions)."""
     envs = gym.vector.SyncVectorEnv([dqn.make_env(env_id, env_kwargs) for _ in range(num_envs)])
     obs, _ = envs.reset(seed=0)
-    rb = dqn.FrameStackReplay(capacity, num_envs, obs.shape[1], k)
+    rb = dqn.FrameStackReplay(capacity, num_envs, obs.shape[1], k, num_actions)
     rb.reset(obs)
-    rolling = dqn.roll_stack(np.zeros((num_envs, k, obs.shape[1]), dtype=np.float32), obs)
+    prev = np.full(num_envs, -1) if num_actions else None
+    frame = dqn.eval_frame(obs, prev, num_actions)
+    rolling = dqn.roll_stack(np.zeros((num_envs, k, frame.shape[1]), dtype=np.float32), frame)
     autoreset = np.zeros(num_envs, dtype=bool)
     log = []
     for t in range(steps):
@@ -113,11 +118,47 @@ def drive(env_id, env_kwargs, num_envs, k, steps, policy, capacity=64):
         next_obs, rewards, terminated, truncated, _ = envs.step(actions)
         rb.add(actions, rewards, terminated, next_obs, autoreset)
         log.append((autoreset.copy(), terminated.copy(), truncated.copy(), rewards.copy()))
-        rolling = dqn.roll_stack(rolling, next_obs)
-        rolling[autoreset] = dqn.roll_stack(np.zeros_like(rolling[autoreset]), next_obs[autoreset])
+        prev = np.where(autoreset, -1, actions) if num_actions else None  # the reset obs has no previous action
+        frame = dqn.eval_frame(next_obs, prev, num_actions)
+        rolling = dqn.roll_stack(rolling, frame)
+        rolling[autoreset] = dqn.roll_stack(np.zeros_like(rolling[autoreset]), frame[autoreset])
         autoreset = terminated | truncated
     envs.close()
     return rb, log
+
+
+def test_stacks_with_previous_actions_match_the_rolling_evaluation_stack():
+    rng = np.random.default_rng(1)
+    rb, log = drive(
+        "seqrl/TMaze-v0",
+        {"corridor_length": 2},
+        3,
+        4,
+        80,
+        lambda t, n: rng.integers(0, 4, size=n),
+        capacity=40,
+        num_actions=4,
+    )  # fmt: skip  (the ring wraps twice)
+    assert any(entry[0].any() for entry in log)
+    # by hand, env 0: the newest frame of the stack at slot s carries onehot(action of slot s - 1) within an episode
+    stacks = rb.stacks(np.arange(40), np.zeros(40, dtype=np.int64)).reshape(40, 4, 3 + 4)
+    for s in range(40):
+        expected = np.eye(4)[rb.actions[(s - 1) % 40, 0]] if rb.ep_step[s, 0] > 0 else np.zeros(4)
+        np.testing.assert_array_equal(stacks[s, -1, 3:], expected)
+        np.testing.assert_array_equal(stacks[s, -1, :3], rb.obs[s, 0])
+
+
+def test_tmaze_bump_and_step_east_give_the_same_stack_without_actions():
+    """Why a 4-frame stack fails TMaze-3 (detail 9): after a wall bump at t = 0 the stack equals the stack after
+    a step east, so Q(s_0, west) = Q(s_0, east) at the fixed point; with the previous actions they differ."""
+    west, east = 3, 1  # TMaze actions
+    for num_actions in (0, 4):
+        stacks = {}
+        for first in (west, east):
+            rb, _ = drive("seqrl/TMaze-v0", {"corridor_length": 3}, 1, 4, 1, lambda t, n, a=first: np.full(n, a),
+                          num_actions=num_actions)  # fmt: skip
+            stacks[first] = rb.current_stacks()[0]
+        assert np.array_equal(stacks[west], stacks[east]) == (num_actions == 0)
 
 
 def test_autoreset_next_step_with_a_real_vector_env():
@@ -196,6 +237,59 @@ def test_smoke_tmaze_and_eval_only_roundtrip(runs_dir):
     assert again["metrics"] == metrics  # same weights, same eval seed, greedy policy
 
 
+def test_eval_only_restores_the_architecture_from_args_json(runs_dir):
+    """A --no-scale-obs, 2-frame, 32-unit model is evaluated as trained, without repeating those flags."""
+    arch = ["--no-scale-obs", "--frame-stack", "2", "--hidden-size", "32", "--eval-episodes", "4"]
+    summary = run_script("dqn_framestack", *arch, *TINY, runs_dir=runs_dir, timeout=120)
+    again = run_script("dqn_framestack", "--eval-only", "--checkpoint", summary["run_dir"], "--eval-episodes", "4",
+                       runs_dir=runs_dir, timeout=120)  # fmt: skip
+    restored = again["args"]
+    assert (restored["scale_obs"], restored["frame_stack"], restored["hidden_size"]) == (False, 2, 32)
+    assert again["metrics"] == summary["metrics"]  # same inputs (unscaled), same weights, same eval seeds
+
+
+def test_keep_best_saves_and_reports_the_kept_network(runs_dir):
+    tmaze = ["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 2}', "--eval-episodes", "8"]
+    summary = run_script("dqn_framestack", *tmaze, *TINY, "--select-frequency", "200", "--keep-best",
+                         runs_dir=runs_dir, timeout=120)  # fmt: skip
+    metrics = summary["metrics"]
+    assert metrics["select/best_global_step"] in (200.0, 400.0)  # evaluations at 200 and 400 env steps
+    assert {"eval/last_network_episodic_return", "eval/last_network_success_rate"} <= set(metrics)
+    again = run_script("dqn_framestack", "--eval-only", "--checkpoint", summary["run_dir"], "--eval-episodes", "8",
+                       runs_dir=runs_dir, timeout=120)  # fmt: skip
+    assert again["metrics"]["eval/episodic_return"] == metrics["eval/episodic_return"]  # the kept one is saved
+    if metrics["select/best_global_step"] == 400.0:  # the kept network is the last one: same evaluation
+        assert metrics["eval/last_network_episodic_return"] == metrics["eval/episodic_return"]
+
+
+def test_select_seeds_disjoint_from_the_final_evaluation_and_across_seeds():
+    """Evaluations during training of seed s use 1e9 + 1e7 s + global_step + i (global_step + i < 1e7 as the
+    script enforces); the final evaluations of seeds up to 99 998 end before 1e9."""
+    base, stride = dqn.SELECT_SEED_BASE, dqn.SELECT_SEED_STRIDE
+    assert dqn.eval_env_seed(99_998) + dqn.EVAL_SEED_STRIDE <= base
+    largest = stride // 2 + dqn.EVAL_SEED_STRIDE  # global_step < stride / 2, episodes <= EVAL_SEED_STRIDE
+    assert base + stride * 3 + largest < base + stride * 4  # seed 3's block ends before seed 4's begins
+
+
+def test_eval_seeds_disjoint_across_training_seeds():
+    num_envs, episodes = 4, dqn.EVAL_SEED_STRIDE
+    blocks = [set(range(dqn.eval_env_seed(s), dqn.eval_env_seed(s) + episodes)) for s in range(0, 120)]
+    training = set(range(0, 120 + num_envs))  # the training envs are seeded seed + i
+    assert sum(len(b) for b in blocks) == len(set().union(*blocks)) and not training & set().union(*blocks)
+
+
+@pytest.mark.parametrize("env_id", spaces_env.MODULE_IDS)
+def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
+    env, raw = dqn.make_env(env_id, {}, scale_obs=True)(), gym.make(env_id)
+    obs, raw_obs = env.reset(seed=0)[0], raw.reset(seed=0)[0]
+    for _ in range(3):  # one-hot codes and Box parts within [-1, 1]: scaling leaves them unchanged
+        assert obs.dtype == np.float32
+        np.testing.assert_allclose(obs, spaces_env.expected_flat(raw_obs), rtol=1e-6)
+        obs, raw_obs = env.step(1)[0], raw.step(1)[0]
+    summary = run_script("dqn_framestack", "--env-id", env_id, *TINY, "--eval-episodes", "2", runs_dir=runs_dir)
+    assert 0.0 <= summary["metrics"]["eval/episodic_return"] <= spaces_env.EPISODE_LENGTH
+
+
 def test_smoke_three_state_line_reports_failure_rate(runs_dir):
     summary = run_script(
         "dqn_framestack", "--env-id", "seqrl/ThreeStateLine-v0", "--frame-stack", "1", *TINY, "--double-q",
@@ -211,10 +305,14 @@ def test_smoke_three_state_line_reports_failure_rate(runs_dir):
     [
         (["--env-id", "seqrl/NoSuchEnv-v0"], "cannot make env"),
         (["--env-id", "Pendulum-v1"], "only Discrete"),
+        (["--env-id", "tests.spaces_env:SpacesText-v0"], "supported: Box, Discrete"),
+        (["--env-id", "nosuchmodule:Foo-v0"], "cannot make env"),
+        (["--eval-episodes", "10001"], "--eval-episodes"),
         (["--env-id", "seqrl/TMaze-v0", "--env-kwargs", "{corridor: 2}"], "not valid JSON"),
         (["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 0}'], "corridor_length"),
         (["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"no_such_kwarg": 1}'], "bad --env-kwargs"),
         (["--frame-stack", "0"], "--frame-stack"),
+        (["--keep-best"], "--keep-best needs --select-frequency"),
         (["--eval-only"], "needs --checkpoint"),
         (["--eval-only", "--checkpoint", "/nonexistent/run"], "does not exist"),
     ],
@@ -224,12 +322,14 @@ def test_clear_errors(runs_dir, args, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
-def test_clear_error_on_mismatched_checkpoint(runs_dir):
+def test_clear_error_on_mismatched_checkpoint(runs_dir, tmp_path):
     summary = run_script("dqn_framestack", "--env-id", "seqrl/TMaze-v0", *TINY, "--eval-episodes", "2",
                          runs_dir=runs_dir, timeout=120)  # fmt: skip
+    bare = tmp_path / "model.safetensors"  # the weights alone, without the run's args.json: the flags decide
+    bare.write_bytes((Path(summary["run_dir"]) / "model.safetensors").read_bytes())
     proc = run_script(
         "dqn_framestack", "--env-id", "seqrl/TMaze-v0", "--frame-stack", "2", "--eval-only",
-        "--checkpoint", summary["run_dir"], runs_dir=runs_dir, expect_fail=True, timeout=60,
+        "--checkpoint", str(bare), runs_dir=runs_dir, expect_fail=True, timeout=60,
     )  # fmt: skip
     assert "does not fit this architecture" in proc.stderr and "Traceback" not in proc.stderr
 

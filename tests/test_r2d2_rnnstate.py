@@ -198,6 +198,22 @@ def test_stored_state_round_trip_and_zero_delta_q():
         assert dq[torch.tensor(anchors == starts)].max() < 1e-4 and dq[torch.tensor(anchors > starts)].mean() > 1e-3
 
 
+def test_final_delta_q_three_starts_on_one_network():
+    """The network that filled the replay never changed: stored states are exact (Delta-Q 0 with or without burn-in),
+    the zero state is not (all measured sequences start mid-episode); after a small weight change the stored states
+    are stale and the burn-in (3 steps with the new weights) repairs part of it."""
+    rb, net, _ = fill_replay(burn_in=3)
+    dq = r2d2.final_delta_q(net, rb, np.random.default_rng(0), 100, "cpu")
+    assert dq["count"] == 100
+    assert max(dq["first_stored"], dq["last_stored"], dq["first_stored_burn_in"], dq["last_stored_burn_in"]) < 1e-5
+    assert dq["first_zero"] > 1e-3
+    with torch.no_grad():  # a "training step": perturb the weights, the stored states are now stale
+        for param in net.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+    dq = r2d2.final_delta_q(net, rb, np.random.default_rng(0), 100, "cpu")
+    assert dq["first_stored"] > dq["first_stored_burn_in"] > 1e-5
+
+
 def test_episode_steps_and_replay_bytes_by_hand():
     rb, _, _ = fill_replay(num_vector_steps=100, hidden=8, capacity=4000)
     filled = rb.obs[: rb.t]  # (rows, E, 2): CounterEnv observes [episode id, step in episode]

@@ -3,8 +3,10 @@
 import json
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import pytest
+import spaces_env
 import torch
 from conftest import load_script, run_script
 
@@ -87,6 +89,64 @@ def test_valid_mask_and_filter_reset():
     )
 
 
+def test_q_is_trained_only_on_beliefs_with_the_whole_episode_in_the_chunk():
+    # column 0 starts mid-episode (the filter starts from zeros there: a belief acting never has), its next episode
+    # starts at t = 3; column 1 starts at an episode start, the next one at t = 2
+    is_first = torch.tensor([[False, True], [False, False], [False, True], [True, False], [False, False],
+                             [False, False], [False, False]])  # fmt: skip
+    q_mask = m.q_loss_mask(is_first)  # (T-1, B): transition t -> t+1
+    assert q_mask[:, 0].tolist() == [0, 0, 0, 1, 1, 1]  # before the episode start nothing, even at t >= burn-in
+    assert q_mask[:, 1].tolist() == [1, 0, 1, 1, 1, 1]  # never into an is_first entry (1 -> 2 crosses episodes)
+    # --q-burn-in 4: the approximation for long episodes also uses the mid-episode chunk from t = 4 on
+    no_start = torch.zeros(7, 1, dtype=torch.bool)  # a chunk inside one long episode
+    assert m.q_loss_mask(no_start).sum() == 0
+    assert m.q_loss_mask(no_start, 4)[:, 0].tolist() == [0, 0, 0, 0, 1, 1]
+    assert m.q_loss_mask(is_first, 2)[:, 0].tolist() == [0, 0, 0, 1, 1, 1]  # never across the episode start
+    # the ELBO still learns from the tail of a mid-episode chunk (t >= burn-in)
+    assert m.valid_mask(is_first, burn_in=4)[:, 0].tolist() == [False, False, False, True, True, True, True]
+
+
+def test_pass_within_k_tries_latent_markov_truth():
+    np.testing.assert_allclose(m.pass_within_k([0.5, 0.5, 0.5]), [0.5, 0.75, 0.875])  # Markov: 1 - 0.5^k
+    np.testing.assert_allclose(m.pass_within_k([0.5, 0.0, 0.0]), [0.5, 0.5, 0.5])  # truth: a failed door stays shut
+    np.testing.assert_allclose(m.true_pass_within_k(5), [0.5] * 5)
+    # the truth is what the env does: try one door k times from the start
+    env = gym.make("seqrl/TwoDoors-v0")
+    passed = np.zeros(m.MAX_TRIES)
+    n = 4000
+    for ep in range(n):
+        env.reset(seed=ep)
+        door = ep % 2
+        for j in range(m.MAX_TRIES):
+            *_, terminated, _, _ = env.step(door)
+            if terminated:
+                passed[j:] += 1
+                break
+    np.testing.assert_allclose(passed / n, m.true_pass_within_k(), atol=4 * 0.5 / np.sqrt(n))
+
+
+def test_eval_seeds_disjoint_across_training_seeds():
+    num_envs, episodes = 8, m.EVAL_SEED_STRIDE
+    blocks = [set(range(m.eval_env_seed(s), m.eval_env_seed(s) + episodes)) for s in range(0, 120)]
+    training = set(range(0, 120 + num_envs))  # the training envs are seeded seed + i
+    assert sum(len(b) for b in blocks) == len(set().union(*blocks)) and not training & set().union(*blocks)
+
+
+@pytest.mark.parametrize("env_id", spaces_env.MODULE_IDS)
+def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
+    env, raw = m.make_env(env_id, {})(), gym.make(env_id)
+    obs, raw_obs = env.reset(seed=0)[0], raw.reset(seed=0)[0]
+    for _ in range(3):
+        assert obs.dtype == np.float32
+        np.testing.assert_array_equal(obs, spaces_env.expected_flat(raw_obs))
+        obs, raw_obs = env.step(0)[0], raw.step(0)[0]
+    s = run_script(
+        "ssm_vae_q", "--env-id", env_id, "--total-timesteps", "200", "--learning-starts", "100", "--num-envs", "2",
+        "--eval-episodes", "2", "--deter-size", "8", "--hidden-size", "8", runs_dir=runs_dir, timeout=120,
+    )  # fmt: skip
+    assert 0.0 <= s["metrics"]["eval/episodic_return"] <= spaces_env.EPISODE_LENGTH
+
+
 def test_double_q_target():
     q_online = torch.tensor([[1.0, 2.0], [5.0, 0.0]])
     q_target = torch.tensor([[10.0, 20.0], [30.0, 40.0]])
@@ -132,6 +192,15 @@ def test_smoke_run_eval_only_and_errors(runs_dir):
         assert np.isfinite(s["metrics"][key]), key
     assert 0.0 <= s["metrics"]["model/markov_p_pass_same_door"] <= 1.0
     assert "losses/kl_last" in s["metrics"]
+    metrics = s["metrics"]
+    latent = [metrics[f"model/p_pass_within_{k}_tries"] for k in range(1, m.MAX_TRIES + 1)]
+    for k in range(1, m.MAX_TRIES + 1):  # within k tries: truth 1/2; Markov 1 - (1 - p)^k from its own p
+        assert metrics[f"model/true_p_pass_within_{k}_tries"] == 0.5
+        markov = np.mean([1 - (1 - metrics[f"model/markov_p_pass_{door}"]) ** k for door in ("left", "right")])
+        assert metrics[f"model/markov_p_pass_within_{k}_tries"] == pytest.approx(markov)
+    assert 0.0 <= latent[0] and np.all(np.diff(latent) >= 0) and latent[-1] <= 1.0  # a CDF over tries
+    # the first try is predicted as in the one-step probe (1000 particles each: Monte Carlo noise only)
+    assert latent[0] == pytest.approx(metrics["model/p_pass_first_try"], abs=0.06)
     run_dir = Path(s["run_dir"])
     assert (run_dir / "model.safetensors").is_file() and json.loads((run_dir / "args.json").read_text())[
         "deter_size"
@@ -147,6 +216,9 @@ def test_smoke_run_eval_only_and_errors(runs_dir):
         ["--env-id", "seqrl/NoSuchEnv-v0"],
         ["--env-id", "Pendulum-v1"],  # continuous actions
         ["--env-kwargs", "[1, 2]"],
+        ["--env-id", "tests.spaces_env:SpacesText-v0"],  # an observation space that cannot be flattened
+        ["--env-id", "nosuchmodule:Foo-v0"],
+        ["--eval-episodes", "10001"],
         ["--eval-only"],
         ["--eval-only", "--checkpoint", str(runs_dir / "missing")],
         ["--eval-only", "--checkpoint", str(run_dir), "--env-id", "seqrl/TMaze-v0"],  # obs/action sizes differ
@@ -157,6 +229,25 @@ def test_smoke_run_eval_only_and_errors(runs_dir):
     for args in bad:
         proc = run_script("ssm_vae_q", *args, runs_dir=runs_dir, expect_fail=True)
         assert "error:" in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr[-500:])
+
+
+def test_keep_best_saves_and_reports_the_kept_networks(runs_dir):
+    tiny = ["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 2}', "--total-timesteps", "400",
+            "--learning-starts", "200", "--num-envs", "4", "--eval-episodes", "6", "--deter-size", "16",
+            "--hidden-size", "16", "--select-frequency", "200", "--select-episodes", "4", "--keep-best"]  # fmt: skip
+    s = run_script("ssm_vae_q", *tiny, runs_dir=runs_dir, timeout=120)
+    metrics = s["metrics"]
+    assert metrics["select/best_global_step"] in (200.0, 400.0)  # evaluations at 200 and 400 env steps
+    assert {"eval/last_network_episodic_return", "eval/last_network_success_rate"} <= set(metrics)
+    env = tiny[:4]  # --eval-only takes the architecture from args.json, the env from the flags
+    e = run_script("ssm_vae_q", *env, "--eval-only", "--checkpoint", s["run_dir"], "--eval-episodes", "6",
+                   runs_dir=runs_dir)  # fmt: skip
+    assert e["metrics"]["eval/success_rate"] == metrics["eval/success_rate"]  # the kept networks are the saved ones
+    assert e["metrics"]["eval/one_step_obs_error"] == pytest.approx(metrics["eval/one_step_obs_error"])
+    if metrics["select/best_global_step"] == 400.0:  # the kept networks are the last ones: the same evaluation
+        assert metrics["eval/last_network_one_step_obs_error"] == metrics["eval/one_step_obs_error"]
+    proc = run_script("ssm_vae_q", "--keep-best", runs_dir=runs_dir, expect_fail=True)
+    assert "--keep-best needs --select-frequency" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_smoke_run_continuous_obs_skips_markov(runs_dir):
