@@ -347,7 +347,7 @@ def test_smoke_run_writes_summary_curve_and_models(runs_dir):
     assert m["eval/episodic_return"] == m["eval/gold_reward"] and m["eval/kl"] == curve[-1]["kl"]
     assert m["eval/max_gold_reward"] == max(c["gold_reward"] for c in curve)
     assert m["eval/bon_n"] == M.matched_bon_n(m["eval/kl"], 4) and m["eval/bon_kl"] == M.bon_kl(int(m["eval/bon_n"]))
-    assert math.isfinite(m["eval/bon_gold_reward"]) and 0.0 <= m["eval/sft_eos_rate"] <= 1.0
+    assert math.isfinite(m["eval/bon_gold_reward"])
     assert summary["args"]["max_new_tokens"] == M.longest_demonstration(M.build_tokenizer(), M.Args(sft_examples=128))
     for sub in ("policy", "sft_model", "reward_model"):
         assert (run_dir / sub / "config.json").exists() and (run_dir / sub / "tokenizer.json").exists()

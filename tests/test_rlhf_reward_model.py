@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import load_script, run_script
 
+from envs import preference
 from envs.preference import Completion
 
 rm = load_script("rlhf_reward_model")
@@ -138,8 +139,6 @@ def test_fold_normalization_makes_saved_model_output_normalized(tmp_path):
 def test_prompt_baselines_remove_a_per_prompt_offset(monkeypatch):
     # A "reward model" that scores the gold utility plus an arbitrary per-prompt constant c(s): Bradley-Terry could
     # never tell it from the gold (same within-prompt differences). Pooled ρ suffers; the prompt baseline removes c(s).
-    from envs import preference
-
     prompts = preference.heldout_prompts()
     offset = {p: 3.0 * math.sin(7.0 * i) for i, p in enumerate(prompts)}  # c(s), spread wider than the utilities
     texts: list[tuple[str, str]] = []
@@ -171,7 +170,12 @@ def test_smoke_run_and_eval_only(runs_dir):
         "eval/spearman_gold_centered",
     ):
         assert key in m and math.isfinite(m[key])
-    assert 0.5 <= m["eval/bayes_accuracy"] <= 1.0
+    # the ceiling is the labeler's on exactly the held-out comparisons (held-out prompts, seed + 10 000, C(4,2) pairs)
+    heldout = preference.make_preference_dataset(16, 4, 1 + 10_000, 1.0, 0.0, split="heldout")
+    pair_prompts, chosen, rejected = preference.to_pairs(heldout)
+    assert m["eval/n_pairs"] == 16 * 6 == len(chosen)
+    ceiling = preference.Labeler(temperature=1.0).bayes_accuracy(pair_prompts, chosen, rejected)
+    assert m["eval/bayes_accuracy"] == pytest.approx(ceiling)
     assert m["model/reward_mean_normalized"] == pytest.approx(0.0, abs=1e-3)
     assert m["model/reward_std_normalized"] == pytest.approx(1.0, abs=1e-3)
     run_dir = summary["run_dir"]
