@@ -22,8 +22,10 @@ Implementation details:
      Why it matters here: the SFT LM must learn the fact table ("capital of france ?" -> "paris") to predict the
      demonstrations, so the Bradley-Terry step only has to learn to read it out. From scratch, the noisy pairwise
      labels teach "right vs wrong city" very slowly ("london" scored like "paris"; held-out accuracy 0.69, within-
-     prompt ρ 0.69 at 1,500 prompts x 4 epochs; seed 1, default: 0.747 vs ceiling 0.748, ρ 0.90 with it). The
-     ended / cut-off and rude/idk distinctions are learned either way. `--sft-epochs 0` turns it off.
+     prompt ρ 0.69 at 1,500 prompts x 4 epochs, seed 1, before the code of issue 15; with it, defaults, tuning seeds
+     101-110: accuracy 0.711-0.755 vs ceiling 0.746-0.759, ρ 0.64-0.91, >= 0.8 on 6 of 10 seeds). Reading the fact
+     out for a held-out phrasing is what fails on the weak seeds (seed 103 at lr 3e-3 scores "london" above
+     "paris"). The ended / cut-off and rude/idk distinctions are learned either way. `--sft-epochs 0` turns it off.
   1. Reward = a transformer backbone + linear head `score` read at the LAST NON-PAD token
      (`AutoModelForSequenceClassification`, num_labels=1). The pad token (<pad>, id 0) is distinct from EOS,
      so the pooled token of a finished completion is its EOS; a wrong pooled token is the most common reason
@@ -57,8 +59,8 @@ dir): the same code path. The checkpoint's causal LM (pretrained LM head include
 `from_pretrained`; a pad token "<pad>" is added when the tokenizer has none (or uses EOS as pad) and the embeddings
 are resized; the end of an answer is the tokenizer's EOS (and a Llama tokenizer's <s> starts every sequence); SFT
 fine-tunes the pretrained weights. The default settings were chosen for the tiny model trained from scratch; for a
-pretrained model, learning rates well below its 3e-3 are the usual choice (not tuned here). Offline, a hub id that
-is not cached is a one-line error.
+pretrained model, learning rates well below its 3e-3 (SFT) / 1e-3 (reward) are the usual choice (not tuned here).
+Offline, a hub id that is not cached is a one-line error.
 
 What was scaled down and why: a 2-layer, 64-wide GPT-2 on the task vocabulary, SFT'd for ~750 steps on 4,000
 simulated demonstrations instead of a pretrained 6B model SFT'd on human demonstrations, and 3,000 ranked prompts
@@ -175,8 +177,9 @@ class Args:
     """passes over the preference data"""
     batch_size: int = 64
     """rankings per minibatch (kwise) or pairs per minibatch (pairwise)"""
-    learning_rate: float = 3e-3
-    """AdamW learning rate (linearly decayed to 0)"""
+    learning_rate: float = 1e-3
+    """AdamW learning rate of the reward-model step (linearly decayed to 0); 1e-3 rather than 3e-3: on tuning seeds
+    101-105 the worst seed kept 0.74 within-prompt Spearman instead of 0.55 (3e-3 forgets the SFT fact table)"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
