@@ -18,23 +18,32 @@ One command runs the four steps of the recipe (each inline, short, marked STEP 1
 
 Key equations (per rollout of B prompts, completion tokens t = 1..T_i, EOS included):
   kl_t        = log pi_theta(x_t|x_<t) - log pi_SFT(x_t|x_<t)                 (k1; k3: (rho-1) - log rho, rho=pi_SFT/pi)
-  r~_t        = -beta * kl_t  + [t = T_i] * (r_psi(s, a) - penalty * [no EOS])   (score at the EOS / last token)
+  r~_t        = -beta * kl_t  + [t = T_i] * score(s, a)                       (score at the EOS / last token)
+  score(s, a) = r_psi(s, a) + c(s) - penalty * [no EOS]          (c(s) = 0 unless --reward-offset, Problem 21.3c)
   i.e. sum_t r~_t = r_psi(s,a) + beta (log pi_SFT(a|s) - log pi_theta(a|s))   (the lecture's r~)
   bandit:  A_t = R - mean_batch(R), R = sum_t r~_t                           (sequence-level, baseline = batch mean)
   gae:     delta_t = r~_t + gamma V_{t+1} - V_t,  A_t = sum_l (gamma lam)^l delta_{t+l}   (gamma = 1 by default)
   L_pg     = E_t max(-A_t rho_t, -A_t clip(rho_t, 1-eps, 1+eps)),  rho_t = pi_theta(x_t|.) / pi_bar(x_t|.)
   L_vf     = 0.5 E_t max((V - G)^2, (clip(V, V_old - eps_v, V_old + eps_v) - G)^2)
   adaptive beta (Ziegler et al.): beta <- beta (1 + clip(KL/KL_target - 1, -0.2, 0.2) * B / horizon)
-  best-of-n from SFT: KL_bon(n) = log n - (n-1)/n   (Stiennon et al. 2020), matched to the PPO policy's KL.
+  best-of-n from SFT: the sample with the highest score(s, a) of n, KL_bon(n) = log n - (n-1)/n   (Stiennon et al.
+              2020), n matched to the PPO policy's KL: the same objective, optimized by selection instead of RL.
 
 Implementation details:
   1. Logits are divided by the sampling temperature everywhere a log-prob is computed (rollout, pi_bar, pi_SFT,
      update), so the ratio is exactly 1 at the first minibatch of every update (dropout is off for the same reason).
   2. Prompts are left-padded so every completion starts at the same column; position ids come from the attention
      mask (cumsum - 1), which is what makes left padding correct for GPT-2 and Llama alike.
-  3. Completions are cut after the first EOS; later positions are padding and masked out of every loss.
-  4. The reward model scores `prompt + " " + completion` re-tokenized with its own tokenizer, right-padded, read at
-     the last non-pad token, i.e. at the EOS token. A completion without EOS loses `missing_eos_penalty`.
+  3. Completions are cut after the first EOS; later positions are padding and masked out of every loss. The task
+     speaks words, the tokenizer speaks tokens: a demonstration `Completion(text, ended)` is encoded as the ids of
+     its text as they follow the prompt, then the tokenizer's own EOS id if it ended; a sample is decoded with
+     `skip_special_tokens` into `Completion(text, ended = the model emitted its EOS)` before the gold utility or a
+     reward model reads it. Special tokens that are not text (pad, bos, unk, sep, and embedding rows no token
+     maps to) get probability 0 in sampling and in every log-prob (`lm_forward`), so the sampled distribution is
+     exactly the one whose log-probs, ratios and KL are computed, and "<pad>" can never be an exploit route.
+  4. The reward model scores the ids of `prompt + " " + completion.text` in its own tokenizer's convention (Llama:
+     <s> first), plus its EOS id if the completion ended, right-padded, read at the last non-pad token, i.e. at the
+     EOS token. A completion without EOS loses `missing_eos_penalty`.
   5. Reward-model scores are normalized to mean 0, std 1 on SFT samples of the training prompts before PPO
      (lm-human-preferences), so beta means the same thing for every reward model.
   6. Advantages are whitened over the completion tokens of the batch; rewards optionally (`--whiten-rewards`).
@@ -43,6 +52,25 @@ Implementation details:
   9. Evaluation: one completion per held-out prompt with fixed sampling noise (common random numbers between
      evaluations); gold reward (hidden utility), proxy reward (normalized r_psi) and KL(pi || pi_SFT) (the mean
      sequence log-ratio on the policy's own samples) go to tensorboard and `curve.jsonl`.
+
+Problem 21.3(c), `--reward-offset 2`: an arbitrary per-prompt constant c(s) added to r_psi does not change what
+PPO optimizes. The objective E[r + c(s)] - beta KL has the same maximizer pi* ∝ pi_SFT exp(r / beta) (c(s) cancels in
+the normalizer), and the policy gradient's expectation is unchanged (E_a[c(s) grad log pi(a|s)] = 0). What absorbs
+the constant in the estimator is the value baseline: once V(prompt, prefix) has learned r's conditional mean, c(s)
+included, the GAE advantages are exactly those without it (a unit test checks this); the batch-wide whitening cannot
+(it subtracts one mean for all prompts). Measured (tuning seeds 101-105, defaults, beta = 0.1), the "once" matters:
+the value head (lr 2e-4, zero-initialized) needs most of the 100 updates to learn c(s) (value loss 0.8-1.0 with
+the offset vs 0.04-0.3 without, until update ~75), and until then c(s) is noise in the advantages, so the final gold
+is lower on every seed: 0.80 / 0.07 / 0.88 / 0.58 / 0.75 with the offset vs 0.93 / 0.75 / 0.90 / 0.81 / 0.88
+without (seed 102 drifts to KL 8.1; with a ±1 offset it ends at 0.47). Same optimum, noisier estimator.
+
+Real models (`--model-name-or-path gpt2`, `EleutherAI/pythia-70m`, a TinyLlama id, or a local `save_pretrained`
+dir): the same code path. The checkpoint is loaded with `from_pretrained` (weights and tokenizer; SFT fine-tunes the
+pretrained weights); a pad token "<pad>" is added when the tokenizer has none (or pads with EOS) and the embeddings
+are resized; the end of an answer is the tokenizer's EOS; `--max-new-tokens` defaults to the longest demonstration
+in the model's tokens. The default learning rates were chosen for the tiny model trained from scratch; for a
+pretrained model, lower `--sft-lr` and `--rm-lr` are the usual choice (not tuned here). Offline, a hub id that is
+not cached is a one-line error.
 
 What was scaled down and why: a 2-layer, 64-dim GPT-2 and a closed vocabulary of a few hundred words instead of
 a 1.3B-175B model, a synthetic hidden "human" instead of labelers, and a few thousand comparisons, so the whole
@@ -59,9 +87,11 @@ References:
       masked whitening, metric names); vwxyzjn/lm-human-preference-details `train_policy_accelerate.py`
       (temperature-scaled logits, reward normalization, left padding + position ids, GAE, adaptive KL);
       vwxyzjn/cleanrl `ppo.py` (clipped surrogate and clipped value loss, script layout).
-Reproduce (seed 1, ~5-7 contended CPU minutes each; the over-optimization figure is the pair of curve.jsonl files):
-  python algos/rlhf_ppo_kl.py --kl-coef 0.0   # gold: SFT -0.13 -> peak 0.81 at KL 1 -> -1.14 at KL 44; proxy rises
-  python algos/rlhf_ppo_kl.py --kl-coef 0.1   # gold 0.81 at KL 1.6 (peak 0.90), best-of-12 from SFT: 0.85
+Reproduce (tuning seed 101, one thread, ~2-3 CPU minutes each; the over-optimization figure is the curve.jsonl files):
+  python algos/rlhf_ppo_kl.py --seed 101 --kl-coef 0.0 --num-updates 200
+      # gold: SFT -0.31 -> peak 0.90 -> -1.24 at KL 47 while the proxy rises from -0.24 to 0.49
+  python algos/rlhf_ppo_kl.py --seed 101 --kl-coef 0.1
+      # gold 0.93 at KL 1.38 (peak 0.95); best-of-10 from SFT at the same KL: 0.79
 """
 
 import copy
@@ -69,6 +99,7 @@ import inspect
 import json
 import math
 import random
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -93,6 +124,10 @@ EPS = 1e-8  # numerical floor for variances in whitening
 BETA_STEP_CLIP = 0.2  # Ziegler et al.'s clip of the proportional adaptive-KL error
 LOG_STD_FLOOR = 1e-6  # floor for the reward-normalization std
 NORM_SAMPLES = 512  # SFT samples (cycling over the training prompts) that set the reward normalization
+# logit of a token that is not text (pad, bos, unk, ...): exp underflows to exactly 0 at any temperature <= 1e6, yet it
+# is finite, so the log-prob of the padding after an EOS stays finite and masked losses never compute inf - inf
+NOT_TEXT_LOGIT = -1e9
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "gpt2", "EleutherAI/pythia-70m": a name from_pretrained fetches
 
 
 @dataclass
@@ -116,7 +151,8 @@ class Args:
 
     # models
     model_name_or_path: str | None = None
-    """base causal LM to fine-tune (local dir or hub id); None: a tiny GPT-2 built from a config here"""
+    """base causal LM to fine-tune: a local `save_pretrained` dir or a hub id (weights and tokenizer are kept; a pad
+    token is added if missing); None: a tiny GPT-2 built from a config over the seqrl tokenizer"""
     sft_model_path: str | None = None
     """a `save_pretrained` dir of an SFT policy: skips STEP 1"""
     reward_model_path: str | None = None
@@ -169,8 +205,9 @@ class Args:
     """Adam learning rate of PPO"""
     temperature: float = 1.0
     """sampling temperature (logits are divided by it for every log-prob)"""
-    max_new_tokens: int = 16
-    """completion length limit (a completion without EOS by then is penalized)"""
+    max_new_tokens: int | None = None
+    """completion length limit in model tokens (a completion without EOS by then is cut off and penalized); None =
+    the longest SFT demonstration in the model's tokens, EOS included (16 with the built-in word-level tokenizer)"""
     kl_coef: float = 0.1
     """beta: weight of the per-token KL penalty toward pi_SFT (initial value if adaptive)"""
     kl_estimator: Literal["k1", "k3"] = "k1"
@@ -197,6 +234,10 @@ class Args:
     """whiten the per-token rewards over the batch before GAE"""
     missing_eos_penalty: float = 1.0
     """subtracted from the normalized score of a completion that never emits EOS"""
+    reward_offset: float = 0.0
+    """Problem 21.3(c): add a per-prompt constant c(s) ~ Uniform(-a, a) (fixed per run, seeded) to r_psi in the
+    objective PPO and best-of-n optimize; 0 = off. Same optimum; the value head absorbs c(s) once it has learned it
+    (see the module docstring for what that costs here)"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
     eval_every: int = 5
@@ -343,6 +384,16 @@ def bon_kl(n: int) -> float:
     return math.log(n) - (n - 1) / n
 
 
+def matched_bon_n(kl: float, max_n: int) -> int:
+    """The n in 1..max_n whose best-of-n KL, log n - (n-1)/n, is closest to `kl` (ties: the smaller n)."""
+    kl, n = max(kl, 0.0), 1
+    while n < max_n and bon_kl(n + 1) <= kl:
+        n += 1
+    if n < max_n and abs(bon_kl(n + 1) - kl) < abs(bon_kl(n) - kl):
+        n += 1
+    return n
+
+
 def adaptive_kl_update(beta: float, kl: float, target: float, n_steps: int, horizon: int) -> float:
     """Ziegler et al.'s proportional controller on beta."""
     error = float(np.clip(kl / target - 1.0, -BETA_STEP_CLIP, BETA_STEP_CLIP))
@@ -363,9 +414,9 @@ class PolicyWithValue(nn.Module):
         nn.init.zeros_(self.v_head.weight)
         nn.init.zeros_(self.v_head.bias)
 
-    def forward(self, query_ids, response_ids, pad_id):
+    def forward(self, query_ids, response_ids, pad_id, not_text):
         """Logits predicting each completion token (B, T, V) and the value before each (B, T)."""
-        logits, hidden = lm_forward(self.lm, query_ids, response_ids, pad_id, hidden=True)
+        logits, hidden = lm_forward(self.lm, query_ids, response_ids, pad_id, not_text, hidden=True)
         return logits, self.v_head(hidden).squeeze(-1)
 
 
@@ -374,13 +425,19 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
 
 
-def lm_forward(lm, query_ids, response_ids, pad_id, hidden=False):
+def text_only(logits: torch.Tensor, not_text: torch.Tensor) -> torch.Tensor:
+    """Logits with every non-text token (`not_text`, (V,) bool) at NOT_TEXT_LOGIT: probability exactly 0."""
+    return logits.masked_fill(not_text, NOT_TEXT_LOGIT)
+
+
+def lm_forward(lm, query_ids, response_ids, pad_id, not_text, hidden=False):
     """Run the LM on [left-padded query, completion]; return the outputs at the positions predicting the completion.
 
-    query_ids: (B, Lq) left-padded; response_ids: (B, T) right-padded.
-    Returns logits (B, T, V) (and hidden (B, T, H))."""
+    query_ids: (B, Lq) left-padded; response_ids: (B, T) right-padded; not_text: (V,) bool (details 3).
+    Returns logits (B, T, V) with non-text tokens at NOT_TEXT_LOGIT, the logits `generate` samples from (and hidden
+    (B, T, H))."""
     input_ids = torch.cat([query_ids, response_ids], dim=1)  # (B, Lq + T)
-    attention_mask = input_ids != pad_id
+    attention_mask = input_ids != pad_id  # pad is never sampled, so it marks exactly the padding
     out = lm(
         input_ids=input_ids,
         attention_mask=attention_mask.long(),
@@ -389,31 +446,32 @@ def lm_forward(lm, query_ids, response_ids, pad_id, hidden=False):
         use_cache=False,
     )
     Lq, T = query_ids.shape[1], response_ids.shape[1]
-    logits = out.logits[:, Lq - 1 : Lq + T - 1]  # (B, T, V): position i predicts token i + 1
+    logits = text_only(out.logits[:, Lq - 1 : Lq + T - 1], not_text)  # (B, T, V): position i predicts token i + 1
     if hidden:
         return logits, out.hidden_states[-1][:, Lq - 1 : Lq + T - 1]
     return logits
 
 
 @torch.no_grad()
-def generate(lm, query_ids, pad_id, eos_id, max_new_tokens, temperature, generator=None):
+def generate(lm, query_ids, pad_id, eos_id, not_text, max_new_tokens, temperature, generator=None, return_logits=False):
     """Sample completions with a KV cache. query_ids: (B, Lq) left-padded. Returns (B, max_new_tokens) with
-    padding after the first EOS."""
+    padding after the first EOS (and, with `return_logits`, the logits each token was sampled from, (B, T, V))."""
     B = query_ids.shape[0]
     attention_mask = (query_ids != pad_id).long()  # (B, Lq)
     position_ids = position_ids_from_mask(attention_mask)
     # transformers >= 5.x names the KV cache `cache` (older: `past_key_values`)
     cache_kw = "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
     out = lm(input_ids=query_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
-    past, next_logits = out[cache_kw], out.logits[:, -1]  # (B, V)
+    past, next_logits = out[cache_kw], text_only(out.logits[:, -1], not_text)  # (B, V)
     last_pos = position_ids[:, -1:]  # (B, 1)
     done = torch.zeros(B, dtype=torch.bool, device=query_ids.device)
-    tokens = []
+    tokens, step_logits = [], []
     for _ in range(max_new_tokens):
         probs = torch.softmax(next_logits.float() / temperature, dim=-1)
         token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
         token = torch.where(done, torch.full_like(token, pad_id), token)
         tokens.append(token)
+        step_logits.append(next_logits)
         done = done | (token == eos_id)
         if done.all():
             break
@@ -426,31 +484,57 @@ def generate(lm, query_ids, pad_id, eos_id, max_new_tokens, temperature, generat
             use_cache=True,
             **{cache_kw: past},
         )
-        past, next_logits = out[cache_kw], out.logits[:, -1]
+        past, next_logits = out[cache_kw], text_only(out.logits[:, -1], not_text)
     response = torch.stack(tokens, dim=1)  # (B, <= max_new_tokens)
-    return F.pad(response, (0, max_new_tokens - response.shape[1]), value=pad_id)
+    response = F.pad(response, (0, max_new_tokens - response.shape[1]), value=pad_id)
+    return (response, torch.stack(step_logits, dim=1)) if return_logits else response
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """A prompt's ids, BOS first when the tokenizer has one (GPT-2's is its <|endoftext|> document separator)."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return bos + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def completion_ids(tokenizer, prompt: str, completion: preference.Completion) -> list[int]:
+    """A completion's ids as they follow its prompt, then the tokenizer's EOS id if it ended (details 3).
+
+    The ids of `prompt + " " + text` after the prompt's own: a BPE tokenizer spells the first word with its leading
+    space (" paris" is one GPT-2 token, "paris" two), as the model reads it after the prompt."""
+    q = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    full = tokenizer(f"{prompt} {completion.text}".rstrip(), add_special_tokens=False)["input_ids"]
+    ids = full[len(q) :] if full[: len(q)] == q else tokenizer(completion.text, add_special_tokens=False)["input_ids"]
+    return ids + ([tokenizer.eos_token_id] if completion.ended else [])
 
 
 def encode_prompts(tokenizer, prompts, device):
-    """Left-padded prompt ids (B, Lq), BOS first when the tokenizer has one."""
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    rows = [bos + tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    """Left-padded prompt ids (B, Lq) (`prompt_ids`)."""
+    rows = [prompt_ids(tokenizer, p) for p in prompts]
     width = max(len(r) for r in rows)
     ids = [[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows]
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
-def decode_completions(tokenizer, response_ids, mask):
-    """Completion texts up to and including EOS (the preference task's format: words, then ' <eos>')."""
+def decode_completions(tokenizer, response_ids, mask, has_eos) -> list[preference.Completion]:
+    """What the task reads: the text of each completion (special tokens skipped) and whether it ended with EOS."""
     return [
-        tokenizer.decode(ids[: int(m.sum())].tolist(), skip_special_tokens=False).strip()
-        for ids, m in zip(response_ids, mask, strict=False)
+        preference.Completion(tokenizer.decode(ids[: int(m.sum())].tolist(), skip_special_tokens=True).strip(), bool(e))
+        for ids, m, e in zip(response_ids, mask, has_eos, strict=True)
     ]
 
 
-def rm_text(prompt: str, completion: str) -> str:
-    """The text a reward model scores (the same join as rlhf_reward_model.py: prompt, space, completion)."""
-    return f"{prompt} {completion}"
+def rm_encode(rm_tokenizer, prompts, completions, device) -> dict:
+    """A reward model's input (as rlhf_reward_model.py `encode`): ids of `prompt + " " + text` in the tokenizer's own
+    convention (Llama: <s> first), the tokenizer's EOS id if the completion ended, right-padded. (B, L) each."""
+    texts = [f"{p} {c.text}".rstrip() for p, c in zip(prompts, completions, strict=True)]
+    rows = rm_tokenizer(texts)["input_ids"]
+    rows = [ids + [rm_tokenizer.eos_token_id] if c.ended else ids for ids, c in zip(rows, completions, strict=True)]
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), rm_tokenizer.pad_token_id, dtype=torch.long)  # (B, L)
+    for i, r in enumerate(rows):
+        input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    attention_mask = (torch.arange(width)[None, :] < torch.tensor([len(r) for r in rows])[:, None]).long()  # (B, L)
+    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
 
 
 @torch.no_grad()
@@ -458,13 +542,23 @@ def rm_scores(rm, rm_tokenizer, prompts, completions, device, batch_size=256):
     """Raw scalar scores (B,) of a sequence-classification RM, read at the last non-pad token (right padding)."""
     scores = []
     for i in range(0, len(prompts), batch_size):
-        texts = [
-            rm_text(p, c) for p, c in zip(prompts[i : i + batch_size], completions[i : i + batch_size], strict=False)
-        ]
-        rm_tokenizer.padding_side = "right"  # the score is read at the last non-pad token
-        enc = rm_tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False).to(device)
+        enc = rm_encode(rm_tokenizer, prompts[i : i + batch_size], completions[i : i + batch_size], device)
         scores.append(rm(**enc).logits[:, 0].float())
     return torch.cat(scores)
+
+
+def objective_scores(rm, rm_tokenizer, norm, offsets, prompts, completions, missing_eos_penalty, device):
+    """score(s, a) = normalized r_psi + c(s) - penalty * [no EOS], what PPO and best-of-n both maximize. (B,)"""
+    scores = (rm_scores(rm, rm_tokenizer, prompts, completions, device) - norm[0]) / norm[1]  # (B,)
+    scores = scores + torch.tensor([offsets[p] for p in prompts], dtype=scores.dtype, device=device)
+    ended = torch.tensor([c.ended for c in completions], device=device)
+    return scores - missing_eos_penalty * (~ended).float()
+
+
+def prompt_offsets(prompts, scale: float, seed: int) -> dict[str, float]:
+    """Problem 21.3(c): an arbitrary constant c(s) ~ Uniform(-scale, scale) per prompt (0.0 for all if scale = 0)."""
+    draws = np.random.default_rng(seed).uniform(-scale, scale, size=len(prompts)) if scale > 0 else [0.0] * len(prompts)
+    return {p: float(c) for p, c in zip(prompts, draws, strict=True)}
 
 
 def tiny_gpt2_config(vocab_size, args, tokenizer):
@@ -485,22 +579,42 @@ def tiny_gpt2_config(vocab_size, args, tokenizer):
     )
 
 
-def load_pretrained(kind, path, what):
-    """from_pretrained with a clear one-line error on a missing / unreadable dir."""
+def load_pretrained(kind, path, what, hub_ok=False):
+    """from_pretrained (model and tokenizer) with a clear one-line error; `hub_ok`: `path` may also be a hub id."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    if not Path(path).is_dir() or not (Path(path) / "config.json").exists():
+    local = Path(path).exists() or not hub_ok or not HUB_ID.fullmatch(path)
+    if local and not (Path(path) / "config.json").is_file():
         raise SystemExit(f"error: {what} '{path}' is not a save_pretrained directory (no config.json)")
     cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
     try:
         model = cls.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as e:
-        raise SystemExit(f"error: could not load {what} from '{path}': {str(e).splitlines()[0]}") from None
-    try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
-        tokenizer = build_tokenizer()  # a model saved without a tokenizer uses the seqrl one
+    except (OSError, ValueError, KeyError) as e:  # offline and not cached, no such repo, no tokenizer, ...
+        raise SystemExit(f"error: could not load {what} '{path}': {str(e).splitlines()[0]}") from None
     return model, tokenizer
+
+
+def with_pad_token(model, tokenizer, what):
+    """Give the tokenizer a pad token distinct from EOS if it has none ("<pad>", embeddings resized; GPT-2 and Llama
+    checkpoints ship without one) and the model's config its id. Returns (model, tokenizer)."""
+    if tokenizer.eos_token_id is None:
+        raise SystemExit(f"error: the tokenizer of {what} has no EOS token to end an answer with")
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "<pad>"})
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def not_text_mask(tokenizer, vocab_size: int, device) -> torch.Tensor:
+    """(V,) bool: the ids a completion may never contain: special tokens other than EOS (pad, bos, unk, sep, ...)
+    and embedding rows beyond the tokenizer's vocabulary (checkpoints often pad the table to a multiple of 64)."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    mask[[i for i in tokenizer.all_special_ids if i != tokenizer.eos_token_id]] = True
+    mask[len(tokenizer) :] = True
+    return mask
 
 
 def disable_dropout(model):
@@ -516,11 +630,10 @@ def disable_dropout(model):
 def supervised_fine_tune(lm, tokenizer, args, device, writer):
     """STEP 1: next-token cross-entropy on the completion tokens of demonstrations (prompt tokens masked)."""
     data = preference.make_sft_dataset(args.sft_examples, seed=args.seed)
-    pad, bos = tokenizer.pad_token_id, tokenizer.bos_token_id
+    pad = tokenizer.pad_token_id
     rows = []
     for prompt, completion in data:
-        q = ([bos] if bos is not None else []) + tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        c = tokenizer(completion, add_special_tokens=False)["input_ids"]
+        q, c = prompt_ids(tokenizer, prompt), completion_ids(tokenizer, prompt, completion)
         rows.append((q + c, [0] * len(q) + [1] * len(c)))
     optimizer = torch.optim.Adam(lm.parameters(), lr=args.sft_lr)
     step = 0
@@ -546,21 +659,27 @@ def supervised_fine_tune(lm, tokenizer, args, device, writer):
     return lm
 
 
-def sample_texts(lm, tokenizer, prompts, args, device, generator=None, batch_size=256):
-    """Sample one completion per prompt: (completion texts, mask, has_eos)."""
-    texts, has_eos_all = [], []
+def longest_demonstration(tokenizer, args) -> int:
+    """Default `--max-new-tokens`: the longest SFT demonstration's completion in the model's tokens, EOS included."""
+    data = preference.make_sft_dataset(args.sft_examples, seed=args.seed)
+    return max(len(completion_ids(tokenizer, prompt, completion)) for prompt, completion in data)
+
+
+def sample_completions(lm, tokenizer, not_text, prompts, args, device, generator=None, batch_size=256):
+    """One sampled completion per prompt, decoded into what the task reads (`decode_completions`)."""
+    completions = []
     for i in range(0, len(prompts), batch_size):
         q = encode_prompts(tokenizer, prompts[i : i + batch_size], device)
         r = generate(
-            lm, q, tokenizer.pad_token_id, tokenizer.eos_token_id, args.max_new_tokens, args.temperature, generator
-        )
+            lm, q, tokenizer.pad_token_id, tokenizer.eos_token_id, not_text, args.max_new_tokens, args.temperature,
+            generator,
+        )  # fmt: skip
         mask, has_eos = completion_mask(r, tokenizer.eos_token_id)
-        texts += decode_completions(tokenizer, r, mask)
-        has_eos_all.append(has_eos)
-    return texts, torch.cat(has_eos_all)
+        completions += decode_completions(tokenizer, r, mask, has_eos)
+    return completions
 
 
-def fit_reward_model(sft_lm, tokenizer, train_prompts, args, device, writer):
+def fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, writer):
     """STEPS 2-3: sample K completions per prompt from pi_SFT, let the labeler rank them, fit Bradley-Terry."""
     from transformers import AutoModelForSequenceClassification
 
@@ -568,12 +687,12 @@ def fit_reward_model(sft_lm, tokenizer, train_prompts, args, device, writer):
     rng = np.random.default_rng(args.seed)
     prompts = [train_prompts[i] for i in rng.integers(0, len(train_prompts), size=args.pref_prompts)]
     repeated = [p for p in prompts for _ in range(args.pref_k)]
-    completions, _ = sample_texts(sft_lm, tokenizer, repeated, args, device)
+    completions = sample_completions(sft_lm, tokenizer, not_text, repeated, args, device)
     groups = [completions[j * args.pref_k : (j + 1) * args.pref_k] for j in range(len(prompts))]
     labeler = preference.Labeler(temperature=args.labeler_temperature, flip_prob=args.labeler_flip_prob, seed=args.seed)
     rankings = labeler.rank_batch(prompts, groups)  # (pref_prompts, K) indices, best first
     chosen, rejected, pair_prompts = [], [], []
-    for prompt, group, ranking in zip(prompts, groups, rankings, strict=False):
+    for prompt, group, ranking in zip(prompts, groups, rankings, strict=True):
         for a in range(args.pref_k):  # all C(K, 2) pairs of the ranking (InstructGPT)
             for b in range(a + 1, args.pref_k):
                 pair_prompts.append(prompt)
@@ -592,11 +711,11 @@ def fit_reward_model(sft_lm, tokenizer, train_prompts, args, device, writer):
         perm, accs = np.random.permutation(n), []
         for start in range(0, n, args.rm_batch_size):
             idx = perm[start : start + args.rm_batch_size]
-            texts = [rm_text(pair_prompts[i], chosen[i]) for i in idx] + [
-                rm_text(pair_prompts[i], rejected[i]) for i in idx
-            ]
-            enc = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False).to(device)
-            r = rm(**enc).logits[:, 0]  # (2 B,)
+            enc = rm_encode(
+                tokenizer, [pair_prompts[i] for i in idx] * 2, [chosen[i] for i in idx] + [rejected[i] for i in idx],
+                device,
+            )  # fmt: skip
+            r = rm(**enc).logits[:, 0]  # (2 B,): chosen, then rejected
             loss = bradley_terry_loss(r[: len(idx)], r[len(idx) :])
             optimizer.zero_grad()
             loss.backward()
@@ -611,31 +730,29 @@ def fit_reward_model(sft_lm, tokenizer, train_prompts, args, device, writer):
 # Evaluation
 # ---------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def sequence_kl(policy_lm, sft_lm, tokenizer, prompts, completions_ids, mask, args, device):
+def sequence_kl(policy_lm, sft_lm, tokenizer, not_text, prompts, completions_ids, mask, args, device):
     """Mean over samples of sum_t (log pi - log pi_SFT): KL(pi || pi_SFT) on the policy's own samples."""
     q = encode_prompts(tokenizer, prompts, device)
-    lp = response_logprobs(
-        lm_forward(policy_lm, q, completions_ids, tokenizer.pad_token_id), completions_ids, args.temperature
-    )
-    ref = response_logprobs(
-        lm_forward(sft_lm, q, completions_ids, tokenizer.pad_token_id), completions_ids, args.temperature
-    )
+    pad = tokenizer.pad_token_id
+    lp = response_logprobs(lm_forward(policy_lm, q, completions_ids, pad, not_text), completions_ids, args.temperature)
+    ref = response_logprobs(lm_forward(sft_lm, q, completions_ids, pad, not_text), completions_ids, args.temperature)
     return ((lp - ref) * mask).sum(1)  # (B,)
 
 
 @torch.no_grad()
-def evaluate(policy_lm, sft_lm, rm, rm_tokenizer, norm, tokenizer, prompts, args, device, seed):
+def evaluate(policy_lm, sft_lm, rm, rm_tokenizer, norm, tokenizer, not_text, prompts, args, device, seed):
     """Gold reward, proxy reward (normalized r_psi) and KL(pi || pi_SFT) of one sample per held-out prompt."""
     generator = torch.Generator(device=device).manual_seed(seed)  # common random numbers across evaluations
     q = encode_prompts(tokenizer, prompts, device)
     r = generate(
-        policy_lm, q, tokenizer.pad_token_id, tokenizer.eos_token_id, args.max_new_tokens, args.temperature, generator
-    )
+        policy_lm, q, tokenizer.pad_token_id, tokenizer.eos_token_id, not_text, args.max_new_tokens, args.temperature,
+        generator,
+    )  # fmt: skip
     mask, has_eos = completion_mask(r, tokenizer.eos_token_id)
-    texts = decode_completions(tokenizer, r, mask)
-    proxy = (rm_scores(rm, rm_tokenizer, prompts, texts, device) - norm[0]) / norm[1]
-    gold = preference.gold_utility_batch(prompts, texts)
-    kl = sequence_kl(policy_lm, sft_lm, tokenizer, prompts, r, mask, args, device)
+    completions = decode_completions(tokenizer, r, mask, has_eos)
+    proxy = (rm_scores(rm, rm_tokenizer, prompts, completions, device) - norm[0]) / norm[1]
+    gold = preference.gold_utility_batch(prompts, completions)
+    kl = sequence_kl(policy_lm, sft_lm, tokenizer, not_text, prompts, r, mask, args, device)
     proxy_np = proxy.cpu().numpy()
     corr = float(np.corrcoef(proxy_np, gold)[0, 1]) if proxy_np.std() > 0 and gold.std() > 0 else 0.0
     return {
@@ -646,19 +763,34 @@ def evaluate(policy_lm, sft_lm, rm, rm_tokenizer, norm, tokenizer, prompts, args
         "eval/kl": float(kl.mean()),
         "eval/eos_rate": float(has_eos.float().mean()),
         "eval/completion_length": float(mask.sum(1).float().mean()),
-    }, texts
+    }, completions
 
 
 @torch.no_grad()
-def best_of_n(sft_lm, rm, rm_tokenizer, tokenizer, prompts, n, args, device, seed):
-    """Best-of-n from pi_SFT: n samples per prompt, keep the one r_psi scores highest; its gold reward."""
+def best_of_n(sft_lm, rm, rm_tokenizer, norm, offsets, tokenizer, not_text, prompts, n, args, device, seed):
+    """Best-of-n from pi_SFT: n samples per prompt, keep the one with the highest PPO objective score(s, a)
+    (`objective_scores`: normalized r_psi + c(s) - the missing-EOS penalty); its gold reward."""
     generator = torch.Generator(device=device).manual_seed(seed)
     repeated = [p for p in prompts for _ in range(n)]
-    texts, _ = sample_texts(sft_lm, tokenizer, repeated, args, device, generator)
-    scores = rm_scores(rm, rm_tokenizer, repeated, texts, device).view(len(prompts), n)
+    completions = sample_completions(sft_lm, tokenizer, not_text, repeated, args, device, generator)
+    scores = objective_scores(
+        rm, rm_tokenizer, norm, offsets, repeated, completions, args.missing_eos_penalty, device
+    ).view(len(prompts), n)
     best = scores.argmax(1).cpu().numpy()
-    best_texts = [texts[i * n + int(b)] for i, b in enumerate(best)]
-    return float(np.mean(preference.gold_utility_batch(prompts, best_texts)))
+    best_completions = [completions[i * n + int(b)] for i, b in enumerate(best)]
+    return float(np.mean(preference.gold_utility_batch(prompts, best_completions)))
+
+
+def save_models(run_dir, policy, sft_lm, tokenizer, rm, rm_tokenizer):
+    """The one place models are saved: the final policy (+ value head), the SFT reference and the reward model, each
+    with its tokenizer (`save_pretrained`, loadable by `--sft-model-path` / `--reward-model-path` / `--eval-only`)."""
+    policy.lm.save_pretrained(run_dir / "policy")
+    tokenizer.save_pretrained(run_dir / "policy")
+    save_file({k: v.contiguous() for k, v in policy.v_head.state_dict().items()}, run_dir / "value_head.safetensors")
+    sft_lm.save_pretrained(run_dir / "sft_model")
+    tokenizer.save_pretrained(run_dir / "sft_model")
+    rm.save_pretrained(run_dir / "reward_model")
+    rm_tokenizer.save_pretrained(run_dir / "reward_model")
 
 
 def make_run_dir(args):
@@ -682,17 +814,15 @@ if __name__ == "__main__":
             f"error: --batch-size {args.batch_size} not divisible by --num-minibatches {args.num_minibatches}"
         )
     args.minibatch_size = args.batch_size // args.num_minibatches
-    for flag, path in (
-        ("--reward-model-path", args.reward_model_path),
-        ("--sft-model-path", args.sft_model_path),
-        ("--model-name-or-path", args.model_name_or_path),
-    ):
-        if path is not None and flag != "--model-name-or-path" and not Path(path).is_dir():
+    for flag, path in (("--reward-model-path", args.reward_model_path), ("--sft-model-path", args.sft_model_path)):
+        if path is not None and not Path(path).is_dir():
             raise SystemExit(f"error: {flag} '{path}' does not exist or is not a directory")
     if args.eval_only and (args.checkpoint is None or not (Path(args.checkpoint) / "policy").is_dir()):
         raise SystemExit(f"error: --eval-only needs --checkpoint RUN_DIR with policy/ inside (got {args.checkpoint})")
-    if args.temperature <= 0 or args.kl_coef < 0:
-        raise SystemExit("error: --temperature must be > 0 and --kl-coef >= 0")
+    if args.temperature <= 0 or args.kl_coef < 0 or args.reward_offset < 0:
+        raise SystemExit("error: --temperature must be > 0, --kl-coef >= 0 and --reward-offset >= 0")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise SystemExit("error: --max-new-tokens must be >= 1")
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -701,10 +831,6 @@ if __name__ == "__main__":
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     run_name, run_dir = make_run_dir(args)
     writer = SummaryWriter(str(run_dir))
-    writer.add_text(
-        "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-    )
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
     start_time = time.time()
     train_prompts, heldout_prompts = list(preference.train_prompts()), list(preference.heldout_prompts())
     eval_prompts = [heldout_prompts[i % len(heldout_prompts)] for i in range(args.eval_episodes)]
@@ -715,37 +841,45 @@ if __name__ == "__main__":
 
     # ---- STEP 1: the SFT policy (loaded, or fine-tuned here from a base model) ----
     if args.sft_model_path is not None:
-        sft_lm, tokenizer = load_pretrained("causal", args.sft_model_path, "--sft-model-path")
+        sft_lm, tokenizer = with_pad_token(*load_pretrained("causal", args.sft_model_path, "--sft-model-path"), "SFT")
     else:
         if args.model_name_or_path is not None:
-            base_lm, tokenizer = load_pretrained("causal", args.model_name_or_path, "--model-name-or-path")
+            base_lm, tokenizer = load_pretrained("causal", args.model_name_or_path, "--model-name-or-path", hub_ok=True)
+            base_lm, tokenizer = with_pad_token(base_lm, tokenizer, f"'{args.model_name_or_path}'")
         else:
             from transformers import AutoModelForCausalLM
 
             tokenizer = build_tokenizer()
             base_lm = AutoModelForCausalLM.from_config(tiny_gpt2_config(len(tokenizer), args, tokenizer))
-        if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-            raise SystemExit("error: the tokenizer needs a pad token distinct from its EOS token")
         sft_lm = supervised_fine_tune(disable_dropout(base_lm).to(device), tokenizer, args, device, writer)
     sft_lm = disable_dropout(sft_lm).to(device).eval()
     for p in sft_lm.parameters():
         p.requires_grad_(False)
+    not_text = not_text_mask(tokenizer, sft_lm.get_output_embeddings().weight.shape[0], device)  # (V,) details 3
+    if args.max_new_tokens is None:
+        args.max_new_tokens = longest_demonstration(tokenizer, args)
+    writer.add_text(
+        "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+    )
+    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
 
     # ---- STEPS 2-3: the reward model (loaded, or fit here on SFT samples ranked by the labeler) ----
     if args.reward_model_path is not None:
         rm, rm_tokenizer = load_pretrained("classifier", args.reward_model_path, "--reward-model-path")
+        rm, rm_tokenizer = with_pad_token(rm, rm_tokenizer, "--reward-model-path")
         rm = rm.to(device).eval()
-        if rm.config.pad_token_id is None:
-            rm.config.pad_token_id = rm_tokenizer.pad_token_id
     else:
-        rm, rm_tokenizer = fit_reward_model(sft_lm, tokenizer, train_prompts, args, device, writer), tokenizer
+        rm = fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, writer)
+        rm_tokenizer = tokenizer
     for p in rm.parameters():
         p.requires_grad_(False)
     # normalize r_psi to mean 0, std 1 on SFT samples of the training prompts (lm-human-preferences)
     norm_prompts = [train_prompts[i % len(train_prompts)] for i in range(NORM_SAMPLES)]
-    norm_texts, _ = sample_texts(sft_lm, tokenizer, norm_prompts, args, device)
-    raw = rm_scores(rm, rm_tokenizer, norm_prompts, norm_texts, device)
+    norm_completions = sample_completions(sft_lm, tokenizer, not_text, norm_prompts, args, device)
+    raw = rm_scores(rm, rm_tokenizer, norm_prompts, norm_completions, device)
     norm = (raw.mean().item(), max(raw.std().item(), LOG_STD_FLOOR))
+    # Problem 21.3(c): an arbitrary constant per prompt in the objective (all 0 unless --reward-offset)
+    offsets = prompt_offsets(train_prompts + heldout_prompts, args.reward_offset, args.seed + 40_000)
 
     policy = PolicyWithValue(copy.deepcopy(sft_lm)).to(device)
     if args.eval_only:
@@ -758,9 +892,10 @@ if __name__ == "__main__":
 
     def run_eval(step):
         policy.eval()
-        metrics, texts = evaluate(
-            policy.lm, sft_lm, rm, rm_tokenizer, norm, tokenizer, eval_prompts, args, device, seed=args.seed + 10_000
-        )
+        metrics, completions = evaluate(
+            policy.lm, sft_lm, rm, rm_tokenizer, norm, tokenizer, not_text, eval_prompts, args, device,
+            seed=args.seed + 10_000,
+        )  # fmt: skip
         policy.train()
         for k, v in metrics.items():
             writer.add_scalar(k, v, step)
@@ -779,7 +914,7 @@ if __name__ == "__main__":
         print(
             f"[eval] update {step}: gold {metrics['eval/gold_reward']:.3f} proxy {metrics['eval/proxy_reward']:.3f} "
             f"kl {metrics['eval/kl']:.2f} corr {metrics['eval/proxy_gold_corr']:.2f} "
-            f"eos {metrics['eval/eos_rate']:.2f} | {eval_prompts[0]} -> {texts[0]}"
+            f"eos {metrics['eval/eos_rate']:.2f} | {eval_prompts[0]} -> {completions[0]}"
         )
         return metrics
 
@@ -795,22 +930,24 @@ if __name__ == "__main__":
         prompts = [train_prompts[i] for i in prompt_rng.choice(len(train_prompts), args.batch_size)]
         query_ids = encode_prompts(tokenizer, prompts, device)  # (B, Lq), left-padded
         policy.eval()
-        response_ids = generate(policy.lm, query_ids, pad_id, eos_id, args.max_new_tokens, args.temperature)  # (B, T)
+        response_ids = generate(
+            policy.lm, query_ids, pad_id, eos_id, not_text, args.max_new_tokens, args.temperature
+        )  # (B, T)
         mask, has_eos = completion_mask(response_ids, eos_id)  # (B, T), (B,)
         maskf = mask.float()
         with torch.no_grad():
-            # 4.2 score with r_psi (at the EOS token), normalized; penalize a missing EOS
-            texts = decode_completions(tokenizer, response_ids, mask)
-            scores = (rm_scores(rm, rm_tokenizer, prompts, texts, device) - norm[0]) / norm[1]  # (B,)
-            scores = scores - args.missing_eos_penalty * (~has_eos).float()
+            # 4.2 score: normalized r_psi (at the EOS token) + c(s), minus the missing-EOS penalty
+            completions = decode_completions(tokenizer, response_ids, mask, has_eos)
+            scores = objective_scores(
+                rm, rm_tokenizer, norm, offsets, prompts, completions, args.missing_eos_penalty, device
+            )  # (B,)
             # 4.3 snapshot pi_bar: log-probs and values of the batch under the current policy; pi_SFT log-probs
-            logits, values = policy(query_ids, response_ids, pad_id)  # (B, T, V), (B, T)
+            logits, values = policy(query_ids, response_ids, pad_id, not_text)  # (B, T, V), (B, T)
             old_logprobs = response_logprobs(logits, response_ids, args.temperature)  # (B, T)
             ref_logprobs = response_logprobs(
-                lm_forward(sft_lm, query_ids, response_ids, pad_id), response_ids, args.temperature
+                lm_forward(sft_lm, query_ids, response_ids, pad_id, not_text), response_ids, args.temperature
             )  # (B, T)
-            logp_all = F.log_softmax(logits / args.temperature, dim=-1)
-            entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, T)
+            entropy = torch.special.entr(torch.softmax(logits / args.temperature, dim=-1)).sum(-1)  # (B, T)
             # 4.4 KL penalty folded into the reward: -beta kl_t per token, the score at the last token
             rewards, kl = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask, beta, args.kl_estimator)
             if args.whiten_rewards:
@@ -830,7 +967,7 @@ if __name__ == "__main__":
             for start in range(0, args.batch_size, args.minibatch_size):
                 mb = perm[start : start + args.minibatch_size]
                 mb_mask = maskf[mb]
-                new_logits, vpred = policy(query_ids[mb], response_ids[mb], pad_id)
+                new_logits, vpred = policy(query_ids[mb], response_ids[mb], pad_id, not_text)
                 new_logprobs = response_logprobs(new_logits, response_ids[mb], args.temperature)
                 pg_loss, pg_stats = clipped_surrogate_loss(
                     new_logprobs, old_logprobs[mb], advantages[mb], mb_mask, args.cliprange
@@ -887,14 +1024,12 @@ if __name__ == "__main__":
             )
     curve_file.close()
 
-    # best-of-n from pi_SFT at the KL of the final policy (n capped at --bon-max-n)
-    final_kl = max(metrics["eval/kl"], 0.0)
-    bon_n = 1
-    while bon_n < args.bon_max_n and bon_kl(bon_n + 1) <= final_kl:
-        bon_n += 1
-    if bon_n < args.bon_max_n and abs(bon_kl(bon_n + 1) - final_kl) < abs(bon_kl(bon_n) - final_kl):
-        bon_n += 1
-    bon_gold = best_of_n(sft_lm, rm, rm_tokenizer, tokenizer, eval_prompts, bon_n, args, device, args.seed + 20_000)
+    # best-of-n from pi_SFT at the KL of the final policy (n capped at --bon-max-n), by the same objective
+    bon_n = matched_bon_n(metrics["eval/kl"], args.bon_max_n)
+    bon_gold = best_of_n(
+        sft_lm, rm, rm_tokenizer, norm, offsets, tokenizer, not_text, eval_prompts, bon_n, args, device,
+        args.seed + 20_000,
+    )  # fmt: skip
     print(f"[bon] n={bon_n} (KL {bon_kl(bon_n):.2f}) gold {bon_gold:.3f}")
     wall = time.time() - start_time
     summary_metrics = {
@@ -902,6 +1037,7 @@ if __name__ == "__main__":
         **metrics,
         "eval/sft_gold_reward": sft_metrics["eval/gold_reward"],
         "eval/sft_proxy_reward": sft_metrics["eval/proxy_reward"],
+        "eval/sft_eos_rate": sft_metrics["eval/eos_rate"],
         "eval/bon_gold_reward": bon_gold,
         "eval/bon_n": float(bon_n),
         "eval/bon_kl": bon_kl(bon_n),
@@ -920,13 +1056,6 @@ if __name__ == "__main__":
         "sps": num_updates * args.batch_size / wall,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    # save: the final policy (+ value head), the SFT reference and the reward model, each with the tokenizer
-    policy.lm.save_pretrained(run_dir / "policy")
-    tokenizer.save_pretrained(run_dir / "policy")
-    save_file({k: v.contiguous() for k, v in policy.v_head.state_dict().items()}, run_dir / "value_head.safetensors")
-    sft_lm.save_pretrained(run_dir / "sft_model")
-    tokenizer.save_pretrained(run_dir / "sft_model")
-    rm.save_pretrained(run_dir / "reward_model")
-    rm_tokenizer.save_pretrained(run_dir / "reward_model")
+    save_models(run_dir, policy, sft_lm, tokenizer, rm, rm_tokenizer)
     writer.close()
     print(json.dumps(summary_metrics, indent=1))

@@ -15,21 +15,26 @@ Key equations:
 
 Implementation details:
   0. The reward model starts from a supervised fine-tuned backbone (InstructGPT initializes it from the SFT
-     model): step 1 trains a causal LM of the same config on `make_sft_dataset` demonstrations (next-token loss on
-     prompt + completion, the reward model's exact input format) and copies its `base_model` into the
-     `AutoModelForSequenceClassification` (GPT-2: the shared `transformer.*` weights); the scalar head is new.
+     model): step 1 trains the causal LM (the tiny GPT-2, or `--model-name-or-path` with its pretrained LM head)
+     on `make_sft_dataset` demonstrations (next-token loss on prompt + completion, the reward model's exact input
+     format), then the `AutoModelForSequenceClassification` is built on the same config and its `base_model` is
+     loaded from the LM's (GPT-2: the `transformer.*` weights); the scalar head is new.
      Why it matters here: the SFT LM must learn the fact table ("capital of france ?" -> "paris") to predict the
      demonstrations, so the Bradley-Terry step only has to learn to read it out. From scratch, the noisy pairwise
      labels teach "right vs wrong city" very slowly ("london" scored like "paris"; held-out accuracy 0.69, within-
-     prompt ρ 0.69 at 1,500 prompts x 4 epochs; seed 1, default: 0.747 vs ceiling 0.748, ρ 0.90 with it). The
-     "<eos>" and rude/idk distinctions are learned either way. `--sft-epochs 0` turns it off.
+     prompt ρ 0.69 at 1,500 prompts x 4 epochs, seed 1, before the code of issue 15; with it, defaults, tuning seeds
+     101-110: accuracy 0.711-0.755 vs ceiling 0.746-0.759, ρ 0.64-0.91, >= 0.8 on 6 of 10 seeds). Reading the fact
+     out for a held-out phrasing is what fails on the weak seeds (seed 103 at lr 3e-3 scores "london" above
+     "paris"). The ended / cut-off and rude/idk distinctions are learned either way. `--sft-epochs 0` turns it off.
   1. Reward = a transformer backbone + linear head `score` read at the LAST NON-PAD token
-     (`AutoModelForSequenceClassification`, num_labels=1). The pad token (<pad>, id 0) is distinct from <eos>,
-     so the pooled token of a finished completion is its <eos>; a wrong pooled token is the most common reason
+     (`AutoModelForSequenceClassification`, num_labels=1). The pad token (<pad>, id 0) is distinct from EOS,
+     so the pooled token of a finished completion is its EOS; a wrong pooled token is the most common reason
      reward models sit at 50-60% accuracy. `last_non_pad_index` handles left and right padding; position ids
      come from the attention mask (cumsum - 1) so left padding is correct too.
-  2. Text scored = `prompt + " " + completion` (the completion ends with " <eos>" unless it was cut off), the
-     same join `rlhf_ppo_kl.py` uses. Right padding, no special tokens added.
+  2. The task speaks words, the tokenizer speaks tokens (`encode`): the ids scored are the tokenizer's encoding
+     of the text `prompt + " " + completion.text` with its own special-token convention (a Llama tokenizer
+     prepends its BOS <s>; GPT-2, GPT-NeoX and the built-in tokenizer add nothing), then the tokenizer's EOS id
+     if the completion ended (`Completion.ended`). `rlhf_ppo_kl.py` scores the same way. Right padding.
   3. K-wise "pairs" keeps all C(K,2) pairs of a ranking in ONE batch element: K forward passes instead of
      K(K-1), and no epoch sees the same completion in many unrelated minibatches (InstructGPT's overfitting fix).
   4. Reward centering (Eisenstein et al. 2023) pins the per-prompt offset that Bradley-Terry leaves free
@@ -49,6 +54,14 @@ Implementation details:
      drawn from; the gold utility is not used), and then pools. The same baseline is what group-relative policy
      gradients (RLOO, GRPO) subtract, so a policy trained with them never sees c(s).
 
+A real model (`--model-name-or-path gpt2`, `EleutherAI/pythia-70m`, a TinyLlama id, or a local `save_pretrained`
+dir): the same code path. The checkpoint's causal LM (pretrained LM head included) and tokenizer are loaded with
+`from_pretrained`; a pad token "<pad>" is added when the tokenizer has none (or uses EOS as pad) and the embeddings
+are resized; the end of an answer is the tokenizer's EOS (and a Llama tokenizer's <s> starts every sequence); SFT
+fine-tunes the pretrained weights. The default settings were chosen for the tiny model trained from scratch; for a
+pretrained model, learning rates well below its 3e-3 (SFT) / 1e-3 (reward) are the usual choice (not tuned here).
+Offline, a hub id that is not cached is a one-line error.
+
 What was scaled down and why: a 2-layer, 64-wide GPT-2 on the task vocabulary, SFT'd for ~750 steps on 4,000
 simulated demonstrations instead of a pretrained 6B model SFT'd on human demonstrations, and 3,000 ranked prompts
 of K=4 from a simulated labeler instead of human labels: it fits in a few minutes on a CPU and the gold utility
@@ -64,8 +77,8 @@ Reproduce: python algos/rlhf_reward_model.py --seed 1
 
 import copy
 import json
-import os
 import random
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -87,10 +100,11 @@ TASK_ID = "seqrl-preference"  # run-name prefix
 N_POSITIONS = 64  # tiny GPT-2 context: prompt (<= 9 tokens) + completion (<= 16 tokens) fits with room
 CALIBRATION_BINS = 10  # equal-width bins of σ(Δr) for the calibration table / error
 SCORE_BATCH = 512  # sequences per no-grad scoring forward pass
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "gpt2", "EleutherAI/pythia-70m": a name from_pretrained fetches
 PROBES = (  # off-distribution completions of the lecture prompt: does the proxy reward repetition? (gold says no)
-    "paris paris paris paris <eos>",
-    "paris , of course , paris , of course <eos>",
-    "paris",
+    preference.Completion("paris paris paris paris", ended=True),
+    preference.Completion("paris , of course , paris , of course", ended=True),
+    preference.Completion("paris", ended=False),  # the right answer, cut off: never ended
 )
 
 
@@ -115,8 +129,9 @@ class Args:
 
     # model
     model_name_or_path: str | None = None
-    """local dir / hub id of a model to start from (`AutoModelForSequenceClassification`, num_labels=1);
-    None = a tiny GPT-2 built from a config with the seqrl tokenizer's vocabulary"""
+    """a local `save_pretrained` dir or a hub id of a causal LM to start from (its weights and tokenizer; SFT
+    fine-tunes it, the reward model gets its backbone); None = a tiny GPT-2 built from a config over the seqrl
+    tokenizer's vocabulary"""
     n_layer: int = 2
     """tiny GPT-2: transformer blocks"""
     n_embd: int = 64
@@ -162,8 +177,9 @@ class Args:
     """passes over the preference data"""
     batch_size: int = 64
     """rankings per minibatch (kwise) or pairs per minibatch (pairwise)"""
-    learning_rate: float = 3e-3
-    """AdamW learning rate (linearly decayed to 0)"""
+    learning_rate: float = 1e-3
+    """AdamW learning rate of the reward-model step (linearly decayed to 0); 1e-3 rather than 3e-3: on tuning seeds
+    101-105 the worst seed kept 0.74 within-prompt Spearman instead of 0.55 (3e-3 forgets the SFT fact table)"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -247,19 +263,23 @@ def calibration_table(p_model: np.ndarray, p_true: np.ndarray, n_bins: int = CAL
 # ------------------------------------------------------------------------------------------------------------
 # Model helpers
 # ------------------------------------------------------------------------------------------------------------
-def rm_text(prompt: str, completion: str, tokenizer) -> str:
-    """The text a reward model scores: prompt, space, completion (<eos> spelled as the tokenizer's eos)."""
-    text = f"{prompt} {completion}"
-    if tokenizer.eos_token and tokenizer.eos_token != preference.EOS:
-        text = text.replace(preference.EOS, tokenizer.eos_token)
-    return text
+def rm_text(prompt: str, completion: preference.Completion) -> str:
+    """The words a reward model reads: prompt, space, the completion's text (no markup; see `encode` for its end)."""
+    return f"{prompt} {completion.text}".rstrip()
 
 
 def encode(tokenizer, prompts, completions, padding_side: str = "right") -> dict:
-    texts = [rm_text(p, c, tokenizer) for p, c in zip(prompts, completions, strict=True)]
-    tokenizer.padding_side = padding_side
-    enc = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
-    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    """Padded ids and attention mask (B, L) of `rm_text` in the tokenizer's own convention (Llama: <s> first), with
+    the tokenizer's EOS id appended to every completion that ended (details 2)."""
+    rows = tokenizer([rm_text(p, c) for p, c in zip(prompts, completions, strict=True)])["input_ids"]
+    rows = [ids + [tokenizer.eos_token_id] if c.ended else ids for ids, c in zip(rows, completions, strict=True)]
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)  # (B, L)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, L)
+    for i, r in enumerate(rows):
+        cols = slice(0, len(r)) if padding_side == "right" else slice(width - len(r), width)
+        input_ids[i, cols], attention_mask[i, cols] = torch.tensor(r, dtype=torch.long), 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
 def reward_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -308,38 +328,50 @@ def fold_normalization(model, mean: float, std: float) -> str:
     return where
 
 
-def build_model(args, device):
-    """(model, tokenizer): tiny GPT-2 from a config, or `--model-name-or-path` with num_labels=1."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2Config
+def build_lm(args, device):
+    """(causal LM, tokenizer): a tiny GPT-2 from a config over the seqrl tokenizer, or `--model-name-or-path` (a local
+    `save_pretrained` dir or a hub id) with its pretrained weights and tokenizer, given a pad token if it has none."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
 
     if args.model_name_or_path is None:
         tokenizer = build_tokenizer()
         config = GPT2Config(
             vocab_size=len(tokenizer), n_positions=N_POSITIONS, n_embd=args.n_embd, n_layer=args.n_layer,
-            n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, num_labels=1,
+            n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )  # fmt: skip
-        return AutoModelForSequenceClassification.from_config(config).to(device), tokenizer
+        return AutoModelForCausalLM.from_config(config).to(device), tokenizer
     path = args.model_name_or_path
-    if os.path.sep in path and not Path(path).exists():
-        raise SystemExit(f"error: --model-name-or-path '{path}' does not exist")
+    if not Path(path).exists() and not HUB_ID.fullmatch(path):
+        raise SystemExit(f"error: --model-name-or-path '{path}' does not exist (and is not a hub id)")
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
-    except (OSError, ValueError, KeyError) as e:
-        raise SystemExit(f"error: could not load --model-name-or-path '{path}': {str(e).splitlines()[0]}") from None
-    try:
+        lm = AutoModelForCausalLM.from_pretrained(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
-        tokenizer = build_tokenizer()  # a checkpoint saved without a tokenizer uses the seqrl one
-    if tokenizer.pad_token is None or tokenizer.pad_token == tokenizer.eos_token:
-        tokenizer.add_special_tokens({"pad_token": "<pad>"})  # a pad distinct from EOS (detail 1)
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
-    model.config.pad_token_id = tokenizer.pad_token_id
+    except (OSError, ValueError, KeyError) as e:  # offline and not cached, no such repo, no tokenizer, ...
+        raise SystemExit(f"error: could not load --model-name-or-path '{path}': {str(e).splitlines()[0]}") from None
+    if tokenizer.eos_token_id is None:
+        raise SystemExit(f"error: the tokenizer of '{path}' has no EOS token to end an answer with")
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "<pad>"})  # a pad distinct from EOS (details 1)
+    if len(tokenizer) > lm.get_input_embeddings().num_embeddings:
+        lm.resize_token_embeddings(len(tokenizer))
+    lm.config.pad_token_id = tokenizer.pad_token_id
+    return lm.to(device), tokenizer
+
+
+def reward_model_from(lm, tokenizer, device):
+    """`AutoModelForSequenceClassification` (num_labels=1) on the LM's config, its backbone loaded from the LM's
+    (`base_model`: GPT-2 `transformer`, Llama `model`, GPT-NeoX `gpt_neox`); the scalar head `score` is new."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = copy.deepcopy(lm.config)
+    config.num_labels, config.pad_token_id = 1, tokenizer.pad_token_id
+    model = AutoModelForSequenceClassification.from_config(config).to(device)
+    model.base_model.load_state_dict(lm.base_model.state_dict())
     if not hasattr(model, "score"):
         raise SystemExit(f"error: {type(model).__name__} has no `score` head; use a decoder-only model")
-    return model.to(device), tokenizer
+    return model
 
 
 def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -349,19 +381,12 @@ def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask
     return (nll * target).sum() / target.sum().clamp(min=1.0)
 
 
-def supervised_fine_tune(model, tokenizer, args, device, writer) -> float:
-    """STEP 1: causal-LM training of the reward model's backbone on demonstrations; returns the last epoch's NLL.
+def supervised_fine_tune(lm, tokenizer, args, device, writer) -> float:
+    """STEP 1: causal-LM training on demonstrations, in place; returns the last epoch's NLL.
 
-    A causal LM is built on the same config, its backbone (`base_model`) loaded from the reward model's, trained
-    on the reward model's exact input format (`rm_text`: prompt + completion, right padded, no special tokens
-    added), and its backbone copied back; the LM head is dropped, the scalar `score` head stays as initialized.
-    Predicting "paris" after "what is the capital of france ?" makes the backbone learn the fact table.
+    The input is the reward model's exact input format (`encode`: prompt + completion + EOS if it ended, right
+    padded), so predicting "paris" after "what is the capital of france ?" teaches the backbone the fact table.
     """
-    from transformers import AutoModelForCausalLM
-
-    config = copy.deepcopy(model.config)
-    lm = AutoModelForCausalLM.from_config(config).to(device)
-    lm.base_model.load_state_dict(model.base_model.state_dict())  # also the embeddings an LM head may tie to
     demos = preference.make_sft_dataset(args.sft_examples, seed=args.seed + 30_000, split="train")
     enc = encode(tokenizer, [d[0] for d in demos], [d[1] for d in demos])
     ids, mask = enc["input_ids"], enc["attention_mask"]  # (N, L)
@@ -388,7 +413,6 @@ def supervised_fine_tune(model, tokenizer, args, device, writer) -> float:
         epoch_nll = total / count
         writer.add_scalar("losses/sft_nll", epoch_nll, epoch)
         print(f"[sft] epoch {epoch + 1}/{args.sft_epochs}: nll {epoch_nll:.4f}")
-    model.base_model.load_state_dict(lm.base_model.state_dict())
     return epoch_nll
 
 
@@ -473,7 +497,8 @@ def lecture_scores(model, tokenizer, device) -> tuple[dict, str]:
     for i, (c, s) in enumerate(zip(texts, scores, strict=True)):
         kind = f"lecture_{i}" if i < len(examples) else f"probe_{i - len(examples)}"
         metrics[f"eval/score_{kind}"] = float(s)
-        lines.append(f"| {c} | {preference.gold_utility(prompt, c):+.2f} | {s:+.3f} |")
+        shown = c.text if c.ended else f"{c.text} (cut off)"
+        lines.append(f"| {shown} | {preference.gold_utility(prompt, c):+.2f} | {s:+.3f} |")
     return metrics, f'scores for "{prompt}" (lecture examples best first, then probes):\n' + "\n".join(lines)
 
 
@@ -534,12 +559,14 @@ if __name__ == "__main__":
         data = preference.make_preference_dataset(
             args.n_train_prompts, args.k, args.seed, args.temperature, args.flip_prob, split="train"
         )
-        model, tokenizer = build_model(args, device)
-        # 1b. supervised fine-tuning of the backbone on demonstrations (the reward model starts from the SFT model)
+        lm, tokenizer = build_lm(args, device)
+        # 1b. supervised fine-tuning on demonstrations; the reward model starts from the SFT model's backbone
         sft_nll = None
         if args.sft_epochs > 0:
-            sft_nll = supervised_fine_tune(model, tokenizer, args, device, writer)
+            sft_nll = supervised_fine_tune(lm, tokenizer, args, device, writer)
             print(f"SFT: {args.sft_examples} demos x {args.sft_epochs} epochs ({time.time() - start_time:.0f}s)")
+        model = reward_model_from(lm, tokenizer, device)
+        del lm
         if args.loss == "pairwise":  # every pair its own example: (prompt, chosen, rejected)
             p, c, r = preference.to_pairs(data)
             enc = encode(tokenizer, p + p, c + r)

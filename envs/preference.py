@@ -8,13 +8,17 @@ reproduces the lecture's numbers for its example completions
     "paris" +1.0 > "it's a city called paris" +0.9 > "i don't know" -0.1 > "london" -1.0
     > "why are you asking such a stupid question" -10.0
 
-and penalizes degenerate text (each repeated word, every word past `MAX_FREE_WORDS`, a missing `<eos>`).
+and penalizes degenerate text (each repeated word, every word past `MAX_FREE_WORDS`, an answer that never ended).
 The **labeler** samples pairwise preferences from Bradley-Terry on the gold utility, p(a > b) = σ((u_a - u_b)/T),
 optionally flipped with `flip_prob`, and K-wise rankings from Plackett-Luce (Gumbel-perturbed utilities, whose
 pairwise marginals are exactly the Bradley-Terry probabilities).
 
-Completions are plain lower-case words; one that ended properly ends with the literal token " <eos>"
-("paris <eos>"); one without it was cut off at `MAX_COMPLETION_TOKENS`. Text after the first `<eos>` is ignored.
+The task speaks words, a model's tokenizer speaks tokens. A completion is a `Completion(text, ended)`: plain text
+("paris", "it's a city called paris"; no tokenizer markup such as "<eos>") and whether the answer ended properly
+(`ended=True`) or was cut off at the length limit (`ended=False`, which the gold utility charges
+`MISSING_EOS_PENALTY`). A script maps `ended` to its model tokenizer's own end-of-sequence token when it encodes a
+completion, and back (did the model emit its EOS?) when it decodes one, with `skip_special_tokens`, so the gold
+utility never reads a tokenizer token and the same task serves a word-level tiny model and a BPE GPT-2 alike.
 
 Why a reward model can be over-optimized here: the SFT-like distribution (`sample_completions`) never repeats
 the correct answer, so a reward model learns "mentions the right city = good" from it; a policy that repeats the
@@ -24,12 +28,22 @@ past `MAX_FREE_WORDS` (Gao et al. 2022's over-optimization curve).
 """
 
 import re
+from typing import NamedTuple
 
 import numpy as np
 
-EOS = "<eos>"  # the tokenizer's end-of-sequence token; a completion that ended properly ends with " <eos>"
 PUNCTUATION = ("?", ".", ",", "!", "'")  # split off words, exactly as the shared tokenizer's pre-tokenizer does
-MAX_COMPLETION_TOKENS = 16  # length limit (tokens, incl. <eos>) at which SFT-like rambling is cut off
+# length limit of the data's completions, in words counting the end of the answer as one (as the built-in word-level
+# tokenizer's EOS token): an ended completion has at most 15 words, SFT-like rambling is cut off at 16
+MAX_COMPLETION_TOKENS = 16
+
+
+class Completion(NamedTuple):
+    """One answer: its plain text (words, no tokenizer markup) and whether it ended properly (False: cut off)."""
+
+    text: str
+    ended: bool
+
 
 # ---- gold utility constants (the hidden human); the first five are the lecture's example numbers ----
 EXACT_UTILITY = 1.0  # just the correct answer: "paris"
@@ -104,7 +118,7 @@ RUDE_TEMPLATES = (
     "go away",
     "ask someone else , idiot",
 )
-FILLER = "well , let me think"  # the rambling loop, repeated 2-5 times (4+ repeats get cut off: no <eos>)
+FILLER = "well , let me think"  # the rambling loop, repeated 2-5 times (4+ repeats get cut off: never ended)
 STUTTER = "i think i think it is {a}"  # repetitive, with a right or wrong answer
 
 STYLES = ("exact", "verbose", "idk", "wrong", "rude", "ramble")
@@ -113,22 +127,23 @@ SFT_LIKE_STYLE_PROBS = (0.25, 0.25, 0.12, 0.18, 0.05, 0.15)
 # The demonstrations for supervised fine-tuning: mostly decent, still imperfect (RL has something to improve).
 DEMO_STYLE_PROBS = (0.35, 0.33, 0.10, 0.12, 0.03, 0.07)
 
+
 LECTURE_EXAMPLES = (  # the lecture's running example and its completions, best first (gold 1.0, 0.9, -0.1, -1, -10)
     "what is the capital of france ?",
     (
-        "paris <eos>",
-        "it's a city called paris <eos>",
-        "i don't know <eos>",
-        "london <eos>",
-        "why are you asking such a stupid question <eos>",
+        Completion("paris", True),
+        Completion("it's a city called paris", True),
+        Completion("i don't know", True),
+        Completion("london", True),
+        Completion("why are you asking such a stupid question", True),
     ),
 )
 
-_TOKEN_RE = re.compile(r"<eos>|[a-z0-9]+|[?.,!']")  # = the tokenizer's lower-casing + whitespace/punctuation split
+_TOKEN_RE = re.compile(r"[a-z0-9]+|[?.,!']")  # = the shared tokenizer's lower-casing + whitespace/punctuation split
 
 
 def words_of(text: str) -> list[str]:
-    """Split text the way the shared tokenizer does: lower case, punctuation split off, `<eos>` kept whole."""
+    """Split text the way the shared tokenizer does: lower case, punctuation split off; other characters dropped."""
     return _TOKEN_RE.findall(text.lower())
 
 
@@ -176,7 +191,7 @@ def _collect_words() -> tuple[str, ...]:
     texts += [t for ts in VERBOSE_TEMPLATES.values() for t in ts] + list(WRONG_TEMPLATES) + list(IDK_TEMPLATES)
     texts += list(RUDE_TEMPLATES) + [FILLER, STUTTER] + list(PUNCTUATION)
     vocab = {w for t in texts for w in words_of(t.replace("{a}", "").replace("{c}", ""))}
-    return tuple(sorted(vocab - {EOS}))
+    return tuple(sorted(vocab))
 
 
 WORDS: tuple[str, ...] = _collect_words()  # every word any prompt or completion of this task can contain
@@ -185,14 +200,12 @@ WORDS: tuple[str, ...] = _collect_words()  # every word any prompt or completion
 # ------------------------------------------------------------------------------------------------------------
 # The hidden human
 # ------------------------------------------------------------------------------------------------------------
-def gold_utility(prompt: str, completion: str) -> float:
+def gold_utility(prompt: str, completion: Completion) -> float:
     """The hidden human's utility of `completion` as an answer to `prompt` (see the module docstring)."""
     relation, _, answer = prompt_fact(prompt)
-    tokens = words_of(completion)
-    ended = EOS in tokens
-    if ended:
-        tokens = tokens[: tokens.index(EOS)]  # text after the first <eos> was never shown
-    words = [t for t in tokens if t not in PUNCTUATION]
+    if not isinstance(completion, Completion):
+        raise TypeError(f"a completion is a Completion(text, ended), got {type(completion).__name__}")
+    words = [t for t in words_of(completion.text) if t not in PUNCTUATION]
     wrong = ENTITIES[relation] - {answer}
     has_right = answer in words
     has_wrong = any(w in wrong for w in words)
@@ -210,7 +223,7 @@ def gold_utility(prompt: str, completion: str) -> float:
         base = NO_ANSWER_UTILITY
     penalty = REPEAT_PENALTY * (len(words) - len(set(words)))
     penalty += LENGTH_PENALTY * max(0, len(words) - MAX_FREE_WORDS)
-    penalty += 0.0 if ended else MISSING_EOS_PENALTY
+    penalty += 0.0 if completion.ended else MISSING_EOS_PENALTY
     return float(base - penalty)
 
 
@@ -284,18 +297,20 @@ class Labeler:
 # ------------------------------------------------------------------------------------------------------------
 # Data generators
 # ------------------------------------------------------------------------------------------------------------
-def _truncate(text: str, ended: bool) -> str:
-    """Append <eos>, or cut the text to MAX_COMPLETION_TOKENS tokens without <eos> if it is too long/unended."""
+def _truncate(text: str, ended: bool) -> Completion:
+    """An ended completion, or the text cut to MAX_COMPLETION_TOKENS words, not ended, if it is too long/unended."""
     tokens = words_of(text)
-    if ended and len(tokens) < MAX_COMPLETION_TOKENS:
-        return " ".join(tokens + [EOS])
-    return " ".join(tokens[:MAX_COMPLETION_TOKENS])
+    if ended and len(tokens) < MAX_COMPLETION_TOKENS:  # the end of the answer counts as one more
+        return Completion(" ".join(tokens), True)
+    return Completion(" ".join(tokens[:MAX_COMPLETION_TOKENS]), False)
 
 
-def sample_completions(prompts, rng: np.random.Generator, n: int = 1, style_probs=SFT_LIKE_STYLE_PROBS) -> list[str]:
+def sample_completions(
+    prompts, rng: np.random.Generator, n: int = 1, style_probs=SFT_LIKE_STYLE_PROBS
+) -> list[Completion]:
     """n completions per prompt from an SFT-like mix of answer styles (`STYLES`, probabilities `style_probs`).
 
-    Returns a flat list of len(prompts) * n strings, prompt-major ([p0 c0, p0 c1, ..., p1 c0, ...]).
+    Returns a flat list of len(prompts) * n `Completion`s, prompt-major ([p0 c0, p0 c1, ..., p1 c0, ...]).
     """
     facts = [prompt_fact(p) for p in prompts]
     total = len(prompts) * n
@@ -329,7 +344,7 @@ def sample_completions(prompts, rng: np.random.Generator, n: int = 1, style_prob
     return out
 
 
-def make_sft_dataset(n: int, seed: int = 0, split: str = "train") -> list[tuple[str, str]]:
+def make_sft_dataset(n: int, seed: int = 0, split: str = "train") -> list[tuple[str, Completion]]:
     """n (prompt, completion) demonstrations: mostly decent but imperfect (`DEMO_STYLE_PROBS`)."""
     rng = np.random.default_rng(seed)
     pool = _split_prompts(split)
@@ -373,7 +388,7 @@ def make_preference_dataset(
     ]
 
 
-def to_pairs(dataset: list[dict]) -> tuple[list[str], list[str], list[str]]:
+def to_pairs(dataset: list[dict]) -> tuple[list[str], list[Completion], list[Completion]]:
     """All C(k, 2) (prompt, chosen, rejected) pairs implied by each ranking (chosen = ranked higher)."""
     prompts, chosen, rejected = [], [], []
     for item in dataset:

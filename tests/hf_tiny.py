@@ -27,7 +27,7 @@ def task_texts() -> list[str]:
     rng = np.random.default_rng(0)
     prompts = preference.train_prompts() + preference.heldout_prompts()
     completions = preference.sample_completions(prompts, rng, n=4)
-    texts = prompts + [c.replace(preference.EOS, "").strip() for c in completions]
+    texts = prompts + [c.text for c in completions]
     return texts + guess_image.all_utterances() + list(guess_image.REPLIES)
 
 

@@ -6,9 +6,14 @@ import numpy as np
 import pytest
 
 from envs import preference as P
+from envs.preference import Completion
 from envs.tokenizer import build_tokenizer
 
 PARIS = "what is the capital of france ?"
+
+
+def ended(text: str) -> Completion:
+    return Completion(text, ended=True)
 
 
 def test_gold_utility_orders_lecture_examples_with_lecture_numbers():
@@ -17,36 +22,49 @@ def test_gold_utility_orders_lecture_examples_with_lecture_numbers():
     u = [P.gold_utility(prompt, c) for c in completions]
     assert u == pytest.approx([1.0, 0.9, -0.1, -1.0, -10.0])  # the lecture's numbers, best first
     assert all(a > b for a, b in zip(u, u[1:], strict=False))
-    # the same answers, phrased the way a decoded tokenizer output looks, score the same
-    assert P.gold_utility(prompt, "it ' s a city called paris <eos>") == pytest.approx(0.9)
-    assert P.gold_utility(prompt, "i don ' t know <eos>") == pytest.approx(-0.1)
+    # the same answers, phrased the way a decoded word-level tokenizer output looks, score the same
+    assert P.gold_utility(prompt, ended("it ' s a city called paris")) == pytest.approx(0.9)
+    assert P.gold_utility(prompt, ended("i don ' t know")) == pytest.approx(-0.1)
+    # and the way a real model writes: capitals, glued punctuation
+    assert P.gold_utility(prompt, ended("It's a city called Paris.")) == pytest.approx(0.9)
+
+
+def test_a_properly_ended_answer_carries_no_penalty_and_the_task_text_has_no_markup():
+    # the task speaks words: the end of an answer is a flag, never a token in the text
+    assert P.gold_utility(PARIS, Completion("paris", ended=True)) == P.EXACT_UTILITY
+    assert P.gold_utility(PARIS, Completion("paris", ended=False)) == P.EXACT_UTILITY - P.MISSING_EOS_PENALTY
+    for text in P.WORDS:
+        assert "<" not in text and ">" not in text and "eos" not in text
+    samples = P.sample_completions(P.train_prompts() * 10, np.random.default_rng(0), n=2)
+    for c in samples:
+        assert "<" not in c.text and c.text == c.text.strip()
+    with pytest.raises(TypeError, match="Completion"):
+        P.gold_utility(PARIS, "paris")  # a bare string does not say whether the answer ended
 
 
 def test_gold_utility_penalizes_degenerate_text():
-    good = P.gold_utility(PARIS, "paris <eos>")
-    repeated = P.gold_utility(PARIS, "paris paris paris paris <eos>")
+    good = P.gold_utility(PARIS, ended("paris"))
+    repeated = P.gold_utility(PARIS, ended("paris paris paris paris"))
     assert repeated == pytest.approx(0.9 - 3 * P.REPEAT_PENALTY)  # 3 repeated words
     assert repeated < good
     # repeating the right answer many times is worse than an honest "i don't know"
-    assert P.gold_utility(PARIS, "paris " * 8 + "<eos>") < P.gold_utility(PARIS, "i don't know <eos>")
-    # a missing <eos> (cut off) costs MISSING_EOS_PENALTY
-    assert P.gold_utility(PARIS, "paris") == pytest.approx(1.0 - P.MISSING_EOS_PENALTY)
+    assert P.gold_utility(PARIS, ended("paris " * 8)) < P.gold_utility(PARIS, ended("i don't know"))
+    # an answer that never ended (cut off) costs MISSING_EOS_PENALTY
+    assert P.gold_utility(PARIS, Completion("paris", ended=False)) == pytest.approx(1.0 - P.MISSING_EOS_PENALTY)
     # length past MAX_FREE_WORDS costs LENGTH_PENALTY per word (14 distinct words -> 4 over)
-    long = "the capital of france is paris , a city that people there speak french in <eos>"
-    n_words = len([w for w in P.words_of(long) if w not in P.PUNCTUATION and w != P.EOS])
+    long = "the capital of france is paris , a city that people there speak french in"
+    n_words = len([w for w in P.words_of(long) if w not in P.PUNCTUATION])
     assert n_words == 14
     expected = P.VERBOSE_UTILITY - P.LENGTH_PENALTY * (n_words - P.MAX_FREE_WORDS)
-    assert P.gold_utility(PARIS, long) == pytest.approx(expected)
-    # text after the first <eos> is ignored
-    assert P.gold_utility(PARIS, "paris <eos> stupid stupid") == pytest.approx(1.0)
+    assert P.gold_utility(PARIS, ended(long)) == pytest.approx(expected)
     # hedging between the right and a wrong city; rude beats everything
-    assert P.gold_utility(PARIS, "paris or berlin <eos>") == pytest.approx(P.HEDGE_UTILITY - 0.0)
-    assert P.gold_utility(PARIS, "paris , idiot <eos>") == pytest.approx(P.RUDE_UTILITY)
+    assert P.gold_utility(PARIS, ended("paris or berlin")) == pytest.approx(P.HEDGE_UTILITY - 0.0)
+    assert P.gold_utility(PARIS, ended("paris , idiot")) == pytest.approx(P.RUDE_UTILITY)
 
 
 def test_unknown_prompt_is_a_clear_error():
     with pytest.raises(ValueError, match="not a prompt"):
-        P.gold_utility("what is the meaning of life ?", "42 <eos>")
+        P.gold_utility("what is the meaning of life ?", ended("42"))
 
 
 def test_gold_utility_batch_matches_scalar():
@@ -61,7 +79,7 @@ def test_gold_utility_batch_matches_scalar():
 def test_labeler_frequencies_match_bradley_terry(u1, u2, temperature, flip):
     # build two completions with the wanted utilities: u("paris")=1, u("i don't know")=-0.1, u("london")=-1
     # and Problem 21.3's 2.0 vs 0.0 as a utility difference of 2 at T=1 (paris vs london)
-    by_u = {1.0: "paris <eos>", -0.1: "i don't know <eos>", -1.0: "london <eos>", 0.9: "that would be paris <eos>"}
+    by_u = {1.0: ended("paris"), -0.1: ended("i don't know"), -1.0: ended("london"), 0.9: ended("that would be paris")}
     if (u1, u2) == (2.0, 0.0):
         a, b, diff = by_u[1.0], by_u[-1.0], 2.0  # difference 2.0, as in Problem 21.3
     else:
@@ -80,7 +98,7 @@ def test_labeler_frequencies_match_bradley_terry(u1, u2, temperature, flip):
 
 def test_rankings_have_bradley_terry_pairwise_marginals():
     # Plackett-Luce with K=3: P(i ranked above j) must be σ(u_i - u_j) for every pair, with flips as in prefer()
-    completions = ["paris <eos>", "i don't know <eos>", "london <eos>"]  # u = 1.0, -0.1, -1.0
+    completions = [ended("paris"), ended("i don't know"), ended("london")]  # u = 1.0, -0.1, -1.0
     u = np.array([1.0, -0.1, -1.0])
     n = 30_000
     for flip in (0.0, 0.25):
@@ -97,8 +115,8 @@ def test_rankings_have_bradley_terry_pairwise_marginals():
 
 def test_bayes_accuracy_hand_case():
     prompts = [PARIS] * 3
-    a = ["paris <eos>", "paris <eos>", "london <eos>"]
-    b = ["london <eos>", "paris <eos>", "i don't know <eos>"]
+    a = [ended("paris"), ended("paris"), ended("london")]
+    b = [ended("london"), ended("paris"), ended("i don't know")]
     s = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
     # diffs 2.0, 0.0, -0.9 at T=1 -> max(p, 1-p) = σ(2), 0.5, σ(0.9)
     expected = (s(2.0) + 0.5 + s(0.9)) / 3
@@ -156,20 +174,20 @@ def test_sft_like_samples_mix_all_styles_and_end_properly_or_are_cut():
         assert np.mean(np.isclose(u, value)) > 0.02, value  # every lecture style is present
     assert -2.0 < np.mean(u) < 0.0  # imperfect (5% rude at -10): room for RL to improve
     for s in samples:
-        tokens = P.words_of(s)
-        assert len(tokens) <= P.MAX_COMPLETION_TOKENS
-        assert tokens[-1] == P.EOS or len(tokens) == P.MAX_COMPLETION_TOKENS  # ended, or cut off at the limit
-    assert any(not s.endswith(P.EOS) for s in samples)  # some rambling is cut off
+        n_words = len(P.words_of(s.text))
+        assert (s.ended and n_words < P.MAX_COMPLETION_TOKENS) or (not s.ended and n_words == P.MAX_COMPLETION_TOKENS)
+    assert any(not s.ended for s in samples)  # some rambling is cut off
     demos = P.make_sft_dataset(2000, seed=0)
     assert np.mean(P.gold_utility_batch(*zip(*demos, strict=True))) > np.mean(u)  # demos are better on average
 
 
 def test_tokenizer_covers_every_word_of_the_task():
     tok = build_tokenizer(words=list(P.WORDS))
-    texts = P.train_prompts() + P.heldout_prompts() + list(P.LECTURE_EXAMPLES[1])
-    texts += P.sample_completions(P.train_prompts() * 20 + P.heldout_prompts() * 20, np.random.default_rng(0), n=3)
+    texts = P.train_prompts() + P.heldout_prompts() + [c.text for c in P.LECTURE_EXAMPLES[1]]
+    samples = P.sample_completions(P.train_prompts() * 20 + P.heldout_prompts() * 20, np.random.default_rng(0), n=3)
+    texts += [c.text for c in samples]
     ids = tok(texts).input_ids
     assert all(tok.unk_token_id not in row for row in ids)
     # decoding reproduces the canonical word sequence the gold utility parses
-    assert tok.decode(tok("it's a city called paris <eos>").input_ids) == "it ' s a city called paris <eos>"
+    assert tok.decode(tok("it's a city called paris").input_ids) == "it ' s a city called paris"
     assert P.words_of(tok.decode(ids[-1])) == P.words_of(texts[-1])

@@ -1,16 +1,21 @@
 """Tests of algos/rlhf_ppo_kl.py: the PPO-with-KL math against hand computations, the model plumbing (left padding,
-temperature, EOS masking) against plain loops, and subprocess smoke runs (GPT-2 default, a tiny Llama, loading
-saved SFT / reward models, bad input)."""
+temperature, EOS masking, non-text tokens) against plain loops, and subprocess smoke runs (GPT-2 default, tiny real
+GPT-2 / Llama / GPT-NeoX checkpoints, loading saved SFT / reward models, bad input)."""
 
 import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import load_script, run_script
 
+from envs import preference
+from envs.preference import Completion
+
 M = load_script("rlhf_ppo_kl")
+PARIS = "what is the capital of france ?"
 SMOKE = (  # a few seconds: tiny data, tiny model, two PPO updates
     "--sft-examples",
     "128",
@@ -43,6 +48,17 @@ SMOKE = (  # a few seconds: tiny data, tiny model, two PPO updates
 )
 
 
+# SFT long enough that a tiny BPE model learns to end its answers: EOS rate 0.97-1.00 over 200 samples (2-3 s of SFT)
+# for each architecture and seeds 1, 2 (also 1000 x 4 epochs of 16 and 2000 x 2 of 16); 60 evaluation samples
+REAL_SMOKE = (
+    *SMOKE[: SMOKE.index("--sft-examples")],
+    "--sft-examples", "1000", "--sft-epochs", "3", "--sft-lr", "3e-3", "--sft-batch-size", "32",
+    *SMOKE[SMOKE.index("--sft-epochs") + 2 : SMOKE.index("--eval-episodes")],
+    "--eval-episodes", "60",
+    *SMOKE[SMOKE.index("--eval-episodes") + 2 :],
+)  # fmt: skip
+
+
 def tiny_lm(vocab_size=12, seed=0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -63,6 +79,10 @@ def tiny_lm(vocab_size=12, seed=0):
     return GPT2LMHeadModel(config).eval()
 
 
+def no_mask(vocab_size=12):
+    return torch.zeros(vocab_size, dtype=torch.bool)
+
+
 def test_response_logprobs_match_manual_product_of_softmaxes_with_left_padding_and_temperature():
     lm, temperature, pad = tiny_lm(), 0.7, 0
     queries = [[1, 5, 6, 7], [1, 8]]  # different lengths: the second is left-padded
@@ -70,7 +90,7 @@ def test_response_logprobs_match_manual_product_of_softmaxes_with_left_padding_a
     query_ids = torch.tensor([queries[0], [pad, pad] + queries[1]])  # (2, 4), left-padded
     response_ids = torch.tensor(responses)  # (2, 3)
     with torch.no_grad():
-        logp = M.response_logprobs(M.lm_forward(lm, query_ids, response_ids, pad), response_ids, temperature)
+        logp = M.response_logprobs(M.lm_forward(lm, query_ids, response_ids, pad, no_mask()), response_ids, temperature)
     for i in range(2):
         n = 3 if i == 0 else 2
         manual = 0.0
@@ -86,7 +106,7 @@ def test_generate_pads_after_eos_and_matches_sampling_distribution_shape():
     lm = tiny_lm()
     query_ids = torch.tensor([[0, 1, 5], [1, 6, 7]])
     out = M.generate(
-        lm, query_ids, pad_id=0, eos_id=2, max_new_tokens=6, temperature=1.0, generator=torch.Generator().manual_seed(0)
+        lm, query_ids, 0, 2, no_mask(), max_new_tokens=6, temperature=1.0, generator=torch.Generator().manual_seed(0)
     )
     assert out.shape == (2, 6)
     mask, has_eos = M.completion_mask(out, eos_id=2)
@@ -96,6 +116,76 @@ def test_generate_pads_after_eos_and_matches_sampling_distribution_shape():
             assert e and m.sum() == k + 1 and all(tok == 0 for tok in row[k + 1 :])
         else:
             assert not e and m.all()
+
+
+def test_non_text_tokens_are_never_sampled_and_log_probs_see_the_same_distribution():
+    lm, pad, eos = tiny_lm(), 0, 2
+    not_text = no_mask()
+    not_text[[0, 1, 3]] = True  # pad, bos, unk of the tiny vocabulary
+    query_ids = torch.tensor([[1, 5, 6]] * 300)
+
+    def sample(mask):
+        gen = torch.Generator().manual_seed(0)
+        return M.generate(lm, query_ids, pad, eos, mask, 6, 1.0, gen, return_logits=True)
+
+    free, _ = sample(no_mask())  # a random tiny model: every token is likely somewhere in 300 x 6 samples
+    free_mask, _ = M.completion_mask(free, eos)
+    assert set(free[free_mask].tolist()) & {1, 3}  # without the mask bos / unk get sampled
+    out, logits = sample(not_text)
+    mask, _ = M.completion_mask(out, eos)
+    assert not set(out[mask].tolist()) & {0, 1, 3}
+    assert (logits[..., not_text] == M.NOT_TEXT_LOGIT).all()
+    with torch.no_grad():
+        fwd = M.lm_forward(lm, query_ids, out, pad, not_text)
+    torch.testing.assert_close(fwd[mask], logits[mask], atol=1e-4, rtol=1e-4)
+    logp = M.response_logprobs(fwd, out, 1.0)
+    assert torch.isfinite(logp).all()  # also at the padding after EOS: the masked losses never see inf - inf
+    probs = torch.softmax(fwd / 0.5, dim=-1)
+    assert (probs[..., not_text] == 0).all()  # probability exactly 0, at any temperature
+
+
+def test_generation_logits_equal_lm_forward_logits_on_real_architectures(hf_checkpoint):
+    # what PPO samples from is exactly what its log-probs, ratios and KL are computed on (left padding, KV cache,
+    # a BPE tokenizer given a pad token, special tokens masked)
+    lm, tok = M.with_pad_token(*M.load_pretrained("causal", str(hf_checkpoint), "ckpt"), "ckpt")
+    lm = M.disable_dropout(lm).eval()
+    not_text = M.not_text_mask(tok, lm.get_output_embeddings().weight.shape[0], "cpu")
+    assert not_text[tok.pad_token_id] and not not_text[tok.eos_token_id]
+    assert not_text[tok.bos_token_id] == (tok.bos_token_id != tok.eos_token_id)  # Llama's <s>; GPT-2's BOS is its EOS
+    prompts = [PARIS, "name the main language of egypt .", "which language is spoken in sweden ?"] * 4
+    query_ids = M.encode_prompts(tok, prompts, "cpu")  # left-padded: the prompts have different lengths
+    assert (query_ids[:, 0] == tok.pad_token_id).any()
+    out, gen_logits = M.generate(
+        lm, query_ids, tok.pad_token_id, tok.eos_token_id, not_text, 12, 0.8, torch.Generator().manual_seed(0),
+        return_logits=True,
+    )  # fmt: skip
+    mask, _ = M.completion_mask(out, tok.eos_token_id)
+    with torch.no_grad():
+        fwd_logits = M.lm_forward(lm, query_ids, out, tok.pad_token_id, not_text)
+    T = gen_logits.shape[1]
+    torch.testing.assert_close(fwd_logits[:, :T][mask[:, :T]], gen_logits[mask[:, :T]], atol=1e-4, rtol=1e-4)
+    assert not not_text[out[mask]].any()
+
+
+def test_decoded_completion_is_the_tasks_words_and_the_models_eos(hf_checkpoint):
+    lm, tok = M.with_pad_token(*M.load_pretrained("causal", str(hf_checkpoint), "ckpt"), "ckpt")
+    answers = [Completion("it's a city called paris", True), Completion("paris paris", False)]
+    rows = [M.completion_ids(tok, PARIS, c) for c in answers]
+    assert rows[0][-1] == tok.eos_token_id and tok.eos_token_id not in rows[1]
+    width = max(len(r) for r in rows) + 2
+    response_ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+    mask, has_eos = M.completion_mask(response_ids, tok.eos_token_id)
+    decoded = M.decode_completions(tok, response_ids, mask, has_eos)
+    assert decoded == answers  # no "</s>" / "<|endoftext|>" in the text, the end is the flag
+    # a properly ended answer carries no missing-EOS penalty; one that never ended does
+    gold = preference.gold_utility_batch([PARIS, PARIS], decoded)
+    cut_off = preference.VERBOSE_UTILITY - preference.REPEAT_PENALTY - preference.MISSING_EOS_PENALTY
+    assert gold.tolist() == pytest.approx([preference.VERBOSE_UTILITY, cut_off])
+    # the completion is spelled as it follows the prompt (" paris" with its space), as SFT teaches it
+    q = tok(PARIS, add_special_tokens=False)["input_ids"]
+    full = tok(f"{PARIS} {answers[0].text}", add_special_tokens=False)["input_ids"]
+    assert q + rows[0] == full + [tok.eos_token_id]
+    assert tok.decode(M.prompt_ids(tok, PARIS) + rows[0], skip_special_tokens=True) == f"{PARIS} {answers[0].text}"
 
 
 def test_completion_mask_includes_first_eos_only():
@@ -193,31 +283,76 @@ def test_bradley_terry_problem_21_3_and_bon_kl_and_adaptive_kl():
     loss = M.bradley_terry_loss(torch.tensor([2.0]), torch.tensor([0.0]))
     assert math.exp(-loss.item()) == pytest.approx(0.88, abs=0.005)  # lecture Problem 21.3
     assert M.bon_kl(1) == 0.0 and M.bon_kl(2) == pytest.approx(math.log(2) - 0.5)
+    # the matched n: bon_kl(12) = 1.568, bon_kl(13) = 1.642 -> KL 1.56 gives 12, 1.62 gives 13; capped; KL < 0 -> 1
+    assert [M.matched_bon_n(k, 64) for k in (1.56, 1.62, -0.3)] == [12, 13, 1] and M.matched_bon_n(50.0, 4) == 4
     assert M.adaptive_kl_update(0.1, kl=10.0, target=5.0, n_steps=100, horizon=1000) == pytest.approx(0.1 * 1.02)
     assert M.adaptive_kl_update(0.1, kl=4.0, target=5.0, n_steps=100, horizon=1000) == pytest.approx(0.1 * 0.98)
+
+
+def test_gae_value_baseline_absorbs_a_per_prompt_constant():
+    # Problem 21.3(c): a constant c(s) added to the final reward; a value head that has learned it (V + c) leaves the
+    # GAE advantages exactly as they were (gamma = 1): the value baseline is what absorbs the constant
+    torch.manual_seed(0)
+    rewards, values = torch.randn(3, 5), torch.randn(3, 5)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.float32)
+    rewards = rewards * mask
+    c = torch.tensor([2.0, -1.5, 0.7])  # one constant per prompt
+    last = mask.long().sum(1) - 1
+    shifted = rewards.clone()
+    shifted[torch.arange(3), last] += c
+    adv, _ = M.gae(rewards, values, mask, 1.0, 0.95)
+    adv_c, _ = M.gae(shifted, values + c[:, None], mask, 1.0, 0.95)
+    torch.testing.assert_close(adv_c, adv)
+    adv_stale, _ = M.gae(shifted, values, mask, 1.0, 0.95)  # a baseline that has not learned c(s) does not
+    assert not torch.allclose(adv_stale, adv)
+    # the offsets themselves: seeded, in range, all zero when off
+    prompts = preference.train_prompts()
+    offsets = M.prompt_offsets(prompts, 2.0, seed=3)
+    assert offsets == M.prompt_offsets(prompts, 2.0, seed=3) != M.prompt_offsets(prompts, 2.0, seed=4)
+    assert all(-2.0 <= v <= 2.0 for v in offsets.values()) and np.std(list(offsets.values())) > 0.5
+    assert set(M.prompt_offsets(prompts, 0.0, seed=3).values()) == {0.0}
+
+
+def test_objective_and_best_of_n_use_the_missing_eos_penalty_and_offset(monkeypatch):
+    # best-of-n picks by the objective PPO maximizes (normalized r_psi + c(s) - penalty * [no EOS]), not by raw r_psi
+    prompts = [PARIS, "what is the capital of germany ?"]
+    cut = Completion("paris", False)  # the right answer, cut off: gold 1 - 1 = 0
+    idk = Completion("i don't know", True)  # gold -0.1
+    right = Completion("berlin", True)  # gold 1
+    samples = [cut, idk, right, idk]  # prompt-major, n = 2
+    raw = {cut: 3.0, idk: 1.5, right: 2.0}  # the reward model likes the cut-off "paris" best
+
+    monkeypatch.setattr(M, "sample_completions", lambda *a, **k: list(samples))
+    monkeypatch.setattr(M, "rm_scores", lambda rm, tok, ps, cs, device: torch.tensor([raw[c] for c in cs]))
+    norm, offsets = (1.0, 2.0), {PARIS: 5.0, prompts[1]: -5.0}
+    scores = M.objective_scores(None, None, norm, offsets, [PARIS, PARIS], [cut, idk], 1.0, "cpu")
+    assert scores.tolist() == pytest.approx([(3.0 - 1.0) / 2 + 5.0 - 1.0, (1.5 - 1.0) / 2 + 5.0])
+    args = M.Args(missing_eos_penalty=1.0)
+    gold = M.best_of_n(None, None, None, norm, offsets, None, None, prompts, 2, args, "cpu", seed=0)
+    assert gold == pytest.approx((-0.1 + 1.0) / 2)  # idk over the cut-off paris, berlin over idk
+    args = M.Args(missing_eos_penalty=0.0)  # what the old raw-score selection did: the cut-off answer wins
+    gold = M.best_of_n(None, None, None, norm, offsets, None, None, prompts, 2, args, "cpu", seed=0)
+    assert gold == pytest.approx((0.0 + 1.0) / 2)
 
 
 def test_smoke_run_writes_summary_curve_and_models(runs_dir):
     summary = run_script("rlhf_ppo_kl", *SMOKE, runs_dir=runs_dir, timeout=300)
     m = summary["metrics"]
-    for key in (
-        "eval/gold_reward",
-        "eval/proxy_reward",
-        "eval/kl",
-        "eval/sft_gold_reward",
-        "eval/bon_gold_reward",
-        "eval/bon_n",
-        "eval/episodic_return",
-    ):
-        assert isinstance(m[key], float) and math.isfinite(m[key])
     run_dir = Path(summary["run_dir"])
     curve = [json.loads(line) for line in (run_dir / "curve.jsonl").read_text().splitlines()]
     assert [c["step"] for c in curve] == [0, 1, 2] and set(curve[0]) == {"step", "kl", "proxy_reward", "gold_reward"}
     assert curve[0]["kl"] == pytest.approx(0.0, abs=1e-5)  # the policy starts as pi_SFT
-    assert -12.0 < m["eval/gold_reward"] < 1.0  # within the gold utility's range
+    # the summary reports what the curve measured: SFT at step 0, the final policy last, the peak, the matched n
+    assert m["eval/sft_gold_reward"] == curve[0]["gold_reward"] and m["eval/gold_reward"] == curve[-1]["gold_reward"]
+    assert m["eval/episodic_return"] == m["eval/gold_reward"] and m["eval/kl"] == curve[-1]["kl"]
+    assert m["eval/max_gold_reward"] == max(c["gold_reward"] for c in curve)
+    assert m["eval/bon_n"] == M.matched_bon_n(m["eval/kl"], 4) and m["eval/bon_kl"] == M.bon_kl(int(m["eval/bon_n"]))
+    assert math.isfinite(m["eval/bon_gold_reward"])
+    assert summary["args"]["max_new_tokens"] == M.longest_demonstration(M.build_tokenizer(), M.Args(sft_examples=128))
     for sub in ("policy", "sft_model", "reward_model"):
         assert (run_dir / sub / "config.json").exists() and (run_dir / sub / "tokenizer.json").exists()
-    # STEPS 1-3 skipped: load the saved SFT policy and reward model (as written by another run)
+    # STEPS 1-3 skipped: load the saved SFT policy and reward model (as written by another run); a per-prompt reward
+    # offset changes the training objective only, never the evaluation
     again = run_script(
         "rlhf_ppo_kl",
         *SMOKE,
@@ -225,6 +360,8 @@ def test_smoke_run_writes_summary_curve_and_models(runs_dir):
         str(run_dir / "sft_model"),
         "--reward-model-path",
         str(run_dir / "reward_model"),
+        "--reward-offset",
+        "2.0",
         runs_dir=runs_dir,
         timeout=300,
     )
@@ -235,33 +372,25 @@ def test_smoke_run_writes_summary_curve_and_models(runs_dir):
     assert ev["metrics"]["eval/gold_reward"] == pytest.approx(m["eval/gold_reward"])
 
 
-def test_another_architecture_tiny_llama(runs_dir, tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def test_real_checkpoint_end_to_end_sft_ends_with_the_models_eos(hf_checkpoint, runs_dir):
+    # a tiny GPT-2 / Llama / GPT-NeoX with a BPE tokenizer and no pad token, as a user's --model-name-or-path
+    from transformers import AutoConfig, AutoTokenizer
 
-    import envs.tokenizer
-
-    tokenizer = envs.tokenizer.build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
-    tokenizer.save_pretrained(tmp_path / "llama")
-    summary = run_script("rlhf_ppo_kl", *SMOKE, "--model-name-or-path", str(tmp_path / "llama"), runs_dir=runs_dir)
-    assert math.isfinite(summary["metrics"]["eval/gold_reward"])
-    saved = json.loads((Path(summary["run_dir"]) / "policy" / "config.json").read_text())
-    assert saved["model_type"] == "llama"
+    summary = run_script("rlhf_ppo_kl", *REAL_SMOKE, "--model-name-or-path", str(hf_checkpoint), runs_dir=runs_dir)
+    m = summary["metrics"]
+    assert m["eval/sft_eos_rate"] >= 0.9  # SFT taught the model to end its answers with its own EOS token
+    assert summary["args"]["max_new_tokens"] > 16  # BPE spells the longest demonstrations in more than 16 tokens
+    run_dir = Path(summary["run_dir"])
+    curve = [json.loads(line) for line in (run_dir / "curve.jsonl").read_text().splitlines()]
+    assert [c["step"] for c in curve] == [0, 1, 2] and all(math.isfinite(c["kl"]) for c in curve)
+    model_type = AutoConfig.from_pretrained(hf_checkpoint).model_type
+    for sub in ("policy", "sft_model", "reward_model"):  # the checkpoint's architecture, fine-tuned, with its pad
+        assert AutoConfig.from_pretrained(run_dir / sub).model_type == model_type
+        tok = AutoTokenizer.from_pretrained(run_dir / sub)
+        assert tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id
 
 
-def test_missing_reward_model_dir_is_a_clear_error(runs_dir, tmp_path):
+def test_missing_reward_model_dir_is_a_clear_error(runs_dir, tmp_path, monkeypatch):
     proc = run_script(
         "rlhf_ppo_kl", *SMOKE, "--reward-model-path", str(tmp_path / "nope"), runs_dir=runs_dir, expect_fail=True
     )
@@ -271,6 +400,15 @@ def test_missing_reward_model_dir_is_a_clear_error(runs_dir, tmp_path):
         "rlhf_ppo_kl", *SMOKE, "--sft-model-path", str(tmp_path / "empty"), runs_dir=runs_dir, expect_fail=True
     )
     assert "error: --sft-model-path" in proc.stderr and "Traceback" not in proc.stderr
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline, a hub id that is not cached: one line, no traceback
+    proc = run_script(
+        "rlhf_ppo_kl", *SMOKE, "--model-name-or-path", "seqrl-no-such-org/no-such-model", runs_dir=runs_dir,
+        expect_fail=True,
+    )  # fmt: skip
+    assert "error: could not load --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_script("rlhf_ppo_kl", *SMOKE, "--model-name-or-path", str(tmp_path / "missing"), runs_dir=runs_dir,
+                      expect_fail=True)  # fmt: skip
+    assert "error: --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow

@@ -1,12 +1,15 @@
 """Tests of algos/rlhf_reward_model.py: losses by hand, pooling, Spearman, smoke runs, a slow learning test."""
 
-import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import load_script, run_script
+
+from envs import preference
+from envs.preference import Completion
 
 rm = load_script("rlhf_reward_model")
 TINY = ("--n-train-prompts", "48", "--epochs", "1", "--eval-episodes", "16", "--n-norm-samples", "64",
@@ -49,14 +52,21 @@ def test_pooled_index_is_last_non_pad_token_left_and_right():
     assert rm.position_ids_from_mask(left)[0].tolist() == [0, 0, 0, 1, 2]
 
 
+def tiny_reward_model(args=None):
+    lm, tok = rm.build_lm(args or rm.Args(), "cpu")
+    return rm.reward_model_from(lm, tok, "cpu").eval(), tok
+
+
 def test_reward_is_padding_invariant_and_matches_hf_forward():
     torch.manual_seed(0)
-    args = rm.Args()
-    model, tok = rm.build_model(args, "cpu")
-    model.eval()
+    model, tok = tiny_reward_model()
     assert tok.pad_token_id != tok.eos_token_id
     prompts = ["what is the capital of france ?"] * 3
-    completions = ["paris <eos>", "it's a city called paris <eos>", "i don't know"]
+    completions = [
+        Completion("paris", True),
+        Completion("it's a city called paris", True),
+        Completion("i don't know", False),
+    ]
     with torch.no_grad():
         r_right = rm.reward_forward(model, **rm.encode(tok, prompts, completions, "right"))
         r_left = rm.reward_forward(model, **rm.encode(tok, prompts, completions, "left"))
@@ -78,19 +88,21 @@ def test_causal_lm_loss_by_hand():
     assert rm.causal_lm_loss(logits, ids, mask).item() == pytest.approx(-(math.log(0.25) + math.log(0.1)) / 2)
 
 
-def test_sft_step_trains_the_backbone_and_keeps_the_head(tmp_path):
+def test_sft_trains_the_lm_and_the_reward_model_gets_its_backbone(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
     torch.manual_seed(0)
     args = rm.Args(sft_epochs=2, sft_examples=128, sft_batch_size=32)
-    model, tok = rm.build_model(args, "cpu")
-    backbone = {k: v.clone() for k, v in model.base_model.state_dict().items()}
-    head = model.score.weight.detach().clone()
-    nll = rm.supervised_fine_tune(model, tok, args, "cpu", SummaryWriter(str(tmp_path)))
-    assert math.isfinite(nll) and nll < math.log(len(tok))  # below the uniform guess after 8 updates
-    changed = [k for k, v in model.base_model.state_dict().items() if not torch.equal(v, backbone[k])]
-    assert "wte.weight" in changed and any(k.startswith("h.1.") for k in changed)  # the trained weights came back
-    torch.testing.assert_close(model.score.weight, head)  # the scalar head is untouched
+    lm, tok = rm.build_lm(args, "cpu")
+    before = {k: v.clone() for k, v in lm.base_model.state_dict().items()}
+    nll = rm.supervised_fine_tune(lm, tok, args, "cpu", SummaryWriter(str(tmp_path)))
+    assert math.isfinite(nll) and nll < math.log(len(tok))  # below the uniform guess after 4 updates
+    changed = [k for k, v in lm.base_model.state_dict().items() if not torch.equal(v, before[k])]
+    assert "wte.weight" in changed and any(k.startswith("h.1.") for k in changed)  # SFT trained the backbone
+    model = rm.reward_model_from(lm, tok, "cpu")
+    for k, v in lm.base_model.state_dict().items():  # the reward model starts from exactly the SFT backbone
+        assert torch.equal(model.base_model.state_dict()[k], v), k
+    assert model.score.weight.shape == (1, args.n_embd) and model.config.pad_token_id == tok.pad_token_id
 
 
 def test_spearman_and_rankdata():
@@ -112,10 +124,9 @@ def test_fold_normalization_makes_saved_model_output_normalized(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(0)
-    model, tok = rm.build_model(rm.Args(), "cpu")
-    model.eval()
+    model, tok = tiny_reward_model()
     prompts = ["what is the capital of france ?"] * 4
-    completions = ["paris <eos>", "london <eos>", "i don't know <eos>", "go away <eos>"]
+    completions = [Completion(t, True) for t in ("paris", "london", "i don't know", "go away")]
     raw = rm.score_texts(model, tok, prompts, completions, "cpu")
     where = rm.fold_normalization(model, float(raw.mean()), float(raw.std()))
     assert where == "final-norm bias"
@@ -128,8 +139,6 @@ def test_fold_normalization_makes_saved_model_output_normalized(tmp_path):
 def test_prompt_baselines_remove_a_per_prompt_offset(monkeypatch):
     # A "reward model" that scores the gold utility plus an arbitrary per-prompt constant c(s): Bradley-Terry could
     # never tell it from the gold (same within-prompt differences). Pooled ρ suffers; the prompt baseline removes c(s).
-    from envs import preference
-
     prompts = preference.heldout_prompts()
     offset = {p: 3.0 * math.sin(7.0 * i) for i, p in enumerate(prompts)}  # c(s), spread wider than the utilities
     texts: list[tuple[str, str]] = []
@@ -161,7 +170,12 @@ def test_smoke_run_and_eval_only(runs_dir):
         "eval/spearman_gold_centered",
     ):
         assert key in m and math.isfinite(m[key])
-    assert 0.5 <= m["eval/bayes_accuracy"] <= 1.0
+    # the ceiling is the labeler's on exactly the held-out comparisons (held-out prompts, seed + 10 000, C(4,2) pairs)
+    heldout = preference.make_preference_dataset(16, 4, 1 + 10_000, 1.0, 0.0, split="heldout")
+    pair_prompts, chosen, rejected = preference.to_pairs(heldout)
+    assert m["eval/n_pairs"] == 16 * 6 == len(chosen)
+    ceiling = preference.Labeler(temperature=1.0).bayes_accuracy(pair_prompts, chosen, rejected)
+    assert m["eval/bayes_accuracy"] == pytest.approx(ceiling)
     assert m["model/reward_mean_normalized"] == pytest.approx(0.0, abs=1e-3)
     assert m["model/reward_std_normalized"] == pytest.approx(1.0, abs=1e-3)
     run_dir = summary["run_dir"]
@@ -177,32 +191,59 @@ def test_smoke_kwise_softmax(runs_dir):
     assert summary["args"]["kwise_form"] == "softmax"
 
 
-def test_other_architecture_tiny_llama(tmp_path, runs_dir):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def test_real_checkpoint_keeps_its_weights_gets_a_pad_token_and_its_own_eos_and_bos(hf_checkpoint):
+    # a tiny GPT-2 / Llama / GPT-NeoX saved with save_pretrained, byte-level BPE tokenizer without a pad token
+    from transformers import AutoModelForCausalLM
 
-    from envs.tokenizer import build_tokenizer
+    original = AutoModelForCausalLM.from_pretrained(hf_checkpoint)
+    lm, tok = rm.build_lm(rm.Args(model_name_or_path=str(hf_checkpoint)), "cpu")
+    assert type(lm) is type(original)
+    assert tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id
+    n = original.get_input_embeddings().num_embeddings  # the pretrained rows are kept, a pad row was added
+    assert lm.get_input_embeddings().num_embeddings == len(tok) == n + 1
+    torch.testing.assert_close(lm.get_input_embeddings().weight[:n], original.get_input_embeddings().weight)
+    for (k, v), (k0, v0) in zip(lm.state_dict().items(), original.state_dict().items(), strict=True):
+        if "embed" not in k and "wte" not in k and "lm_head" not in k and "embed_out" not in k:
+            assert k == k0 and torch.equal(v, v0), k  # every other pretrained weight as loaded
+    model = rm.reward_model_from(lm, tok, "cpu")
+    assert type(model.base_model) is type(lm.base_model) and model.config.pad_token_id == tok.pad_token_id
+    # the task's words, the tokenizer's tokens: an ended answer ends with the tokenizer's own EOS id, Llama gets <s>
+    prompt = "what is the capital of france ?"
+    enc = rm.encode(tok, [prompt, prompt], [Completion("paris", True), Completion("it's paris", False)])
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    last = mask.sum(1) - 1
+    assert ids[0, last[0]] == tok.eos_token_id and ids[1, last[1]] != tok.eos_token_id
+    assert (ids[0, 0] == tok.bos_token_id) == (original.config.model_type == "llama")
+    assert tok.decode(ids[0], skip_special_tokens=True).strip() == f"{prompt} paris"
 
-    tok = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")  # no tokenizer saved: the seqrl one is used
-    summary = run_script("rlhf_reward_model", *TINY, "--model-name-or-path", str(tmp_path / "llama"), runs_dir=runs_dir)
-    saved = json.loads((tmp_path / "llama" / "config.json").read_text())
-    assert saved["model_type"] == "llama"
-    out = json.loads((runs_dir / summary["run_name"] / "reward_model" / "config.json").read_text())
-    assert out["model_type"] == "llama" and out["seqrl_reward_offset"] is not None  # RMSNorm: no bias to fold into
+
+def test_smoke_run_on_real_checkpoint(hf_checkpoint, runs_dir):
+    from transformers import AutoConfig, AutoTokenizer
+
+    summary = run_script("rlhf_reward_model", *TINY, "--model-name-or-path", str(hf_checkpoint), runs_dir=runs_dir)
+    m = summary["metrics"]
+    assert m["model/reward_mean_normalized"] == pytest.approx(0.0, abs=1e-3)
+    assert m["model/reward_std_normalized"] == pytest.approx(1.0, abs=1e-3)
+    assert math.isfinite(m["model/sft_nll"]) and math.isfinite(m["eval/spearman_gold_within_prompt"])
+    out = Path(summary["run_dir"]) / "reward_model"
+    assert AutoConfig.from_pretrained(out).model_type == AutoConfig.from_pretrained(hf_checkpoint).model_type
+    saved = AutoTokenizer.from_pretrained(out)
+    assert saved.pad_token_id is not None and saved.pad_token_id != saved.eos_token_id
+    again = run_script("rlhf_reward_model", *TINY, "--eval-only", "--checkpoint", summary["run_dir"], runs_dir=runs_dir)
+    assert again["metrics"]["eval/spearman_gold"] == pytest.approx(m["eval/spearman_gold"], abs=1e-4)
 
 
-def test_bad_input_gives_clear_error(runs_dir, tmp_path):
+def test_bad_input_gives_clear_error(runs_dir, tmp_path, monkeypatch):
     proc = run_script("rlhf_reward_model", "--eval-only", "--checkpoint", str(tmp_path / "nope"), runs_dir=runs_dir,
                       expect_fail=True)  # fmt: skip
     assert "error: --checkpoint" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_script("rlhf_reward_model", "--model-name-or-path", str(tmp_path / "missing"), runs_dir=runs_dir,
                       expect_fail=True)  # fmt: skip
     assert "error: --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline, a hub id that is not cached: one line, no traceback
+    proc = run_script("rlhf_reward_model", "--model-name-or-path", "seqrl-no-such-org/no-such-model", runs_dir=runs_dir,
+                      expect_fail=True)  # fmt: skip
+    assert "error: could not load --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_script("rlhf_reward_model", "--eval-only", runs_dir=runs_dir, expect_fail=True)
     assert "error: --eval-only needs --checkpoint" in proc.stderr
     proc = run_script("rlhf_reward_model", "--n-center-samples", "0", runs_dir=runs_dir, expect_fail=True)
