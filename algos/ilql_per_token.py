@@ -74,13 +74,21 @@ Implementation details:
   12. Lecture Problem 21.4 (time-step design), measured: `timestep/rl_steps_per_dialogue` (agent tokens of a
      training dialogue: the RL horizon the backup crosses, 28.5 on average here, at most 48) and
      `timestep/actions_per_step` (the writable vocabulary: 111 of 115 tokens, one exact argmax over the Q head).
+  13. Top-k runs on the combined score log π_BC + β A, as in trlx's `generate` (`topk_mask(pi_beta + beta * adv)`),
+     not on π_BC alone as in Snell's `score` (top-k of the BC logits, then reweighted by exp(β A)). So β trades the
+     two off inside one ranking: at β = 0 the 20 kept tokens are BC's top 20; at large β they are the 20 tokens of
+     highest advantage, and β = 256 is close to the argmax of A over the whole writable vocabulary (log π_BC, at most
+     a few nats apart among plausible tokens, only breaks near-ties). What keeps that argmax on the data's support is
+     the CQL term, which pushes down the Q-values of tokens the data does not use, not a BC filter. Kept as trlx
+     does it: the measured numbers below were produced with it, and β is chosen on validation episodes anyway.
 
 Defaults and where they come from (trlx = CarperAI/trlx default ILQL config; Snell = visdial train_iql.yaml):
   τ = 0.7 (trlx; Snell 0.8), CQL weight α_cql = 0.1 (trlx cql_scale; Snell 1.0), BC weight 1 (both: awac_scale 1
   with awac β = 0, i.e. plain BC), two Q heads with min (both), Polyak α = 0.05 every step (10x Snell's 0.005,
   detail 10; trlx 0.001 every 5 steps), γ = 1.0 (Snell's per-token default), decoding top-k 20 and temperature 1
   (trlx), belief auxiliary weight 1 (ours, detail 9), β swept over 0..256 (trlx sweeps [1, 4]; Snell decodes
-  visdial with exp-advantage weight 16; large β = pick the highest-advantage token among the BC model's top 20).
+  visdial with exp-advantage weight 16; top-k of log π_BC + β A, so large β = the highest-advantage tokens over the
+  whole vocabulary, not among BC's top 20: detail 13).
 What was scaled down and why: a 2-layer, 64-wide decoder trained from scratch on the 115-token seqrl vocabulary
 (Snell: pretrained GPT-2 small, lr 1e-5), 20k synthetic dialogues, 4000 steps of 32 dialogues at lr 2e-3: it
 trains and evaluates (6 β values x 680 episodes) in ~6 minutes on one thread of the 2-core box (324-366 s with
@@ -237,7 +245,7 @@ class Args:
     betas: tuple[float, ...] = (0.0, 1.0, 4.0, 16.0, 64.0, 256.0)
     """advantage weights β swept at evaluation (β = 0 is BC); the best on validation is the headline"""
     top_k: int = 20
-    """top-k filter of the decoding scores (trlx's default); 0 = no filter"""
+    """top-k filter of the decoding scores log π_BC + β A (trlx's order and default, detail 13); 0 = no filter"""
     greedy: bool = False
     """decode by argmax of log π_BC + β A instead of sampling"""
 

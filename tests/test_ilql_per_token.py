@@ -268,6 +268,19 @@ def test_special_tokens_are_never_written_even_when_the_model_prefers_them():
         assert all("<" not in text for text in agent.act_batch(histories))
 
 
+def test_top_k_ranks_the_combined_score_not_the_bc_policy():
+    """Detail 13 (trlx's order): top-k keeps the k best of log π_BC + β A. A token outside BC's top 2 but with the
+    highest advantage is dropped at β = 0 and kept (and is the argmax) at large β; a BC-first filter (Snell's order)
+    would drop it at every β."""
+    logits = torch.tensor([4.0, 3.0, 2.0, -1.0, -2.0])  # BC prefers tokens 0, 1, 2; token 3 is BC's 4th choice
+    q = torch.tensor([0.0, 0.1, 0.0, 1.0, -0.5])  # ... but has the highest advantage
+    v = torch.tensor(0.0)
+    for beta, kept in ((0.0, {0, 1}), (1.0, {0, 1}), (16.0, {1, 3}), (256.0, {1, 3})):
+        scores = M.top_k_filter(M.decoding_scores(logits, q, q, v, beta)[None], 2)[0]
+        assert set(torch.isfinite(scores).nonzero().flatten().tolist()) == kept, beta
+    assert int(M.top_k_filter(M.decoding_scores(logits, q, q, v, 256.0)[None], 2)[0].argmax()) == 3
+
+
 def test_beta_zero_decoding_is_bc_and_top1_sampling_is_argmax():
     lm, heads, tok = tiny_model(seed=1)
     x = torch.tensor([G.tokenize_prompt([("is it big ?", "no .")], tok)])
