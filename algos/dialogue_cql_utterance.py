@@ -17,7 +17,7 @@ Key equations (s = history, a = utterance, C(s) = deduplicated set of N samples 
   policy     pi(s) = argmax_{b in C_N(s)} min_j Q_j(s, b)                                     (N fresh BC samples)
 
 Implementation details:
-  1. BC LM: a tiny GPT-2 (built from a GPT2Config over the seqrl word vocabulary, or `--model-name-or-path`)
+  1. BC LM: a tiny GPT-2 (built from a GPT2Config over the seqrl word vocabulary, or `--model-name-or-path`, detail 8)
      trained by next-token cross-entropy given the history <bos> a1 <sep> r1 <sep> ... (`G.tokenize_dialogue`
      layout) on every token, the answerer's replies included (`--bc-all-tokens`, as ILQL's LM head: predicting the
      replies is a world-model auxiliary that teaches the model to read the answers; it only ever samples agent
@@ -25,9 +25,13 @@ Implementation details:
      CQL 0.080, proposer -0.190 vs 0.277 / -0.157). Identical dialogues are merged and weighted by their count
      (20k -> ~11k distinct, the same loss); AdamW, warmup then cosine decay.
   2. Candidates: for every distinct history of the dataset (20k dialogues have ~22k distinct non-final histories,
-     many repeat) N utterances are sampled ONCE after BC training (the prompt is encoded once, its KV cache repeated
-     N times), normalised (`G.normalize_utterance`) and deduplicated. The dataset utterance is added to the set
-     for the CQL logsumexp of its own state; the Bellman target uses the sampled set only.
+     many repeat) N utterances are sampled ONCE after BC training, normalised (`G.normalize_utterance`) and
+     deduplicated. The dataset utterance is added to the set for the CQL logsumexp of its own state; the Bellman
+     target uses the sampled set only. Sampling (`sample_utterances`) encodes each left-padded prompt once into a
+     transformers `StaticCache` (K/V preallocated for the prompt + the utterance budget, any architecture), repeats
+     its rows N times (`reorder_cache`) and writes each new token's K/V in place: one forward pass per token for
+     all histories x N samples. It never samples a special token but the separator (pad, bos, eos, unk are not
+     text) and decodes with skip_special_tokens before normalising.
   3. Critic: shared word embeddings; each history turn (utterance + reply, "is it red ? no , it is not red .") is
      mean-pooled embeddings + a linear layer, each candidate a GRU over its words (a bag of words cannot tell the
      malformed "is it is the big red circle ." from the guess); a GRU runs over the history's turn vectors (<= 8
@@ -43,6 +47,16 @@ Implementation details:
      headline, as `ilql_per_token.py` chooses beta. A cooler proposer puts fewer malformed or premature utterances
      into the set and the critic picks among supported ones. Training candidates are sampled at `--temperature`
      0.7: still a diverse set for the max and the CQL logsumexp, with fewer malformed ones (see Measured).
+  8. Real checkpoints (`--model-name-or-path`: a save_pretrained dir or a hub id, e.g. gpt2, EleutherAI/pythia-70m,
+     a TinyLlama): the task speaks words, the model's tokenizer speaks tokens. The proposer is the checkpoint with
+     its own tokenizer and pretrained weights; the dialogue is framed with its BOS / EOS, and "<sep>" (turn
+     separator) and "<pad>" are added as special tokens when it has none (GPT-2, Llama, GPT-NeoX ship with
+     neither), the embeddings grown by those rows (`add_dialogue_tokens`). The critic embeds the same token ids.
+     Lower `--bc-lr` for a pretrained model (e.g. 1e-4). With the built-in tiny model nothing changes.
+  9. Lecture Problem 21.4 (time-step design), measured: `timestep/rl_steps_per_dialogue` (agent turns per training
+     dialogue: the RL horizon, 4.85 on average, at most 8), `timestep/action_space_log10` (every sequence of up to
+     12 tokens of the 111 writable ones: 10^24.5 utterances), `timestep/distinct_data_utterances` (26 in the data)
+     and `timestep/actions_per_step` (the deduplicated candidate set the Bellman max runs over: ~6.5 of N = 16).
 
 What is taken from CHAI [1] and from Snell's re-implementation [3], and what differs:
   - CHAI: per-utterance Q(s, a) trained offline with a CQL penalty; max over actions approximated by sampling
@@ -107,7 +121,7 @@ import envs.guess_image as G  # noqa: E402
 from envs.tokenizer import build_tokenizer  # noqa: E402
 
 TASK_ID = "seqrl/GuessTheImage-v0"  # the task name in the run dir
-MAX_UTTERANCE_TOKENS = G.MAX_UTTERANCE_WORDS  # generation stops after this many tokens without <sep>
+SEP_TOKEN, PAD_TOKEN = "<sep>", "<pad>"  # added to a checkpoint's tokenizer that lacks a turn separator / pad token
 MASKED_Q = -1e9  # value given to padded candidate slots before a max / logsumexp
 BC_SORT_BLOCK = 32  # BC minibatches are formed from length-sorted blocks of 32 minibatches (less padding)
 BC_WARMUP_STEPS = 50  # linear learning-rate warmup of the BC LM (then cosine decay to 0)
@@ -149,7 +163,9 @@ class Args:
 
     # STEP 1: the BC utterance model (proposer)
     model_name_or_path: str | None = None
-    """base causal LM to fine-tune as the proposer (local dir or hub id); None: a tiny GPT-2 built from a config"""
+    """base causal LM to fine-tune as the proposer: a save_pretrained dir or a hub id (gpt2, EleutherAI/pythia-70m,
+    ...), kept with its own tokenizer ("<sep>" / "<pad>" added when missing, detail 8); None: a tiny GPT-2 built from
+    a config over the built-in word-level tokenizer"""
     n_embd: int = 64
     """width of the tiny GPT-2"""
     n_layer: int = 2
@@ -334,10 +350,13 @@ def pad_rows(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 # ---------------------------------------------------------------------------------------------------------------
 # BC LM: build, train, sample
 # ---------------------------------------------------------------------------------------------------------------
-def build_lm(args, tokenizer):
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+def build_lm(args):
+    """The proposer and its tokenizer: a tiny GPT-2 from a config over the built-in word-level tokenizer, or the
+    pretrained `--model-name-or-path` (a save_pretrained dir or a hub id) with its own tokenizer, weights kept."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     if args.model_name_or_path is None:
+        tokenizer = build_tokenizer()
         config = GPT2Config(
             vocab_size=len(tokenizer),
             n_positions=LM_POSITIONS,
@@ -351,20 +370,66 @@ def build_lm(args, tokenizer):
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-        return GPT2LMHeadModel(config)
+        return GPT2LMHeadModel(config), tokenizer
+    path = args.model_name_or_path
     try:
-        lm = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        lm = AutoModelForCausalLM.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(
-            f"error: could not load --model-name-or-path '{args.model_name_or_path}': {str(e).splitlines()[0]}"
+            f"error: could not load --model-name-or-path '{path}' (a save_pretrained dir, or a hub id that is in the "
+            f"local Hugging Face cache when offline): {str(e).strip().splitlines()[0]}"
         ) from None
-    if not (hasattr(lm, "transformer") and hasattr(lm.transformer, "h") and hasattr(lm.config, "n_head")):
-        raise SystemExit(
-            f"error: --model-name-or-path must be a GPT-2 architecture model (the sampler uses GPT-2 "
-            f"blocks), got {type(lm).__name__}"
-        )
-    lm.resize_token_embeddings(len(tokenizer))  # the seqrl word vocabulary replaces the model's own tokenizer
-    return lm
+    added = add_dialogue_tokens(tokenizer, lm)
+    print(f"loaded {type(lm).__name__} from '{path}'; added special tokens {added}", flush=True)
+    return lm, tokenizer
+
+
+def add_dialogue_tokens(tokenizer, lm) -> list[str]:
+    """Give a checkpoint's tokenizer what the dialogue layout (`G.tokenize_dialogue`) needs, as its own special
+    tokens: a turn separator and a pad token distinct from BOS/EOS (GPT-2, Llama and GPT-NeoX ship with neither:
+    "<sep>" / "<pad>" are added and the embeddings resized, new rows at the mean of the pretrained ones, the
+    transformers default), and a BOS (the EOS when there is none). Returns the tokens it added (none for the
+    built-in tokenizer)."""
+    if tokenizer.eos_token is None:
+        raise SystemExit("error: the tokenizer has no EOS token; the dialogue layout ends every dialogue with one")
+    if tokenizer.bos_token is None:
+        tokenizer.bos_token = tokenizer.eos_token
+    framing = {tokenizer.bos_token_id, tokenizer.eos_token_id}
+    added = {}
+    if tokenizer.sep_token is None or tokenizer.sep_token_id in framing:
+        added["sep_token"] = SEP_TOKEN
+    if tokenizer.pad_token is None or tokenizer.pad_token_id in framing | {tokenizer.sep_token_id}:
+        added["pad_token"] = PAD_TOKEN
+    if added:
+        tokenizer.add_special_tokens(added)
+    if len(tokenizer) > lm.get_input_embeddings().weight.shape[0]:
+        lm.resize_token_embeddings(len(tokenizer))
+    lm.config.pad_token_id = tokenizer.pad_token_id
+    return list(added.values())
+
+
+def n_logits(lm) -> int:
+    """Rows of the LM head (the tokenizer's size, or more for checkpoints that pad their embedding table)."""
+    return lm.get_output_embeddings().weight.shape[0]
+
+
+def banned_token_mask(tokenizer, n_logits: int) -> torch.Tensor:
+    """(n_logits,) bool, True for the tokens an utterance may never contain: every special token but the turn
+    separator (pad, bos, eos, unk, ...: they are not text; an utterance ends with the separator) and the output rows
+    beyond the tokenizer (padding rows of tables such as Pythia's; those ids decode to nothing)."""
+    banned = torch.zeros(n_logits, dtype=torch.bool)
+    banned[len(tokenizer) :] = True
+    banned[[i for i in tokenizer.all_special_ids if i != tokenizer.sep_token_id and i < n_logits]] = True
+    return banned
+
+
+def utterance_budget(tokenizer) -> int:
+    """Tokens one sampled utterance may take, its closing separator included: G.MAX_UTTERANCE_WORDS words (what the
+    env shows of a malformed utterance) or the longest valid utterance in this tokenizer's tokens, whichever is
+    longer, + the separator. 13 for the built-in word-level tokenizer (longest valid utterance: 7 words)."""
+    longest = max(len(tokenizer(u, add_special_tokens=False)["input_ids"]) for u in G.all_utterances())
+    return max(G.MAX_UTTERANCE_WORDS, longest) + 1
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -409,7 +474,8 @@ def belief_loss(belief_logits: torch.Tensor, secret: torch.Tensor, real: torch.T
 
 def train_bc(lm, tokenized: list[dict], secrets, args, device, writer, pad_id: int):
     """STEP 1: next-token cross-entropy on every token (or the agent tokens) of every dialogue, plus the belief
-    auxiliary. Identical dialogues are merged with their counts as weights; AdamW with linear warmup, cosine decay."""
+    auxiliary. Identical dialogues are merged with their counts as weights; AdamW with linear warmup, cosine decay.
+    Returns the trained LM and its BC NLL over the first and the last 10% of the steps."""
     tokenized, counts, secrets = dedupe_dialogues(tokenized, secrets)
     n = len(tokenized)
     n_batches = math.ceil(n / args.bc_batch_size)
@@ -422,7 +488,7 @@ def train_bc(lm, tokenized: list[dict], secrets, args, device, writer, pad_id: i
     rng = np.random.default_rng(args.seed)
     lengths = np.array([len(d["input_ids"]) for d in tokenized])
     print(f"[bc] {n} distinct dialogues (of {int(counts.sum())}), {total_steps} steps", flush=True)
-    step, loss_bc = 0, torch.tensor(float("nan"))
+    step, loss_bc, nll_curve = 0, torch.tensor(float("nan")), []
     loss_belief = torch.tensor(float("nan"))
     for epoch in range(args.bc_epochs):
         perm = rng.permutation(n)
@@ -451,6 +517,7 @@ def train_bc(lm, tokenized: list[dict], secrets, args, device, writer, pad_id: i
             optimizer.step()
             scheduler.step()
             step += 1
+            nll_curve.append(loss_bc.item())
             if step % 50 == 0:
                 writer.add_scalar("losses/bc_nll", loss_bc.item(), step)
                 if use_belief:
@@ -458,30 +525,10 @@ def train_bc(lm, tokenized: list[dict], secrets, args, device, writer, pad_id: i
                 writer.add_scalar("charts/bc_learning_rate", scheduler.get_last_lr()[0], step)
         belief_text = f" belief nll {loss_belief.item():.3f}" if args.belief_coef > 0 else ""
         print(f"[bc] epoch {epoch} nll {loss_bc.item():.3f}{belief_text}", flush=True)
-    return lm
-
-
-def gpt2_forward(lm, ids, positions, k_bufs, v_bufs, start: int, key_mask) -> torch.Tensor:
-    """GPT-2 forward of new tokens ids (R, T) at cache slots start..start+T-1 with preallocated per-layer K/V buffers
-    (R, H, L_max, hd), written in place (no growing cache: HF's DynamicCache re-concatenates the whole cache every
-    step, which made sampling 22k histories x 8 candidates take minutes). key_mask (R, L_max) marks real tokens.
-    Returns logits (R, T, V). Same math as GPT2LMHeadModel (no dropout); tested against it."""
-    tr = lm.transformer
-    x = tr.wte(ids) + tr.wpe(positions)  # (R, T, C)
-    R, T, C = x.shape
-    H = lm.config.n_head
-    end = start + T
-    causal = torch.ones(T, end, dtype=torch.bool, device=ids.device).tril(diagonal=start)  # (T, end)
-    mask = causal[None, None] & key_mask[:, None, None, :end]  # (R, 1, T, end)
-    for layer, block in enumerate(tr.h):
-        q, k, v = block.attn.c_attn(block.ln_1(x)).split(C, dim=2)  # 3 x (R, T, C)
-        q, k, v = (z.view(R, T, H, C // H).transpose(1, 2) for z in (q, k, v))  # (R, H, T, hd)
-        k_bufs[layer][:, :, start:end], v_bufs[layer][:, :, start:end] = k, v
-        scores = q @ k_bufs[layer][:, :, :end].transpose(-1, -2) / math.sqrt(C // H)  # (R, H, T, end)
-        att = scores.masked_fill(~mask, MASKED_Q).softmax(dim=-1) @ v_bufs[layer][:, :, :end]  # (R, H, T, hd)
-        x = x + block.attn.c_proj(att.transpose(1, 2).reshape(R, T, C))
-        x = x + block.mlp(block.ln_2(x))
-    return lm.lm_head(tr.ln_f(x))  # (R, T, V)
+    window = max(1, len(nll_curve) // 10)  # the first and the last 10% of the steps
+    if not nll_curve:  # --bc-epochs 0
+        return lm, {}
+    return lm, {"model/bc_nll_start": np.mean(nll_curve[:window]), "model/bc_nll_end": np.mean(nll_curve[-window:])}
 
 
 @torch.no_grad()
@@ -495,41 +542,51 @@ def sample_utterances(
     generator: torch.Generator,
     batch_size: int,
 ) -> list[list[str]]:
-    """n sampled utterances (text up to the agent's <sep>, normalised) for each prompt. The prompt is encoded once;
-    its keys/values are copied n times into preallocated buffers that the sampled tokens are written into."""
+    """n sampled utterances for each prompt: tokens up to the agent's separator, never a banned special token,
+    decoded without special tokens and normalised (`G.normalize_utterance`); temperature 0 = greedy (argmax).
+
+    The prompts (left-padded) are encoded once into a transformers `StaticCache` (K/V buffers preallocated for the
+    prompt and the utterance budget, any architecture), whose rows are then repeated n times (`reorder_cache`);
+    each sampled token's keys/values are written into it in place, one forward pass per token for all B * n rows."""
+    from transformers import StaticCache
+
     pad, sep = tokenizer.pad_token_id, tokenizer.sep_token_id
-    H, C, n_layer = lm.config.n_head, lm.config.n_embd, lm.config.n_layer
-    steps = MAX_UTTERANCE_TOKENS + 1  # words + the closing <sep>
+    banned = banned_token_mask(tokenizer, n_logits(lm)).to(device)
+    steps = utterance_budget(tokenizer)
     out: list[list[str]] = []
     for begin in range(0, len(prompts), batch_size):
         chunk = prompts[begin : begin + batch_size]
         B, Lp = len(chunk), max(len(p) for p in chunk)
         ids = torch.tensor([[pad] * (Lp - len(p)) + p for p in chunk], device=device)  # (B, Lp) left-padded
-        key_mask = F.pad(ids != pad, (0, steps), value=True)  # (B, Lp + steps)
-        positions = position_ids_from_mask(ids != pad)  # (B, Lp)
-        bufs = [torch.zeros(B, H, Lp + steps, C // H, device=device) for _ in range(2 * n_layer)]
-        logits = gpt2_forward(lm, ids, positions, bufs[:n_layer], bufs[n_layer:], 0, key_mask)[:, -1]  # (B, V)
-        # repeat the prompt n times: (B * n, ...)
-        bufs = [b.repeat_interleave(n, dim=0) for b in bufs]
-        key_mask, logits = key_mask.repeat_interleave(n, dim=0), logits.repeat_interleave(n, dim=0)
-        pos = positions[:, -1:].repeat_interleave(n, dim=0)  # (B * n, 1)
+        mask = torch.tensor([[0] * (Lp - len(p)) + [1] * len(p) for p in chunk], device=device)  # (B, Lp)
+        positions = position_ids_from_mask(mask)  # (B, Lp)
+        cache = StaticCache(config=lm.config, max_cache_len=Lp + steps)
+        prefill = lm(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1)
+        cache.reorder_cache(torch.arange(B, device=device).repeat_interleave(n))  # the prompt's K/V, n rows each
+        logits = prefill.logits[:, -1].repeat_interleave(n, dim=0)  # (B * n, V): only the last position's logits
+        mask, pos = mask.repeat_interleave(n, dim=0), positions[:, -1:].repeat_interleave(n, dim=0)  # (B * n, .)
         done = torch.zeros(B * n, dtype=torch.bool, device=device)
         tokens = []
         for t in range(steps):
-            probs = torch.softmax(logits.float() / temperature, dim=-1)
-            token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)  # (B * n,)
+            logits = logits.masked_fill(banned, float("-inf"))  # CRUCIAL: pad/bos/eos/unk are not text
+            if temperature > 0:
+                probs = torch.softmax(logits.float() / temperature, dim=-1)
+                token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)  # (B * n,)
+            else:
+                token = logits.argmax(dim=-1)
             token = torch.where(done, torch.full_like(token, pad), token)
             tokens.append(token)
             done = done | (token == sep)
             if done.all() or t == steps - 1:
                 break
-            pos = pos + 1
-            logits = gpt2_forward(lm, token[:, None], pos, bufs[:n_layer], bufs[n_layer:], Lp + t, key_mask)[:, -1]
+            mask, pos = F.pad(mask, (0, 1), value=1), pos + 1  # (B * n, Lp + t + 1), (B * n, 1)
+            step = lm(input_ids=token[:, None], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+            logits = step.logits[:, -1]  # (B * n, V)
         rows = torch.stack(tokens, dim=1).tolist()  # (B * n, <= steps)
         texts = []
         for row in rows:
             row = row[: row.index(sep)] if sep in row else [t for t in row if t != pad]
-            texts.append(G.normalize_utterance(tokenizer.decode(row, skip_special_tokens=False)))
+            texts.append(G.normalize_utterance(tokenizer.decode(row, skip_special_tokens=True)))
         out += [texts[i * n : (i + 1) * n] for i in range(B)]
     return out
 
@@ -659,14 +716,58 @@ class CriticPolicy:
 
 
 def evaluate(policy, n_episodes: int, seed: int) -> dict:
-    res = G.evaluate_policy(policy, n_episodes=n_episodes, seed=seed)
+    res = G.evaluate_policy(policy, n_episodes=n_episodes, seed=seed, return_dialogues=True)
+    turns = [t for d in res["dialogues"] for t in d["turns"]]
     return {
         "success_rate": res["success_rate"],
         "episodic_return": res["mean_return"],
         "episodic_return_std": res["return_std"],
         "episodic_length": res["mean_length"],
         "normalized_score": G.normalized_score(res["mean_return"]),
+        # fraction of the agent's turns the answerer understood (one of the 26 valid utterances)
+        "valid_utterance_rate": sum(t["reply"] != G.NOT_UNDERSTOOD for t in turns) / max(len(turns), 1),
     }
+
+
+def timestep_stats(dialogues, tokenizer, lm, cand: torch.Tensor, tr: dict) -> dict:
+    """Lecture Problem 21.4, per utterance: the RL horizon is the number of agent turns of a dialogue; the action
+    space of one step is every token sequence up to the utterance budget (W^L for W writable tokens, L tokens before
+    the separator: astronomically many), of which the data uses a few dozen distinct utterances, and the Bellman
+    max runs over the deduplicated candidate set C(s') of N samples (its mean size is `actions_per_step`)."""
+    turns = torch.tensor([len(d["turns"]) for d in dialogues], dtype=torch.float32)
+    writable = int((~banned_token_mask(tokenizer, n_logits(lm))).sum())
+    return {
+        "timestep/rl_steps_per_dialogue": float(turns.mean()),
+        "timestep/rl_steps_per_dialogue_max": float(turns.max()),
+        "timestep/vocab_size": float(len(tokenizer)),
+        "timestep/action_space_log10": (utterance_budget(tokenizer) - 1) * math.log10(writable),
+        "timestep/actions_per_step": float((cand >= 0).sum(dim=1).float().mean()),
+        "timestep/distinct_data_utterances": float(len(set(tr["a"].tolist()))),
+        "timestep/distinct_candidate_utterances": float(len(set(cand[cand >= 0].tolist()))),
+    }
+
+
+def save_checkpoint(run_dir: Path, lm, tokenizer, critic) -> None:
+    """The one place the models are saved: the proposer and its tokenizer with save_pretrained (bc_lm/), the critic
+    as safetensors; `load_checkpoint` reads them back (with the critic's sizes from args.json)."""
+    lm.save_pretrained(run_dir / "bc_lm")
+    tokenizer.save_pretrained(run_dir / "bc_lm")
+    save_file({k: v.contiguous() for k, v in critic.state_dict().items()}, run_dir / "critic.safetensors")
+
+
+def load_checkpoint(ckpt: Path, device):
+    """(proposer, its tokenizer, critic) of a run dir written by `save_checkpoint`; a one-line error otherwise."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        saved = json.loads((ckpt / "args.json").read_text())
+        tokenizer = AutoTokenizer.from_pretrained(ckpt / "bc_lm")
+        lm = AutoModelForCausalLM.from_pretrained(ckpt / "bc_lm").to(device)
+        critic = UtteranceCritic(len(tokenizer), saved["critic_dim"], saved["critic_hidden"], tokenizer.pad_token_id)
+        critic.load_state_dict(load_file(ckpt / "critic.safetensors"))
+    except (OSError, ValueError, KeyError, RuntimeError, json.JSONDecodeError) as e:
+        raise SystemExit(f"error: could not load checkpoint '{ckpt}': {str(e).splitlines()[0]}") from None
+    return lm, tokenizer, critic.to(device)
 
 
 def make_run_dir(args):
@@ -718,25 +819,14 @@ if __name__ == "__main__":
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    tokenizer = build_tokenizer()
     start_time = time.time()
 
-    if args.eval_only:  # reload the proposer and the critic of a finished run (architecture from its args.json)
-        from transformers import AutoModelForCausalLM
-
-        ckpt = Path(args.checkpoint)
-        try:
-            saved = json.loads((ckpt / "args.json").read_text())
-            lm = AutoModelForCausalLM.from_pretrained(ckpt / "bc_lm").to(device)
-            critic = UtteranceCritic(
-                len(tokenizer), saved["critic_dim"], saved["critic_hidden"], tokenizer.pad_token_id
-            ).to(device)
-            critic.load_state_dict(load_file(ckpt / "critic.safetensors"))
-        except (OSError, ValueError, KeyError, RuntimeError, json.JSONDecodeError) as e:
-            raise SystemExit(f"error: could not load checkpoint '{ckpt}': {str(e).splitlines()[0]}") from None
-        dialogues = load_dialogues(args)
-    else:
-        dialogues = load_dialogues(args)
+    if args.eval_only:  # reload the proposer (with its tokenizer) and the critic of a finished run
+        lm, tokenizer, critic = load_checkpoint(Path(args.checkpoint), device)
+    else:  # the proposer to train in STEP 1 and its tokenizer (built-in, or the checkpoint's own + <sep>/<pad>)
+        lm, tokenizer = build_lm(args)
+        lm = lm.to(device)
+    dialogues = load_dialogues(args)
     data_stats = G.dataset_stats(dialogues)
     run_name, run_dir = make_run_dir(args)
     writer = SummaryWriter(str(run_dir))
@@ -752,13 +842,13 @@ if __name__ == "__main__":
         )
 
         # STEP 1: the BC utterance model
-        lm = build_lm(args, tokenizer).to(device)
         t0 = time.time()
         secrets = [d["secret_id"] for d in dialogues] if args.belief_coef > 0 else None
         tokenized = G.tokenize_dialogues(dialogues, tokenizer)
-        lm = train_bc(lm, tokenized, secrets, args, device, writer, tokenizer.pad_token_id)
+        lm, bc_nll = train_bc(lm, tokenized, secrets, args, device, writer, tokenizer.pad_token_id)
         lm.eval()
-        print(f"[bc] trained in {time.time() - t0:.0f}s", flush=True)
+        timings = {"bc_s": time.time() - t0}
+        print(f"[bc] trained in {timings['bc_s']:.0f}s", flush=True)
 
         # STEP 2: N candidate utterances per distinct history, sampled once, deduplicated
         t0 = time.time()
@@ -772,14 +862,16 @@ if __name__ == "__main__":
             cand[i, : len(cs)] = torch.tensor([table.add(c) for c in cs])
         coverage = (cand[tr["s"]] == tr["a"][:, None]).any(dim=1).float().mean().item()
         set_size = (cand >= 0).sum(dim=1).float().mean().item()
+        timings["candidates_s"] = time.time() - t0
         print(
-            f"[candidates] {len(states)} histories x {args.n_candidates} samples in {time.time() - t0:.0f}s; "
+            f"[candidates] {len(states)} histories x {args.n_candidates} samples in {timings['candidates_s']:.0f}s; "
             f"mean set size {set_size:.2f}; data utterance sampled for {coverage:.1%} of transitions; "
             f"{len(table.tokens)} distinct utterances",
             flush=True,
         )
         writer.add_scalar("charts/candidate_set_size", set_size, 0)
         writer.add_scalar("charts/data_utterance_coverage", coverage, 0)
+        problem = {**timestep_stats(dialogues, tokenizer, lm, cand, tr), **bc_nll}  # Problem 21.4 + BC fit
 
         # STEP 3: the critic with twin Q heads, a Polyak target and the CQL penalty
         critic = UtteranceCritic(len(tokenizer), args.critic_dim, args.critic_hidden, tokenizer.pad_token_id).to(device)
@@ -839,6 +931,7 @@ if __name__ == "__main__":
                     flush=True,
                 )
         critic.eval()
+        timings["critic_s"] = time.time() - t0
 
     # STEP 4: online evaluation: BC proposer alone (1 sample) and BC proposals + critic argmax (N samples), the
     # acting temperature chosen on validation episodes (as ilql_per_token.py chooses beta), reported on test episodes
@@ -872,11 +965,13 @@ if __name__ == "__main__":
         f"dataset {data_stats['mean_return']:.3f})",
         flush=True,
     )
+    eval_time = time.time() - t0
     metrics.update({f"eval/{k}": float(v) for k, v in cql_res.items()})
     metrics["eval/act_temperature"] = float(best_temp)
     metrics.update({f"eval/bc_proposer_{k}": float(v) for k, v in bc.items()})
     metrics["dataset/mean_return"] = float(data_stats["mean_return"])
     metrics["dataset/success_rate"] = float(data_stats["success_rate"])
+    metrics.update({} if args.eval_only else problem)
     for k, v in metrics.items():
         writer.add_scalar(k, v, 0)
     writer.add_scalar("charts/episodic_return", metrics["eval/episodic_return"], 0)
@@ -891,12 +986,11 @@ if __name__ == "__main__":
         "metrics": metrics,
         "wall_time_s": wall,
         "sps": steps_done / wall,
+        "time_s": {**({} if args.eval_only else timings), "eval_s": eval_time},  # BC, candidates, critic, eval
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
     if not args.eval_only:
-        lm.save_pretrained(run_dir / "bc_lm")
-        tokenizer.save_pretrained(run_dir / "bc_lm")
-        save_file({k: v.contiguous() for k, v in critic.state_dict().items()}, run_dir / "critic.safetensors")
+        save_checkpoint(run_dir, lm, tokenizer, critic)
     writer.close()
     print(f"done in {wall:.0f}s -> {run_dir / 'summary.json'}")

@@ -36,7 +36,10 @@ Implementation details:
   3. γ = 1 per token (Snell's per_token_iql default; the task is finite-horizon and its return is undiscounted;
      trlx's 0.99 per token would discount a 40-token dialogue by 0.67 and double the price of a question).
   4. Decoding runs all active dialogues in lockstep with a KV cache: one left-padded prefill per turn, then one
-     forward pass per generated token, until every dialogue has written <sep> (at most MAX_NEW_TOKENS).
+     forward pass per generated token, until every dialogue has written <sep> (at most `utterance_budget` tokens:
+     12 with the built-in tokenizer). The agent never writes a special token other than <sep> (pad, bos, eos, unk
+     are masked to -inf before top-k: they are not text), and its tokens are decoded with skip_special_tokens
+     before the answerer reads them.
   5. β is chosen on VALIDATION episodes (`--val-seed`, a different secret order than the test `--eval-seed`);
      every β is also reported on the test episodes for the curve, but the headline metric is the val-chosen β.
   6. The LM head is trained on EVERY next token, the answerer's too (trlx's awac loss runs over the whole
@@ -61,13 +64,31 @@ Implementation details:
   10. Polyak α = 0.05, ten times Snell's: the backup chain is ~40 tokens long and each token waits ~1/α steps for
      its target, so with 0.005 V(<bos>) was 0.05 after 4000 steps (data mean 0.41) and Q(ask) < Q(guess) with
      two objects left; with 0.05 and the belief auxiliary: ILQL 0.650 / 0.642 vs 0.274 / 0.317 (seeds 2 / 3).
+  11. Real checkpoints (`--model-name-or-path`: a save_pretrained dir or a hub id, e.g. gpt2, EleutherAI/pythia-70m,
+     a TinyLlama): the task speaks words, the model's tokenizer speaks tokens. The env's text has no tokenizer
+     markup; the dialogue is framed with the checkpoint's own BOS / EOS, and a turn separator "<sep>" and a pad
+     token "<pad>" are added as special tokens when the tokenizer has none (GPT-2, Llama, GPT-NeoX), the embeddings
+     grown by those rows (`add_dialogue_tokens`); the pretrained weights and tokenizer are kept. The Q heads are as
+     wide as the vocabulary (50k for GPT-2: 4 x 78M parameters in the four Q heads), so expect GPU-sized memory and
+     lower the learning rate (Snell fine-tunes GPT-2 small at 1e-5). With the built-in tiny model nothing changes.
+  12. Lecture Problem 21.4 (time-step design), measured: `timestep/rl_steps_per_dialogue` (agent tokens of a
+     training dialogue: the RL horizon the backup crosses, 28.5 on average here, at most 48) and
+     `timestep/actions_per_step` (the writable vocabulary: 111 of 115 tokens, one exact argmax over the Q head).
+  13. Top-k runs on the combined score log π_BC + β A, as in trlx's `generate` (`topk_mask(pi_beta + beta * adv)`),
+     not on π_BC alone as in Snell's `score` (top-k of the BC logits, then reweighted by exp(β A)). So β trades the
+     two off inside one ranking: at β = 0 the 20 kept tokens are BC's top 20; at large β they are the 20 tokens of
+     highest advantage, and β = 256 is close to the argmax of A over the whole writable vocabulary (log π_BC, at most
+     a few nats apart among plausible tokens, only breaks near-ties). What keeps that argmax on the data's support is
+     the CQL term, which pushes down the Q-values of tokens the data does not use, not a BC filter. Kept as trlx
+     does it: the measured numbers below were produced with it, and β is chosen on validation episodes anyway.
 
 Defaults and where they come from (trlx = CarperAI/trlx default ILQL config; Snell = visdial train_iql.yaml):
   τ = 0.7 (trlx; Snell 0.8), CQL weight α_cql = 0.1 (trlx cql_scale; Snell 1.0), BC weight 1 (both: awac_scale 1
   with awac β = 0, i.e. plain BC), two Q heads with min (both), Polyak α = 0.05 every step (10x Snell's 0.005,
   detail 10; trlx 0.001 every 5 steps), γ = 1.0 (Snell's per-token default), decoding top-k 20 and temperature 1
   (trlx), belief auxiliary weight 1 (ours, detail 9), β swept over 0..256 (trlx sweeps [1, 4]; Snell decodes
-  visdial with exp-advantage weight 16; large β = pick the highest-advantage token among the BC model's top 20).
+  visdial with exp-advantage weight 16; top-k of log π_BC + β A, so large β = the highest-advantage tokens over the
+  whole vocabulary, not among BC's top 20: detail 13).
 What was scaled down and why: a 2-layer, 64-wide decoder trained from scratch on the 115-token seqrl vocabulary
 (Snell: pretrained GPT-2 small, lr 1e-5), 20k synthetic dialogues, 4000 steps of 32 dialogues at lr 2e-3: it
 trains and evaluates (6 β values x 680 episodes) in ~6 minutes on one thread of the 2-core box (324-366 s with
@@ -98,6 +119,7 @@ Reproduce: python algos/ilql_per_token.py --seed 1
 
 import inspect
 import json
+import math
 import random
 import sys
 import time
@@ -119,7 +141,7 @@ from envs.tokenizer import build_tokenizer  # noqa: E402
 
 TASK_ID = "seqrl-GuessTheImage-v0"  # run-name prefix
 N_POSITIONS = 160  # context: 7 turns of the longest malformed utterance (12 words) + replies, + 12 new = 146 tokens
-MAX_NEW_TOKENS = G.MAX_UTTERANCE_WORDS  # token budget of one generated utterance (the longest valid one is 7 + <sep>)
+SEP_TOKEN, PAD_TOKEN = "<sep>", "<pad>"  # added to a checkpoint's tokenizer that lacks a turn separator / pad token
 HEADS_FILE = "ilql_heads.safetensors"  # Q1, Q2, target Q1, target Q2, V heads, next to the save_pretrained model
 GEN_BATCH = 512  # dialogues per decoding forward pass
 LENGTH_BLOCK = 50  # `--group-by-length`: minibatches per length-sorted block
@@ -164,8 +186,9 @@ class Args:
 
     # model
     model_name_or_path: str | None = None
-    """local dir / hub id of a causal LM (with a tokenizer that has bos/eos/sep tokens) to start from; None = a
-    tiny decoder (`--arch`) from a config over the seqrl tokenizer"""
+    """a causal LM to start from: a save_pretrained dir or a hub id (gpt2, EleutherAI/pythia-70m, ...), kept with
+    its own tokenizer ("<sep>" / "<pad>" added when missing, detail 11); None = a tiny decoder (`--arch`) from a
+    config over the built-in word-level tokenizer"""
     n_layer: int = 2
     """tiny decoder: transformer blocks"""
     n_embd: int = 64
@@ -222,7 +245,7 @@ class Args:
     betas: tuple[float, ...] = (0.0, 1.0, 4.0, 16.0, 64.0, 256.0)
     """advantage weights β swept at evaluation (β = 0 is BC); the best on validation is the headline"""
     top_k: int = 20
-    """top-k filter of the decoding scores (trlx's default); 0 = no filter"""
+    """top-k filter of the decoding scores log π_BC + β A (trlx's order and default, detail 13); 0 = no filter"""
     greedy: bool = False
     """decode by argmax of log π_BC + β A instead of sampling"""
 
@@ -387,6 +410,42 @@ def length_grouped_batches(lengths: torch.Tensor, batch_size: int, generator: to
     return [batches[i] for i in torch.randperm(len(batches), generator=generator)]
 
 
+def make_minibatch(data: dict, idx: torch.Tensor, device) -> dict:
+    """The minibatch of dialogues `idx` (the one place a batch is formed), trimmed to its longest dialogue:
+    input_ids / attention_mask (B, L); action_mask / rewards / dones / next_idx / lm_mask (B, L-1); secret (B,)."""
+    width = int(data["lengths"][idx].max())
+    batch = {
+        k: data[k][idx, : width - (k != "input_ids")].to(device)
+        for k in ("input_ids", "action_mask", "rewards", "dones", "next_idx")
+    }
+    attention_mask = (torch.arange(width)[None, :] < data["lengths"][idx][:, None]).long().to(device)
+    batch["lm_mask"] = attention_mask[:, 1:].float()  # (B, L-1): the next token is real (not padding)
+    batch["attention_mask"], batch["secret"] = attention_mask, data["secret"][idx].to(device)  # (B, L), (B,)
+    return batch
+
+
+def timestep_stats(data: dict, tokenizer, lm) -> dict:
+    """Lecture Problem 21.4, per token: the RL horizon is the number of agent tokens of a dialogue (the Bellman
+    backup runs over each of them, jumping the answerer's tokens), the action space of one step is the vocabulary
+    (one output of the Q head per token, the agent may write all but the banned special tokens)."""
+    steps = data["action_mask"].sum(1).float()  # (N,) agent tokens per training dialogue
+    writable = int((~banned_token_mask(tokenizer, n_logits(lm))).sum())
+    return {
+        "timestep/rl_steps_per_dialogue": float(steps.mean()),
+        "timestep/rl_steps_per_dialogue_max": float(steps.max()),
+        "timestep/tokens_per_dialogue": float(data["lengths"].float().mean()),
+        "timestep/vocab_size": float(len(tokenizer)),
+        "timestep/actions_per_step": float(writable),
+        "timestep/action_space_log10": math.log10(writable),
+    }
+
+
+def valid_utterance_rate(dialogues: list[dict]) -> float:
+    """Fraction of the agent's turns that the answerer understood (one of the 26 valid utterances)."""
+    turns = [t for d in dialogues for t in d["turns"]]
+    return sum(t["reply"] != G.NOT_UNDERSTOOD for t in turns) / max(len(turns), 1)
+
+
 def filter_top(dialogues: list[dict], frac: float) -> list[dict]:
     """The top `frac` of dialogues by return (stable order among equal returns; at least one)."""
     if frac >= 1.0:
@@ -480,6 +539,54 @@ def forward_all(lm, heads: ILQLHeads, input_ids, attention_mask, position_ids=No
     return {"logits": lm.get_output_embeddings()(hidden), **heads(hidden), "cache": new_cache}
 
 
+def add_dialogue_tokens(tokenizer, lm) -> list[str]:
+    """Give a checkpoint's tokenizer what the dialogue layout (`G.tokenize_dialogue`) needs, as its own special
+    tokens: a turn separator and a pad token distinct from BOS/EOS (GPT-2, Llama and GPT-NeoX ship with neither:
+    "<sep>" / "<pad>" are added and the embeddings resized, new rows at the mean of the pretrained ones, the
+    transformers default), and a BOS (the EOS when there is none). Returns the tokens it added (none for the
+    built-in tokenizer)."""
+    if tokenizer.eos_token is None:
+        raise SystemExit("error: the tokenizer has no EOS token; the dialogue layout ends every dialogue with one")
+    if tokenizer.bos_token is None:
+        tokenizer.bos_token = tokenizer.eos_token
+    framing = {tokenizer.bos_token_id, tokenizer.eos_token_id}
+    added = {}
+    if tokenizer.sep_token is None or tokenizer.sep_token_id in framing:
+        added["sep_token"] = SEP_TOKEN
+    if tokenizer.pad_token is None or tokenizer.pad_token_id in framing | {tokenizer.sep_token_id}:
+        added["pad_token"] = PAD_TOKEN
+    if added:
+        tokenizer.add_special_tokens(added)
+    if len(tokenizer) > lm.get_input_embeddings().weight.shape[0]:
+        lm.resize_token_embeddings(len(tokenizer))
+    lm.config.pad_token_id = tokenizer.pad_token_id
+    return list(added.values())
+
+
+def banned_token_mask(tokenizer, n_logits: int) -> torch.Tensor:
+    """(n_logits,) bool, True for the tokens an agent utterance may never contain: every special token but the turn
+    separator (pad, bos, eos, unk, ...: they are not text; the agent ends its turn with the separator) and the
+    output rows beyond the tokenizer (checkpoints such as Pythia pad their embedding table; those ids decode to
+    nothing)."""
+    banned = torch.zeros(n_logits, dtype=torch.bool)
+    banned[len(tokenizer) :] = True
+    banned[[i for i in tokenizer.all_special_ids if i != tokenizer.sep_token_id and i < n_logits]] = True
+    return banned
+
+
+def utterance_budget(tokenizer) -> int:
+    """Tokens one generated utterance may take, its closing separator included: the longest valid utterance in this
+    tokenizer's tokens + the separator, and at least G.MAX_UTTERANCE_WORDS (the env shows a malformed utterance cut
+    to that many words). 12 for the built-in word-level tokenizer (longest valid utterance: 7 words)."""
+    longest = max(len(tokenizer(u, add_special_tokens=False)["input_ids"]) for u in G.all_utterances())
+    return max(G.MAX_UTTERANCE_WORDS, longest + 1)
+
+
+def n_logits(lm) -> int:
+    """Rows of the LM head: the width of the Q heads (the tokenizer's size, or more for padded tables)."""
+    return lm.get_output_embeddings().weight.shape[0]
+
+
 def build_model(args, device):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
 
@@ -517,18 +624,26 @@ def build_model(args, device):
         lm = AutoModelForCausalLM.from_config(config)
     else:
         path = args.model_name_or_path
-        try:
+        try:  # the pretrained weights and their own tokenizer: fine-tuning starts from them
             tokenizer = AutoTokenizer.from_pretrained(path)
             lm = AutoModelForCausalLM.from_pretrained(path)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"error: could not load --model-name-or-path '{path}': {str(e).splitlines()[0]}") from None
-        missing = [n for n in ("bos_token_id", "eos_token_id", "sep_token_id") if getattr(tokenizer, n) is None]
-        if missing:
-            raise SystemExit(f"error: the tokenizer of '{path}' lacks {missing}; the dialogue layout needs them")
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-    heads = ILQLHeads(lm.config.hidden_size, lm.config.vocab_size)
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(
+                f"error: could not load --model-name-or-path '{path}' (a save_pretrained dir, or a hub id that is "
+                f"in the local Hugging Face cache when offline): {str(e).strip().splitlines()[0]}"
+            ) from None
+        added = add_dialogue_tokens(tokenizer, lm)
+        print(f"loaded {type(lm).__name__} from '{path}'; added special tokens {added}", flush=True)
+    heads = ILQLHeads(lm.config.hidden_size, n_logits(lm))
     return lm.to(device), heads.to(device), tokenizer
+
+
+def save_checkpoint(model_dir: Path, lm, tokenizer, heads) -> None:
+    """The one place the model is saved: backbone + LM head and tokenizer with save_pretrained, the ILQL heads as
+    safetensors next to them (`load_checkpoint` reads them back)."""
+    lm.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, str(model_dir / HEADS_FILE))
 
 
 def load_checkpoint(path: str, device):
@@ -541,7 +656,7 @@ def load_checkpoint(path: str, device):
     try:
         tokenizer = AutoTokenizer.from_pretrained(p)
         lm = AutoModelForCausalLM.from_pretrained(p).to(device)
-        heads = ILQLHeads(lm.config.hidden_size, lm.config.vocab_size).to(device)
+        heads = ILQLHeads(lm.config.hidden_size, n_logits(lm)).to(device)
         heads.load_state_dict(load_file(p / HEADS_FILE, device=str(device)))
     except (OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"error: could not load checkpoint '{p}': {str(e).splitlines()[0]}") from None
@@ -552,9 +667,12 @@ def load_checkpoint(path: str, device):
 # Decoding: all active dialogues in lockstep, KV cache, one forward per token
 # ---------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def generate_utterances(lm, heads, prompts, pad_id, sep_id, beta, top_k, greedy, generator, device):
+def generate_utterances(
+    lm, heads, prompts, pad_id, sep_id, beta, top_k, greedy, generator, device, banned=None, max_new_tokens=12
+):
     """Token ids (without the closing <sep>) of one agent utterance per prompt. prompts: lists of ids ending where
-    the agent speaks next (`G.tokenize_prompt`). Prompts are left-padded; position ids come from the mask."""
+    the agent speaks next (`G.tokenize_prompt`). Prompts are left-padded; position ids come from the mask.
+    banned: (V,) bool, tokens never written (`banned_token_mask`); max_new_tokens: budget incl. the <sep>."""
     b, width = len(prompts), max(len(p) for p in prompts)
     input_ids = torch.full((b, width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((b, width), dtype=torch.long)
@@ -564,9 +682,11 @@ def generate_utterances(lm, heads, prompts, pad_id, sep_id, beta, top_k, greedy,
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
     cache, written = None, torch.zeros((b, 0), dtype=torch.long, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
-    for _ in range(MAX_NEW_TOKENS):
+    for _ in range(max_new_tokens):
         out = forward_all(lm, heads, input_ids, attention_mask, position_ids, cache, last_only=True)
         scores = decoding_scores(out["logits"][:, -1], out["tq1"][:, -1], out["tq2"][:, -1], out["v"][:, -1], beta)
+        if banned is not None:  # CRUCIAL: pad/bos/eos/unk are not text; the agent only ever writes words and <sep>
+            scores = scores.masked_fill(banned, float("-inf"))
         scores = top_k_filter(scores, top_k)  # (B, V)
         if greedy:
             token = scores.argmax(-1)
@@ -592,6 +712,8 @@ class ILQLAgent:
     def __init__(self, lm, heads, tokenizer, beta, top_k, greedy, seed, device):
         self.lm, self.heads, self.tok, self.beta, self.top_k, self.greedy = lm, heads, tokenizer, beta, top_k, greedy
         self.generator, self.device, self.cache = torch.Generator().manual_seed(seed), device, {}
+        self.banned = banned_token_mask(tokenizer, n_logits(lm)).to(device)
+        self.max_new_tokens = utterance_budget(tokenizer)
         self.name = f"ilql_beta{beta:g}"
 
     def act_batch(self, histories):
@@ -609,8 +731,11 @@ class ILQLAgent:
                 self.greedy,
                 self.generator,
                 self.device,
+                self.banned,
+                self.max_new_tokens,
             )
-            utterances += [self.tok.decode(u) if u else "" for u in ids]
+            # the task reads words: decode without special tokens (the env normalises the text)
+            utterances += [self.tok.decode(u, skip_special_tokens=True) if u else "" for u in ids]
         return utterances
 
 
@@ -673,11 +798,14 @@ if __name__ == "__main__":
     writer.add_text(
         "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
     )
-    start, cpu_start, global_step, last_log = time.time(), time.process_time(), 0, {}
+    start, cpu_start, global_step, last_log, first_log = time.time(), time.process_time(), 0, {}, {}
+
+    # the problem this script faces (lecture Problem 21.4): per-token time steps
+    data = build_tensors(train_dialogues, tokenizer)
+    problem = timestep_stats(data, tokenizer, lm)
 
     # 3. offline training: every minibatch is a random set of logged dialogues
     if not args.eval_only and args.num_steps > 0:
-        data = build_tensors(train_dialogues, tokenizer)
         n_data = len(train_dialogues)
         params = [p for p in [*lm.parameters(), *heads.parameters()] if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -694,15 +822,8 @@ if __name__ == "__main__":
                 idx = queue.pop()
             else:
                 idx = torch.randint(0, n_data, (min(args.batch_size, n_data),))
-            width = int(data["lengths"][idx].max())  # trim the padding of this minibatch
-            batch = {
-                k: data[k][idx, : width - (k != "input_ids")].to(device)
-                for k in ("input_ids", "action_mask", "rewards", "dones", "next_idx")
-            }
-            attention_mask = (torch.arange(width)[None, :] < data["lengths"][idx][:, None]).long().to(device)
-            batch["lm_mask"] = attention_mask[:, 1:].float()  # (B, L-1): the next token is real (not padding)
-            batch["attention_mask"], batch["secret"] = attention_mask, data["secret"][idx].to(device)  # (B, L), (B,)
-            out = forward_all(lm, heads, batch["input_ids"], attention_mask)
+            batch = make_minibatch(data, idx, device)
+            out = forward_all(lm, heads, batch["input_ids"], batch["attention_mask"])
             losses = ilql_losses(out, batch, args)
             optimizer.zero_grad(set_to_none=True)
             losses["loss"].backward()
@@ -728,6 +849,7 @@ if __name__ == "__main__":
                     flush=True,
                 )
                 last_log, log_acc = {k: v / count for k, v in log_acc.items()}, {}
+                first_log = first_log or last_log
     train_time, train_cpu = time.time() - start, time.process_time() - cpu_start
 
     # 4. evaluation: β sweep on validation episodes (choose β) and on test episodes (report)
@@ -750,7 +872,8 @@ if __name__ == "__main__":
         agent = ILQLAgent(lm, heads, tokenizer, beta, args.top_k, args.greedy, args.seed, device)
         val[beta] = G.evaluate_policy(agent, n_episodes=args.val_episodes, seed=args.val_seed)
         agent = ILQLAgent(lm, heads, tokenizer, beta, args.top_k, args.greedy, args.seed + 1, device)
-        test[beta] = G.evaluate_policy(agent, n_episodes=args.eval_episodes, seed=args.eval_seed)
+        test[beta] = G.evaluate_policy(agent, n_episodes=args.eval_episodes, seed=args.eval_seed, return_dialogues=True)
+        test[beta]["valid_utterance_rate"] = valid_utterance_rate(test[beta].pop("dialogues"))
         for name, res in (("val_", val[beta]), ("", test[beta])):
             prefix = f"eval/{name}beta_{beta:g}/"
             metrics.update(
@@ -760,6 +883,7 @@ if __name__ == "__main__":
                     prefix + "episodic_length": res["mean_length"],
                 }
             )
+        metrics[f"eval/beta_{beta:g}/valid_utterance_rate"] = test[beta]["valid_utterance_rate"]
         print(
             f"β={beta:g}: val return {val[beta]['mean_return']:.3f} | test return {test[beta]['mean_return']:.3f} "
             f"success {test[beta]['success_rate']:.3f} length {test[beta]['mean_length']:.2f}",
@@ -776,20 +900,20 @@ if __name__ == "__main__":
                 key + "success_rate": res["success_rate"],
                 key + "episodic_length": res["mean_length"],
                 key + "normalized_score": G.normalized_score(res["mean_return"]),
+                key + "valid_utterance_rate": res["valid_utterance_rate"],
             }
         )
     metrics["eval/best_beta"] = float(best_beta)
     metrics.update({f"model/final_{k}_loss": v for k, v in last_log.items() if k in ("bc", "lm", "q", "v", "cql")})
+    metrics.update({f"model/first_{k}_loss": v for k, v in first_log.items() if k in ("bc", "lm")})
+    metrics.update(problem)
     for k, v in metrics.items():
         writer.add_scalar(k, v, global_step)
     writer.add_scalar("charts/episodic_return", metrics["eval/episodic_return"], global_step)
     writer.add_scalar("charts/episodic_length", metrics["eval/episodic_length"], global_step)
 
     # 5. save (model + tokenizer with save_pretrained, ILQL heads as safetensors next to them) and summarize
-    model_dir = run_dir / "model"
-    lm.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, str(model_dir / HEADS_FILE))
+    save_checkpoint(run_dir / "model", lm, tokenizer, heads)
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
     wall = time.time() - start
     summary = {

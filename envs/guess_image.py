@@ -22,11 +22,17 @@ is left (13/3 questions on average), so its success rate is exactly 1 and its me
 1 - 0.05 * 13/3 = 0.78333 (`optimal_value()` computes it by dynamic programming over belief states,
 `exact_policy_stats(OptimalPolicy())` by enumerating every secret; both agree).
 
-Text layout (observation): the whole history, utterances and replies alternating, joined by " <sep> ":
-    "is it big ? <sep> yes , it is big . <sep> is it red ? <sep> no , it is not red ."   ("" at reset)
-Token layout (`tokenize_dialogue`): <bos> a1 <sep> r1 <sep> a2 <sep> r2 ... aT <sep> rT <eos>; the <sep> right
-after an agent utterance is written by the agent (it ends its turn), everything else after <bos> is written by
-the answerer. The prompt from which the agent writes turn k+1 is `tokenize_prompt(turns[:k])`, a prefix of it.
+The task speaks words, a model's tokenizer speaks tokens. Text layout (observation): plain text without tokenizer
+markup, the whole history with one utterance or reply per line (utterances and replies alternating):
+    "is it big ?\nyes , it is big .\nis it red ?\nno , it is not red ."   ("" at reset)
+An agent utterance is shown normalised (`normalize_utterance`): lower-cased words and punctuation, a word the
+answerer does not know shown as "*" (so "is it purple ?" appears as "is it * ?"). Inside Python the history is a
+list of (utterance, reply) pairs (`parse_history` / `dialogue_to_text` convert), which is what the scripts use.
+Token layout (`tokenize_dialogue`), where <bos>, <sep>, <eos> are the MODEL tokenizer's own special tokens (the
+built-in word-level tokenizer has all three; a script using a GPT-2 / Llama / GPT-NeoX checkpoint adds a separator
+token and resizes the embeddings): <bos> a1 <sep> r1 <sep> a2 <sep> r2 ... aT <sep> rT <eos>; the <sep> right after
+an agent utterance is written by the agent (it ends its turn), everything else after <bos> is written by the
+answerer. The prompt from which the agent writes turn k+1 is `tokenize_prompt(turns[:k])`, a prefix of it.
 
 Offline data: `make_dataset` / `write_dataset` roll out a mixture of scripted behavior policies (`POLICIES`)
 with a plain-Python simulator (no gym overhead; 20k dialogues take about a second). The default mixture pairs a
@@ -77,9 +83,8 @@ MAX_TURNS = 8  # agent turns per episode; the optimal questioner needs at most 5
 YES, NO = "yes", "no"  # first word of every answer to a question
 CORRECT, WRONG = "correct .", "wrong ."
 NOT_UNDERSTOOD = "i do not understand ."
-SEP = "<sep>"  # the tokenizer's turn separator (envs.tokenizer.SEP)
-TURN_JOIN = f" {SEP} "  # joins utterances and replies in the observation text
-UNK_WORD = "<unk>"  # out-of-vocabulary words of malformed utterances are shown as the tokenizer's unk token
+TURN_SEPARATOR = "\n"  # the observation text shows one utterance or reply per line (plain text, no tokenizer markup)
+UNKNOWN_WORD = "*"  # how the history shows a word the answerer does not know (the built-in tokenizer reads <unk>)
 MAX_UTTERANCE_WORDS = 12  # a malformed utterance is shown in the history cut to this many words
 
 WORDS: tuple[str, ...] = tuple(
@@ -151,13 +156,14 @@ def describe(secret: int) -> str:
 
 
 def normalize_utterance(text) -> str:
-    """What the history shows for an agent utterance: lower-cased words and punctuation joined by single spaces;
-    words outside the task's vocabulary become <unk>, at most MAX_UTTERANCE_WORDS words, "<unk>" if empty."""
+    """What the history shows for an agent utterance: lower-cased words and punctuation joined by single spaces
+    (one line); words and symbols outside the task's vocabulary become UNKNOWN_WORD ("*"), at most
+    MAX_UTTERANCE_WORDS of them, "*" if nothing is left."""
     if not isinstance(text, str):
-        return UNK_WORD
+        return UNKNOWN_WORD
     tokens = _TOKEN_RE.findall(text[: 16 * MAX_UTTERANCE_WORDS].lower())[:MAX_UTTERANCE_WORDS]
-    tokens = [t if t in _SHOWN_TOKENS else UNK_WORD for t in tokens]
-    return " ".join(tokens) if tokens else UNK_WORD
+    tokens = [t if t in _SHOWN_TOKENS else UNKNOWN_WORD for t in tokens]
+    return " ".join(tokens) if tokens else UNKNOWN_WORD
 
 
 def respond(secret: int, utterance, question_cost: float = QUESTION_COST, flip: bool = False):
@@ -189,14 +195,26 @@ def _pairs(turns) -> list[tuple[str, str]]:
 
 
 def dialogue_to_text(turns) -> str:
-    """The exact observation text of the env: "a1 <sep> r1 <sep> a2 <sep> r2" ("" for no turns)."""
-    return TURN_JOIN.join(s for pair in _pairs(turns) for s in pair)
+    """The exact observation text of the env: "a1\nr1\na2\nr2", one utterance or reply per line ("" for no turns)."""
+    return TURN_SEPARATOR.join(s for pair in _pairs(turns) for s in pair)
 
 
 def parse_history(text: str) -> list[tuple[str, str]]:
     """Inverse of `dialogue_to_text`: the (agent utterance, reply) pairs of an observation text."""
-    parts = [p.strip() for p in text.split(SEP)] if text.strip() else []
+    parts = [p.strip() for p in text.split(TURN_SEPARATOR)] if text.strip() else []
     return list(zip(parts[0::2], parts[1::2], strict=False))
+
+
+def _layout_ids(tokenizer) -> tuple[int, int, int]:
+    """The model tokenizer's <bos>, <sep>, <eos> ids that frame the task's turns (a clear error if one is missing)."""
+    ids = (tokenizer.bos_token_id, tokenizer.sep_token_id, tokenizer.eos_token_id)
+    if None in ids:
+        missing = [n for n, i in zip(("bos_token", "sep_token", "eos_token"), ids, strict=True) if i is None]
+        raise ValueError(
+            f"the tokenizer lacks {missing}: the dialogue layout needs a BOS, a turn separator and an EOS token "
+            "(add them with tokenizer.add_special_tokens(...) and resize the model's embeddings)"
+        )
+    return ids
 
 
 def _cached_ids(text: str, tokenizer, cache: dict) -> list[int]:
@@ -209,10 +227,11 @@ def tokenize_prompt(turns, tokenizer, cache: dict | None = None) -> list[int]:
     """Token ids of the state from which the agent writes its next utterance: <bos> a1 <sep> r1 <sep> ... rk <sep>
     (just <bos> at the start). Exactly the prefix of `tokenize_dialogue` before the next agent token."""
     cache = {} if cache is None else cache
-    ids = [tokenizer.bos_token_id]
+    bos, sep, _ = _layout_ids(tokenizer)
+    ids = [bos]
     for agent, reply in _pairs(turns):
-        ids += _cached_ids(agent, tokenizer, cache) + [tokenizer.sep_token_id]
-        ids += _cached_ids(reply, tokenizer, cache) + [tokenizer.sep_token_id]
+        ids += _cached_ids(agent, tokenizer, cache) + [sep]
+        ids += _cached_ids(reply, tokenizer, cache) + [sep]
     return ids
 
 
@@ -232,19 +251,20 @@ def tokenize_dialogue(turns, tokenizer, cache: dict | None = None) -> dict:
     """
     cache = {} if cache is None else cache
     turns = turns["turns"] if isinstance(turns, dict) else turns
-    ids, agent, rewards, dones = [tokenizer.bos_token_id], [False], [0.0], [False]
+    bos, sep, eos = _layout_ids(tokenizer)
+    ids, agent, rewards, dones = [bos], [False], [0.0], [False]
     turn_starts, turn_ends = [], []
     for k, turn in enumerate(turns):
         last = k == len(turns) - 1
         a_ids = _cached_ids(turn["agent"], tokenizer, cache)
         turn_starts.append(len(ids))
-        ids += a_ids + [tokenizer.sep_token_id]
+        ids += a_ids + [sep]
         agent += [True] * (len(a_ids) + 1)
         rewards += [0.0] * len(a_ids) + [float(turn["reward"])]
         dones += [False] * len(a_ids) + [last]
         turn_ends.append(len(ids) - 1)
         r_ids = _cached_ids(turn["reply"], tokenizer, cache)
-        ids += r_ids + [tokenizer.eos_token_id if last else tokenizer.sep_token_id]
+        ids += r_ids + [eos if last else sep]
         agent += [False] * (len(r_ids) + 1)
         rewards += [0.0] * (len(r_ids) + 1)
         dones += [False] * (len(r_ids) + 1)
@@ -649,7 +669,7 @@ def exact_policy_stats(policy: Policy, max_turns: int = MAX_TURNS, question_cost
 # ---------------------------------------------------------------------------------------------------------------
 # The gymnasium env
 # ---------------------------------------------------------------------------------------------------------------
-CHARSET = frozenset("abcdefghijklmnopqrstuvwxyz0123456789 ?.,!'<>")  # characters of observations and actions
+CHARSET = frozenset("abcdefghijklmnopqrstuvwxyz0123456789 ?.,!'*\n")  # characters of observations and actions
 MAX_UTTERANCE_CHARS = 256  # action space bound (longer strings are still accepted by step and shown truncated)
 
 
@@ -679,10 +699,10 @@ class GuessTheImageEnv(gym.Env):
             raise ValueError(f"answer_noise must be in [0, 1], got {answer_noise}")
         self.render_mode, self.max_turns = render_mode, max_turns
         self.question_cost, self.answer_noise = question_cost, answer_noise
-        shown_max = MAX_UTTERANCE_WORDS * (max(len(w) for w in _SHOWN_TOKENS | {UNK_WORD}) + 1)
+        shown_max = MAX_UTTERANCE_WORDS * (max(len(w) for w in _SHOWN_TOKENS | {UNKNOWN_WORD}) + 1)
         reply_max = max(len(r) for r in REPLIES)
         self.observation_space = spaces.Text(
-            max_length=max_turns * (shown_max + reply_max + 2 * len(TURN_JOIN)), min_length=0, charset=CHARSET
+            max_length=max_turns * (shown_max + reply_max + 2 * len(TURN_SEPARATOR)), min_length=0, charset=CHARSET
         )
         self.action_space = spaces.Text(max_length=MAX_UTTERANCE_CHARS, min_length=0, charset=CHARSET)
         self._history: list[tuple[str, str]] = []

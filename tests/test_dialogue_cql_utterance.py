@@ -1,5 +1,6 @@
 """Tests of algos/dialogue_cql_utterance.py: CQL penalty, sampled-set Bellman target, candidate sets, Polyak update,
-the KV-buffer GPT-2 sampler against transformers, smoke runs and clear errors."""
+the StaticCache sampler against a plain full-forward loop on GPT-2 / Llama / GPT-NeoX, special tokens never sampled,
+smoke runs (built-in tiny GPT-2 and real-architecture checkpoints) and clear errors."""
 
 import json
 import math
@@ -64,12 +65,12 @@ def test_training_target_uses_sampled_candidates_not_data_utterance():
 
 def test_dedupe_utterances_normalises_and_includes_data_first():
     samples = ["is it red ?", "Is it  RED?", "it is the big red circle .", "is it red ?", "blah"]
-    assert m.dedupe_utterances(samples) == ["is it red ?", "it is the big red circle .", "<unk>"]
+    assert m.dedupe_utterances(samples) == ["is it red ?", "it is the big red circle .", "*"]
     assert m.dedupe_utterances(samples, data_utterance="is it big ?") == [
         "is it big ?",
         "is it red ?",
         "it is the big red circle .",
-        "<unk>",
+        "*",
     ]
     assert m.dedupe_utterances(["is it red ?"], data_utterance="is it red ?") == ["is it red ?"]
 
@@ -84,29 +85,64 @@ def test_polyak_update():
     assert target.bias.item() == pytest.approx(2.0)
 
 
-def test_gpt2_kv_sampler_forward_matches_transformers():
-    tok = build_tokenizer()
+def plain_greedy(lm, tok, prompt, banned, budget):
+    """Reference sampler at temperature 0: a full forward pass of the unpadded context for every token (no cache),
+    argmax over the tokens that are not banned, until the separator; decoded as the script decodes."""
+    ids, out = list(prompt), []
+    for _ in range(budget):
+        with torch.no_grad():
+            logits = lm(input_ids=torch.tensor([ids])).logits[0, -1]
+        token = int(logits.masked_fill(banned, float("-inf")).argmax())
+        if token == tok.sep_token_id:
+            break
+        out.append(token)
+        ids.append(token)
+    return G.normalize_utterance(tok.decode(out, skip_special_tokens=True))
 
-    class A:
-        model_name_or_path, n_embd, n_layer, n_head = None, 32, 2, 4
+
+def sampler_case(arch, tmp_path):
+    """(lm, tokenizer) of the built-in tiny GPT-2 or a real-architecture checkpoint, as the script prepares them."""
+    from hf_tiny import save_tiny_checkpoint
 
     torch.manual_seed(0)
-    lm = m.build_lm(A, tok).eval()
-    ids = torch.randint(5, len(tok), (3, 10))
-    ids[0, :3] = tok.pad_token_id  # left padding
-    am = ids != tok.pad_token_id
-    pos = m.position_ids_from_mask(am)
-    ref = lm(input_ids=ids, attention_mask=am.long(), position_ids=pos).logits  # (3, 10, V)
-    bufs = [torch.zeros(3, 4, 12, 8) for _ in range(4)]
-    key_mask = torch.nn.functional.pad(am, (0, 2), value=True)
-    with torch.no_grad():
-        chunks = [m.gpt2_forward(lm, ids[:, :6], pos[:, :6], bufs[:2], bufs[2:], 0, key_mask)]
-        chunks += [
-            m.gpt2_forward(lm, ids[:, t : t + 1], pos[:, t : t + 1], bufs[:2], bufs[2:], t, key_mask)
-            for t in range(6, 10)
-        ]  # one token at a time, as when sampling
-    mine = torch.cat(chunks, dim=1)
-    assert torch.allclose(mine[1:], ref[1:], atol=1e-5) and torch.allclose(mine[0, 3:], ref[0, 3:], atol=1e-5)
+    if arch == "builtin":
+        return m.build_lm(m.Args(n_embd=32, n_head=4))
+    return m.build_lm(m.Args(model_name_or_path=str(save_tiny_checkpoint(arch, tmp_path / arch))))
+
+
+@pytest.mark.parametrize("arch", ["builtin", "gpt2", "llama", "gpt_neox"])
+def test_static_cache_sampler_matches_a_plain_loop(arch, tmp_path):
+    """The sampler (left-padded prompts encoded once into a transformers StaticCache, rows repeated n times, one
+    token per forward) at temperature 0 writes what a cache-free full-forward loop writes, for every prompt and each
+    of its n rows; the budget holds the longest valid utterance of this tokenizer."""
+    lm, tok = sampler_case(arch, tmp_path)
+    lm.eval()
+    histories = [[], [("is it big ?", "yes , it is big .")], [("is it red ?", "no , it is not red ."), ("a", "b")]]
+    prompts = [G.tokenize_prompt(h, tok) for h in histories]  # different lengths: left padding is exercised
+    banned, budget = m.banned_token_mask(tok, m.n_logits(lm)), m.utterance_budget(tok)
+    got = m.sample_utterances(lm, tok, prompts, 2, 0.0, "cpu", torch.Generator().manual_seed(0), batch_size=2)
+    expected = [plain_greedy(lm, tok, p, banned, budget) for p in prompts]
+    assert got == [[e, e] for e in expected]
+    longest = max(len(tok(u, add_special_tokens=False)["input_ids"]) for u in G.all_utterances())
+    assert budget >= longest + 1 and (arch != "builtin" or budget == G.MAX_UTTERANCE_WORDS + 1)
+
+
+@pytest.mark.parametrize("arch", ["builtin", "llama"])
+def test_special_tokens_are_never_sampled(arch, tmp_path):
+    """Make every non-text special token the model's favourite (+50 on its logit): sampled utterances still never
+    contain one, the separator still ends them, and the decoded text holds no tokenizer markup."""
+    lm, tok = sampler_case(arch, tmp_path)
+    lm.eval()
+    banned = m.banned_token_mask(tok, m.n_logits(lm))
+    special = [i for i in tok.all_special_ids if i != tok.sep_token_id]
+    assert banned[special].all() and not banned[tok.sep_token_id] and banned.sum() == len(special)
+    bonus = torch.zeros(m.n_logits(lm))
+    bonus[special] = 50.0
+    lm.get_output_embeddings().register_forward_hook(lambda mod, inp, out: out + bonus)
+    prompts = [G.tokenize_prompt([], tok), G.tokenize_prompt([("is it big ?", "no , it is not big .")], tok)]
+    samples = m.sample_utterances(lm, tok, prompts, 8, 1.0, "cpu", torch.Generator().manual_seed(0), batch_size=2)
+    texts = [t for s in samples for t in s]
+    assert len(texts) == 16 and not any("<" in t or "endoftext" in t for t in texts)
 
 
 def test_build_transitions_states_and_dones():
@@ -196,34 +232,47 @@ def test_critic_history_turns_bind_question_and_answer():
     assert torch.allclose(h, h2, atol=1e-6)
 
 
+def check_evaluation_bookkeeping(mt: dict) -> None:
+    """What a summary must satisfy whatever was learned: each mean return is consistent with its success rate and
+    length (a question or malformed turn costs QUESTION_COST, a guess costs nothing and ends the episode:
+    return = success - c (length - guessed), guessed in [0, 1]) and the normalized score is that of the return."""
+    for prefix in ("eval/", "eval/bc_proposer_"):
+        ret, success, length = (mt[prefix + k] for k in ("episodic_return", "success_rate", "episodic_length"))
+        assert success - G.QUESTION_COST * length - 1e-9 <= ret <= success - G.QUESTION_COST * (length - 1) + 1e-9
+        assert mt[prefix + "normalized_score"] == pytest.approx(G.normalized_score(ret))
+
+
+TINY = [  # a few seconds: 200 dialogues, 1 BC epoch, 4 critic steps, 2 candidates, 18 + 18 episodes
+    "--dataset-size",
+    "200",
+    "--bc-epochs",
+    "1",
+    "--critic-steps",
+    "4",
+    "--batch-size",
+    "16",
+    "--eval-episodes",
+    "18",
+    "--n-candidates",
+    "2",
+    "--n-embd",
+    "16",
+    "--critic-dim",
+    "16",
+    "--critic-hidden",
+    "16",
+    "--log-every",
+    "2",
+    "--val-episodes",
+    "18",
+    "--act-temperatures",
+    "1.0",
+    "0.5",
+]
+
+
 def test_smoke_run_and_eval_only(runs_dir):
-    tiny = [
-        "--dataset-size",
-        "200",
-        "--bc-epochs",
-        "1",
-        "--critic-steps",
-        "4",
-        "--batch-size",
-        "16",
-        "--eval-episodes",
-        "18",
-        "--n-candidates",
-        "2",
-        "--n-embd",
-        "16",
-        "--critic-dim",
-        "16",
-        "--critic-hidden",
-        "16",
-        "--log-every",
-        "2",
-        "--val-episodes",
-        "18",
-        "--act-temperatures",
-        "1.0",
-        "0.5",
-    ]
+    tiny = TINY
     summary = run_script("dialogue_cql_utterance", *tiny, runs_dir=runs_dir, timeout=300)
     mt = summary["metrics"]
     # the headline is the test result at the acting temperature chosen on validation episodes
@@ -240,9 +289,17 @@ def test_smoke_run_and_eval_only(runs_dir):
         "dataset/mean_return",
     ):
         assert isinstance(mt[key], float), key
-    assert 0.0 <= mt["eval/success_rate"] <= 1.0 and 1.0 <= mt["eval/episodic_length"] <= G.MAX_TURNS
-    assert mt["eval/normalized_score"] == pytest.approx(G.normalized_score(mt["eval/episodic_return"]))
-    assert mt["dataset/mean_return"] == pytest.approx(G.dataset_stats(G.make_dataset(200, seed=1))["mean_return"])
+    check_evaluation_bookkeeping(mt)
+    dialogues = G.make_dataset(200, seed=1)
+    assert mt["dataset/mean_return"] == pytest.approx(G.dataset_stats(dialogues)["mean_return"])
+    # lecture Problem 21.4, per utterance: the horizon is the agent's turns; the max runs over <= N candidates out of
+    # every sequence of up to 12 words of the 111 writable tokens (115 - pad/bos/eos/unk)
+    turns = [len(d["turns"]) for d in dialogues]
+    assert mt["timestep/rl_steps_per_dialogue"] == pytest.approx(sum(turns) / len(turns))
+    assert mt["timestep/rl_steps_per_dialogue_max"] == max(turns)
+    assert mt["timestep/distinct_data_utterances"] == len({t["agent"] for d in dialogues for t in d["turns"]})
+    assert 1.0 <= mt["timestep/actions_per_step"] <= 2  # --n-candidates 2, deduplicated
+    assert mt["timestep/action_space_log10"] == pytest.approx(12 * math.log10(111))
     run_dir = runs_dir / summary["run_name"]
     assert (run_dir / "critic.safetensors").exists() and (run_dir / "bc_lm" / "config.json").exists()
     again = run_script(
@@ -285,3 +342,52 @@ def test_corrupt_dataset_clear_error(runs_dir, tmp_path):
         "dialogue_cql_utterance", "--dataset-path", str(path), runs_dir=runs_dir, expect_fail=True, timeout=120
     )
     assert "not a GuessTheImage JSONL dataset" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------------- real models
+def test_real_checkpoint_keeps_its_weights_and_tokenizer(hf_checkpoint):
+    """The proposer is the checkpoint itself with its own tokenizer (not the seqrl word vocabulary): "<sep>" and
+    "<pad>" are added as new special tokens, the embeddings grow by exactly those rows, the rest is untouched."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    original_tok = AutoTokenizer.from_pretrained(hf_checkpoint)
+    original = AutoModelForCausalLM.from_pretrained(hf_checkpoint)
+    lm, tok = m.build_lm(m.Args(model_name_or_path=str(hf_checkpoint)))
+    n = len(original_tok)
+    assert type(lm) is type(original) and tok.get_vocab().items() >= original_tok.get_vocab().items()
+    assert (tok.bos_token_id, tok.eos_token_id) == (original_tok.bos_token_id, original_tok.eos_token_id)
+    assert sorted([tok.sep_token_id, tok.pad_token_id]) == [n, n + 1] and m.n_logits(lm) == n + 2
+    emb, emb0 = lm.get_input_embeddings().weight, original.get_input_embeddings().weight
+    assert torch.equal(emb[:n], emb0[:n])  # the pretrained token meanings are kept
+    kept = dict(original.named_parameters())
+    for name, p in lm.named_parameters():
+        if p.shape == kept[name].shape:
+            assert torch.equal(p, kept[name]), name
+
+
+def test_real_checkpoint_end_to_end(hf_checkpoint, runs_dir):
+    """Train and act with a real architecture: the proposer's BC loss falls, candidates are sampled through the
+    StaticCache, the critic is trained on the model's own token ids, and the run dir reloads for --eval-only."""
+    from transformers import AutoTokenizer
+
+    original_tok = AutoTokenizer.from_pretrained(hf_checkpoint)
+    args = [*TINY, "--bc-epochs", "8", "--model-name-or-path", str(hf_checkpoint)]
+    summary = run_script("dialogue_cql_utterance", *args, runs_dir=runs_dir, timeout=300)
+    mt = summary["metrics"]
+    assert mt["model/bc_nll_end"] < mt["model/bc_nll_start"] - 1.0, mt  # it trains (from ~ln 400 = 6)
+    check_evaluation_bookkeeping(mt)
+    assert mt["timestep/vocab_size"] == len(original_tok) + 2 and mt["timestep/actions_per_step"] >= 1.0
+    run_dir = runs_dir / summary["run_name"]
+    lm, tok, critic = m.load_checkpoint(run_dir, "cpu")
+    assert tok.eos_token_id == original_tok.eos_token_id and tok.sep_token_id == len(original_tok)
+    assert critic.embed.num_embeddings == len(tok) and critic.embed.padding_idx == tok.pad_token_id
+    again = run_script("dialogue_cql_utterance", *args, "--eval-only", "--checkpoint", str(run_dir), runs_dir=runs_dir)
+    assert again["metrics"]["eval/episodic_return"] == pytest.approx(mt["eval/episodic_return"])
+
+
+def test_missing_model_is_a_one_line_error(runs_dir, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: a hub id that is not in the local cache
+    for missing in ("seqrl-tests/no-such-model", str(tmp_path / "no_such_dir")):
+        args = ("--model-name-or-path", missing)
+        proc = run_script("dialogue_cql_utterance", *args, runs_dir=runs_dir, expect_fail=True)
+        assert "error: could not load --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
