@@ -93,7 +93,7 @@ Implementation details:
      rank with the same seeds as in one process) and all-gathers the results, so the val-chosen β is the same on
      every rank. Only rank 0 writes (run dir, tensorboard, checkpoints, summary.json). Backend nccl with --cuda
      (device cuda:LOCAL_RANK), gloo on CPU. The 2-process run differs from the 1-process one only by float
-     summation order (gradient equal to ~1e-6 relative, tested).
+     summation order (gradients equal to 3e-6 of their largest entry, tested).
   15. Checkpoints (`--save-every N` gradient steps, default 500, and at the end of training; `--resume RUN_DIR`;
      Ctrl-C / SIGTERM write one at the end of the current step and exit naming the --resume command): weights incl.
      the Polyak target heads (safetensors), AdamW + scheduler state, the minibatch sampler (its generator and the

