@@ -81,6 +81,27 @@ Implementation details:
      a few nats apart among plausible tokens, only breaks near-ties). What keeps that argmax on the data's support is
      the CQL term, which pushes down the Q-values of tokens the data does not use, not a BC filter. Kept as trlx
      does it: the measured numbers below were produced with it, and β is chosen on validation episodes anyway.
+  14. Data-parallel under torchrun (`torchrun --standalone --nproc_per_node N algos/ilql_per_token.py ...`; one process
+     runs exactly the single-process code): every rank builds the same data and model (then rank 0's weights are
+     broadcast) and draws the same global minibatch of `--batch-size` dialogues; each rank trains on its contiguous
+     shard. The losses are means over TOKENS of the global minibatch, so each rank divides its shard's token sums
+     by the global minibatch's counts (`make_minibatch`) and the gradients are SUMMED with one flat all-reduce before
+     clipping (`allreduce_grads`; not DDP, whose averaging assumes per-rank means); every rank then clips the same
+     gradient and applies the same AdamW step and Polyak update, so weights and target heads stay equal. The logged
+     losses are all-reduced sums (global minibatch values), together with the Ctrl-C flag (all ranks stop at the
+     same step). Evaluation splits the β sweep over ranks (each β's validation + test episodes run whole on one
+     rank with the same seeds as in one process) and all-gathers the results, so the val-chosen β is the same on
+     every rank. Only rank 0 writes (run dir, tensorboard, checkpoints, summary.json). Backend nccl with --cuda
+     (device cuda:LOCAL_RANK), gloo on CPU. The 2-process run differs from the 1-process one only by float
+     summation order (gradients equal to 3e-6 of their largest entry, tested).
+  15. Checkpoints (`--save-every N` gradient steps, default 500, and at the end of training; `--resume RUN_DIR`;
+     Ctrl-C / SIGTERM write one at the end of the current step and exit naming the --resume command): weights incl.
+     the Polyak target heads (safetensors), AdamW + scheduler state, the minibatch sampler (its generator and the
+     rest of the epoch's length-grouped minibatches), python / numpy / torch RNG states (one file per rank) and the
+     loss log so far, in RUN_DIR/checkpoints/step_N (written under a temporary name, renamed, then named in
+     latest.json; only the newest is kept). A resumed run ends with the same summary metrics as the uninterrupted
+     one, bit for bit on CPU (tested). It keeps the run's arguments and number of processes; a finished run, another
+     script's run or a corrupt checkpoint is refused with a one-line error.
 
 Defaults and where they come from (trlx = CarperAI/trlx default ILQL config; Snell = visdial train_iql.yaml):
   τ = 0.7 (trlx; Snell 0.8), CQL weight α_cql = 0.1 (trlx cql_scale; Snell 1.0), BC weight 1 (both: awac_scale 1
@@ -115,23 +136,31 @@ References:
   [5] Abdulhai et al. 2023, LMRL-Gym (normalized score anchored at random/optimal).
   [6] Lample, Chaplot 2017, Playing FPS Games with Deep RL (auxiliary prediction of hidden game features).
 Reproduce: python algos/ilql_per_token.py --seed 1
+Scale out: torchrun --standalone --nproc_per_node 8 algos/ilql_per_token.py --cuda --model-name-or-path gpt2 ...
+Continue an interrupted run: python algos/ilql_per_token.py --resume runs/<run_name>
 """
 
 import inspect
 import json
 import math
+import os
 import random
+import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load_file, load_model, save_file, save_model
 from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
@@ -145,6 +174,9 @@ SEP_TOKEN, PAD_TOKEN = "<sep>", "<pad>"  # added to a checkpoint's tokenizer tha
 HEADS_FILE = "ilql_heads.safetensors"  # Q1, Q2, target Q1, target Q2, V heads, next to the save_pretrained model
 GEN_BATCH = 512  # dialogues per decoding forward pass
 LENGTH_BLOCK = 50  # `--group-by-length`: minibatches per length-sorted block
+SEED_STRIDE = 10_000  # torchrun: rank r reseeds its global torch RNG (dropout of real checkpoints) with seed + r * this
+CKPT_DIR = "checkpoints"  # `--save-every`: RUN_DIR/checkpoints/step_<N>/ and latest.json naming the newest complete one
+RESUME_FREE = ("resume", "save_every", "runs_dir", "cuda")  # the only arguments a resumed run may change
 
 
 @dataclass
@@ -171,6 +203,12 @@ class Args:
     """only evaluate the model given by `--checkpoint` (β sweep, baselines) and write a new run dir"""
     checkpoint: str | None = None
     """a run dir of this script (or its model/ dir) to evaluate with `--eval-only`"""
+    save_every: int = 500
+    """gradient steps between training checkpoints in RUN_DIR/checkpoints (~45 s of the default run; the newest one
+    is kept; training also ends with one); 0 = none. Ctrl-C (SIGINT) or SIGTERM always writes one and exits"""
+    resume: str | None = None
+    """a run dir of this script to continue from its newest checkpoint, with the run's own arguments (only
+    `--save-every`, `--runs-dir` and `--cuda` may differ)"""
 
     # data
     dataset_path: str | None = None
@@ -317,20 +355,23 @@ def top_k_filter(scores: torch.Tensor, k: int) -> torch.Tensor:
     return scores.masked_fill(scores < kth, float("-inf"))
 
 
-def belief_loss(belief_logits: torch.Tensor, secret: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+def belief_loss(belief_logits: torch.Tensor, secret: torch.Tensor, real: torch.Tensor, n_real=None) -> torch.Tensor:
     """Cross-entropy of the logged secret from every real prefix, mean over real positions: belief_logits
-    (B, L, N_OBJECTS), secret (B,), real (B, L). Minimized by p(secret | prefix), the belief over the 18 objects."""
+    (B, L, N_OBJECTS), secret (B,), real (B, L). Minimized by p(secret | prefix), the belief over the 18 objects.
+    n_real: the global minibatch's count of real positions under torchrun (the sum over this shard / it)."""
     target = secret[:, None].expand(-1, belief_logits.shape[1])  # (B, L)
     nll = F.cross_entropy(belief_logits.transpose(1, 2), target, reduction="none")  # (B, L)
-    return (nll * real.float()).sum() / real.float().sum().clamp(min=1.0)
+    return (nll * real.float()).sum() / (real.float().sum() if n_real is None else n_real).clamp(min=1.0)
 
 
 def ilql_losses(out: dict, batch: dict, args) -> dict:
     """All ILQL losses of one minibatch. out: logits/q1/q2/tq1/tq2 (B, L, V), v (B, L); batch: input_ids (B, L),
-    action_mask/rewards/dones/next_idx (B, L-1). Means are over action tokens only."""
+    action_mask/rewards/dones/next_idx (B, L-1). Means are over action tokens only. Under torchrun the batch is one
+    rank's shard and carries the GLOBAL minibatch's counts (n_actions, n_lm, n_real; `make_minibatch`): every loss
+    is then this shard's share of the global mean, and the sum over ranks is the one-process value."""
     actions = batch["input_ids"][:, 1:]  # (B, L-1): the token written from state i
     mask = batch["action_mask"].float()  # (B, L-1)
-    n = mask.sum().clamp(min=1.0)
+    n = batch.get("n_actions", mask.sum()).clamp(min=1.0)
 
     def at_actions(values):  # (B, L, V) -> (B, L-1): value of the data token
         return values[:, :-1].gather(-1, actions.unsqueeze(-1)).squeeze(-1)
@@ -344,9 +385,12 @@ def ilql_losses(out: dict, batch: dict, args) -> dict:
     loss_bc = (token_ce * mask).sum() / n  # BC: the agent's tokens only
     loss_belief = torch.zeros((), device=mask.device)
     if "secret" in batch and getattr(args, "belief_coef", 0.0) > 0:  # auxiliary: the belief from every prefix
-        loss_belief = belief_loss(out["belief"], batch["secret"], batch["attention_mask"])
+        loss_belief = belief_loss(out["belief"], batch["secret"], batch["attention_mask"], batch.get("n_real"))
     lm_mask = batch.get("lm_mask")  # (B, L-1): every real next token (agent + answerer), if given
-    loss_lm = (token_ce * lm_mask).sum() / lm_mask.sum().clamp(min=1.0) if lm_mask is not None else loss_bc
+    if lm_mask is not None:
+        loss_lm = (token_ce * lm_mask).sum() / batch.get("n_lm", lm_mask.sum()).clamp(min=1.0)
+    else:
+        loss_lm = loss_bc
     loss_pi = loss_lm if getattr(args, "lm_all_tokens", False) else loss_bc
     if args.bc_only:
         total = args.bc_weight * loss_pi
@@ -410,9 +454,16 @@ def length_grouped_batches(lengths: torch.Tensor, batch_size: int, generator: to
     return [batches[i] for i in torch.randperm(len(batches), generator=generator)]
 
 
-def make_minibatch(data: dict, idx: torch.Tensor, device) -> dict:
+def make_minibatch(data: dict, idx: torch.Tensor, device, rank: int = 0, world_size: int = 1) -> dict:
     """The minibatch of dialogues `idx` (the one place a batch is formed), trimmed to its longest dialogue:
-    input_ids / attention_mask (B, L); action_mask / rewards / dones / next_idx / lm_mask (B, L-1); secret (B,)."""
+    input_ids / attention_mask (B, L); action_mask / rewards / dones / next_idx / lm_mask (B, L-1); secret (B,).
+    Under torchrun: this rank's contiguous shard of the global minibatch `idx`, plus the global minibatch's token
+    counts (n_actions, n_lm, n_real), the denominators of its means (`ilql_losses`)."""
+    counts = {}
+    if world_size > 1:
+        lengths = data["lengths"][idx]  # (B_global,)
+        counts = {"n_actions": data["action_mask"][idx].sum(), "n_lm": (lengths - 1).sum(), "n_real": lengths.sum()}
+        idx = torch.tensor_split(idx, world_size)[rank]  # contiguous; sizes differ by at most 1 (`shard_error`)
     width = int(data["lengths"][idx].max())
     batch = {
         k: data[k][idx, : width - (k != "input_ids")].to(device)
@@ -421,6 +472,7 @@ def make_minibatch(data: dict, idx: torch.Tensor, device) -> dict:
     attention_mask = (torch.arange(width)[None, :] < data["lengths"][idx][:, None]).long().to(device)
     batch["lm_mask"] = attention_mask[:, 1:].float()  # (B, L-1): the next token is real (not padding)
     batch["attention_mask"], batch["secret"] = attention_mask, data["secret"][idx].to(device)  # (B, L), (B,)
+    batch.update({k: v.float().to(device) for k, v in counts.items()})  # () each: global counts (torchrun only)
     return batch
 
 
@@ -760,13 +812,230 @@ def validate_args(args):
         raise SystemExit(f"error: --n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
     if args.eval_only and args.checkpoint is None:
         raise SystemExit("error: --eval-only needs --checkpoint RUN_DIR")
+    if args.save_every < 0:
+        raise SystemExit(f"error: --save-every must be >= 0 (0 = no periodic checkpoints), got {args.save_every}")
+    if args.resume is not None and args.eval_only:
+        raise SystemExit("error: --resume continues a training run; it does not combine with --eval-only")
+
+
+def check_runs_dir(runs_dir: str) -> None:
+    """A one-line error before any work when --runs-dir is a file or cannot be written (nothing is created here)."""
+    path = Path(runs_dir).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise SystemExit(f"error: --runs-dir '{runs_dir}': '{existing}' is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: --runs-dir '{runs_dir}': '{existing}' is not writable")
+
+
+def shard_error(global_batch: int, n_data: int, world_size: int, group_by_length: bool) -> str | None:
+    """Why the global minibatch cannot be split over `world_size` ranks (None if it can): the minibatch must divide
+    evenly, and the ragged last minibatch of a `--group-by-length` epoch (n_data % global_batch dialogues, split as
+    evenly as possible) must give every rank at least one dialogue."""
+    if global_batch % world_size:
+        return f"--batch-size {global_batch} is not divisible by the {world_size} processes"
+    ragged = n_data % global_batch if group_by_length else 0
+    if 0 < ragged < world_size:
+        return (
+            f"the last minibatch of each epoch holds {ragged} dialogue(s) ({n_data} % {global_batch}), fewer than the "
+            f"{world_size} processes; change --batch-size or the number of dialogues"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DISTRIBUTED (torchrun, issue 16): used only when WORLD_SIZE > 1; one process never calls these
+# ---------------------------------------------------------------------------------------------------------------
+class NullWriter:
+    """What ranks > 0 write to instead of tensorboard: nothing (only rank 0 writes)."""
+
+    def add_scalar(self, *args, **kwargs):
+        pass
+
+    def add_text(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
+def allreduce_grads(params) -> None:
+    """One flat all-reduce of the gradients after backward(), before clipping (as CleanRL's ppo_atari_multigpu.py),
+    SUMMED, not averaged: each rank's loss is its shard's share of the global minibatch's mean (`make_minibatch`),
+    so the sum is the gradient of the one-process loss. Parameters without a gradient (the Q/V heads under
+    --bc-only) are skipped, identically on every rank."""
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def global_sums(values: dict, flag: bool, device) -> tuple[dict, bool]:
+    """One small all-reduce per step: the sum over ranks of the logged losses (shares of the global means, so the
+    sum is the global minibatch's value) and of the interrupt flag (any rank interrupted -> every rank stops at the
+    same step; a per-rank `break` would hang the next collective)."""
+    t = torch.tensor([*values.values(), float(flag)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return dict(zip(values, t[:-1].tolist(), strict=True)), bool(t[-1] > 0)
+
+
+def broadcast_params(tensors) -> None:
+    """Copy rank 0's values into every rank (identical starts, and the evaluated weights = the saved ones)."""
+    for t in tensors:
+        dist.broadcast(t.data, src=0)
+
+
+def gather_objects(obj, world_size: int) -> list:
+    """Every rank's `obj` (picklable), in rank order, on every rank (a list of world_size objects)."""
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CHECKPOINTS (--save-every / --resume / Ctrl-C, issue 17)
+# ---------------------------------------------------------------------------------------------------------------
+def rng_state(device) -> dict:
+    """This rank's torch RNG state (CPU, and CUDA when used): the only RNG that can differ between ranks."""
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def read_json(path: Path):
+    return json.loads(path.read_text())
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def save_train_checkpoint(run_dir, step, lm, heads, optimizer, scheduler, sampler: dict, rank_rngs, state) -> Path:
+    """RUN_DIR/checkpoints/step_<step>/: lm.safetensors (backbone + LM head), heads.safetensors (Q1, Q2, their
+    Polyak targets, V, belief), optim.pt (optimizer + scheduler state_dicts), sampler.pt (minibatch generator state
+    and the rest of the epoch's minibatches), rng_rank<r>.pt (per rank), state.json (script, step, args, counters,
+    the loss log so far, python / numpy RNG). Atomic: written under a temporary name and renamed, then latest.json is
+    replaced (temp file + os.replace); older step dirs are deleted only after that, so a kill at any point leaves
+    latest.json naming a complete checkpoint."""
+    ckpt = Path(run_dir) / CKPT_DIR
+    tmp, final = ckpt / f".tmp_step_{step}", ckpt / f"step_{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(lm, str(tmp / "lm.safetensors"))  # save_model drops the tied (shared) LM-head copy; load_model reties
+    save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, str(tmp / "heads.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optim.pt")
+    torch.save(sampler, tmp / "sampler.pt")
+    for r, rng in enumerate(rank_rngs):
+        torch.save(rng, tmp / f"rng_rank{r}.pt")
+    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    if final.exists():  # left by an attempt killed before latest.json named it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    write_json_atomic(ckpt / "latest.json", {"step": step, "dir": final.name})
+    for old in ckpt.iterdir():
+        if old.is_dir() and old != final:
+            shutil.rmtree(old)
+    return final
+
+
+def checkpoint_file(step_dir: Path, name: str, loader):
+    """Read one checkpoint file; a missing, truncated or corrupt file is a one-line error naming it."""
+    path = step_dir / name
+    try:
+        return loader(path)
+    except (OSError, RuntimeError, ValueError, EOFError, KeyError, SafetensorError) as e:
+        raise SystemExit(
+            f"error: checkpoint file '{path}' is missing, truncated or corrupt ({str(e).strip().splitlines()[0]}); "
+            "a checkpoint that was still being written when the run died is never named in latest.json"
+        ) from None
+
+
+def read_resume(args, world_size: int):
+    """--resume RUN_DIR: refuse (one-line error) a finished run, another script's run, a run without a checkpoint,
+    a corrupt state.json, a different number of processes, or arguments that differ from the run's; return the
+    run's arguments, its state.json and the newest complete step dir."""
+    run_dir = Path(args.resume)
+    if not run_dir.is_dir():
+        raise SystemExit(f"error: --resume '{run_dir}' is not a directory")
+    if (run_dir / "summary.json").exists():
+        raise SystemExit(f"error: --resume '{run_dir}': the run is finished (summary.json exists); nothing to resume")
+    latest = run_dir / CKPT_DIR / "latest.json"
+    if not latest.is_file():
+        raise SystemExit(f"error: --resume '{run_dir}' has no checkpoint ({CKPT_DIR}/latest.json)")
+    step_dir = run_dir / CKPT_DIR / checkpoint_file(latest.parent, "latest.json", read_json)["dir"]
+    state = checkpoint_file(step_dir, "state.json", read_json)
+    if state.get("script") != Path(__file__).stem:
+        raise SystemExit(f"error: --resume '{run_dir}' is a run of {state.get('script')}, not of {Path(__file__).stem}")
+    if state["world_size"] != world_size:
+        raise SystemExit(f"error: --resume '{run_dir}' ran on {state['world_size']} process(es), not {world_size}")
+    plain = lambda v: json.loads(json.dumps(v))  # noqa: E731  (tuples -> lists, as in state.json)
+    given, default, saved = asdict(args), asdict(Args()), state["args"]
+    for k, v in given.items():
+        if k not in RESUME_FREE and plain(v) != plain(default[k]) and plain(v) != saved.get(k):
+            flag = "--" + k.replace("_", "-")
+            raise SystemExit(f"error: --resume keeps the run's arguments: {flag} {v} differs from its {saved.get(k)}")
+    saved = {**saved, **{k: given[k] for k in RESUME_FREE}, "betas": tuple(saved["betas"])}
+    return Args(**saved), state, step_dir
+
+
+def load_train_checkpoint(step_dir: Path, rank: int, lm, heads, optimizer, scheduler, device) -> dict:
+    """Restore what save_train_checkpoint wrote (weights, optimizer, scheduler, RNGs); returns the sampler state."""
+    checkpoint_file(step_dir, "lm.safetensors", lambda f: load_model(lm, str(f), device=str(device)))
+    heads.load_state_dict(checkpoint_file(step_dir, "heads.safetensors", lambda f: load_file(f, device=str(device))))
+    optim = checkpoint_file(step_dir, "optim.pt", lambda f: torch.load(f, weights_only=True))
+    optimizer.load_state_dict(optim["optimizer"])
+    scheduler.load_state_dict(optim["scheduler"])
+    sampler = checkpoint_file(step_dir, "sampler.pt", lambda f: torch.load(f, weights_only=True))
+    rng = checkpoint_file(step_dir, f"rng_rank{rank}.pt", lambda f: torch.load(f, weights_only=True))
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"], device)
+    state = json.loads((step_dir / "state.json").read_text())
+    random.setstate((state["python_random"][0], tuple(state["python_random"][1]), state["python_random"][2]))
+    numpy_state = state["numpy_random"]
+    numpy_state["state"]["key"] = np.array(numpy_state["state"]["key"], dtype=np.uint32)
+    np.random.set_state(numpy_state)
+    return sampler
+
+
+def numpy_rng_json() -> dict:
+    state = np.random.get_state(legacy=False)
+    state["state"]["key"] = state["state"]["key"].tolist()
+    return state
+
+
+def install_interrupt_handlers() -> dict:
+    """Ctrl-C (SIGINT) and SIGTERM (a preempted job) only set a flag; the training loop checks it at the end of each
+    step, writes a checkpoint and exits. Returns {"signal": name or None, "previous": the handlers to restore}."""
+    flag = {"signal": None, "previous": {}}
+
+    def handler(signum, frame):
+        flag["signal"] = signal.Signals(signum).name
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        flag["previous"][sig] = signal.signal(sig, handler)
+    return flag
 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
     validate_args(args)
+    # torchrun sets WORLD_SIZE / RANK / LOCAL_RANK; one process (1, 0, 0) runs exactly the single-process code path
+    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.bc_only:
         args.betas = (0.0,)  # the Q/V heads are untrained: only β = 0 (pure BC) is meaningful
+    resume_state = resume_dir = None
+    if args.resume is not None:
+        args, resume_state, resume_dir = read_resume(args, world_size)  # the run's own arguments
+    else:
+        check_runs_dir(args.runs_dir)
     run_name = f"{TASK_ID}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.runs_dir) / run_name
     suffix = 0
@@ -774,37 +1043,63 @@ if __name__ == "__main__":
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device("cuda" if use_cuda else "cpu")
+    if world_size > 1:
+        if use_cuda:
+            device = torch.device(f"cuda:{local_rank}")
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(minutes=10))
 
-    # 1. data (also the behavior-mixture baseline row)
+    # 1. data (also the behavior-mixture baseline row); every rank builds the same data
     dialogues = load_dialogues(args)
     data_stats = G.dataset_stats(dialogues)
     train_dialogues = filter_top(dialogues, args.filter_top_frac)
     args.n_train_dialogues = len(train_dialogues)
+    if world_size > 1 and not args.eval_only and args.num_steps > 0:
+        n_data = len(train_dialogues)
+        error = shard_error(min(args.batch_size, n_data), n_data, world_size, args.group_by_length)
+        if error:
+            raise SystemExit(f"error: {error}")
 
     # 2. model
     if args.eval_only:
         lm, heads, tokenizer = load_checkpoint(args.checkpoint, device)
     else:
         lm, heads, tokenizer = build_model(args, device)
-    while True:  # never overwrite a run: mkdir is atomic, so runs started in the same second get -1, -2, ...
-        try:
-            run_dir.mkdir(parents=True, exist_ok=False)
-            break
-        except FileExistsError:
-            suffix += 1
-            run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
-    writer = SummaryWriter(str(run_dir))
-    writer.add_text(
-        "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-    )
+    if world_size > 1:  # identical starts whatever each rank's RNG did, then per-rank noise (dropout)
+        broadcast_params([*lm.parameters(), *heads.parameters()])
+        torch.manual_seed(args.seed + SEED_STRIDE * rank)
+    if resume_dir is not None:
+        run_dir = Path(args.resume)
+    elif rank == 0:
+        while True:  # never overwrite a run: mkdir is atomic, so runs started in the same second get -1, -2, ...
+            try:
+                run_dir.mkdir(parents=True, exist_ok=False)
+                break
+            except FileExistsError:
+                suffix += 1
+                run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
+    if world_size > 1:  # only rank 0 creates the run dir; the others learn its name
+        shared = [str(run_dir)]
+        dist.broadcast_object_list(shared, src=0)
+        run_dir = Path(shared[0])
+    if rank > 0:
+        writer = NullWriter()
+    elif resume_state is not None:  # continue the curve; events logged after the checkpoint are dropped
+        writer = SummaryWriter(str(run_dir), purge_step=resume_state["step"] + 1)
+    else:
+        writer = SummaryWriter(str(run_dir))
+        writer.add_text(
+            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+        )
     start, cpu_start, global_step, last_log, first_log = time.time(), time.process_time(), 0, {}, {}
 
     # the problem this script faces (lecture Problem 21.4): per-token time steps
     data = build_tensors(train_dialogues, tokenizer)
     problem = timestep_stats(data, tokenizer, lm)
 
-    # 3. offline training: every minibatch is a random set of logged dialogues
+    # 3. offline training: every minibatch is a random set of logged dialogues (torchrun: each rank takes its shard)
     if not args.eval_only and args.num_steps > 0:
         n_data = len(train_dialogues)
         params = [p for p in [*lm.parameters(), *heads.parameters()] if p.requires_grad]
@@ -816,24 +1111,42 @@ if __name__ == "__main__":
         lm.train()
         n_tokens, log_acc, queue = 0, {}, []
         batch_generator = torch.Generator().manual_seed(args.seed)
-        for global_step in range(1, args.num_steps + 1):
+        first_step = 1
+        if resume_state is not None:  # continue exactly where the checkpoint left off
+            sampler = load_train_checkpoint(resume_dir, rank, lm, heads, optimizer, scheduler, device)
+            batch_generator.set_state(sampler["generator"])
+            sizes = sampler["queue_sizes"].tolist()
+            queue = list(sampler["queue"].split(sizes)) if sizes else []
+            global_step, n_tokens, log_acc = resume_state["step"], resume_state["n_tokens"], resume_state["log_acc"]
+            last_log, first_log = resume_state["last_log"], resume_state["first_log"]
+            first_step = global_step + 1
+            start, cpu_start = start - resume_state["train_time_s"], cpu_start - resume_state["train_cpu_time_s"]
+        interrupt = install_interrupt_handlers()
+        for global_step in range(first_step, args.num_steps + 1):
             if args.group_by_length:  # losses stay means over each minibatch's own action tokens
                 queue = queue or length_grouped_batches(data["lengths"], min(args.batch_size, n_data), batch_generator)
                 idx = queue.pop()
+            elif world_size > 1:  # the same global minibatch on every rank (their global RNGs differ: dropout)
+                idx = torch.randint(0, n_data, (min(args.batch_size, n_data),), generator=batch_generator)
             else:
                 idx = torch.randint(0, n_data, (min(args.batch_size, n_data),))
-            batch = make_minibatch(data, idx, device)
+            batch = make_minibatch(data, idx, device, rank, world_size)
             out = forward_all(lm, heads, batch["input_ids"], batch["attention_mask"])
             losses = ilql_losses(out, batch, args)
             optimizer.zero_grad(set_to_none=True)
             losses["loss"].backward()
+            if world_size > 1:
+                allreduce_grads(params)  # CRUCIAL: before clipping, so every rank clips the same global gradient
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             optimizer.step()
             scheduler.step()
             heads.sync_targets(args.polyak)  # CRUCIAL: target heads trail the online Q heads (Polyak)
-            n_tokens += int(batch["action_mask"].sum())
-            for k, v in losses.items():
-                log_acc[k] = log_acc.get(k, 0.0) + float(v.detach())
+            n_tokens += int(batch.get("n_actions", batch["action_mask"].sum()))
+            step_losses, stop = {k: float(v.detach()) for k, v in losses.items()}, interrupt["signal"] is not None
+            if world_size > 1:  # the global minibatch's losses; any rank interrupted -> all stop at this step
+                step_losses, stop = global_sums(step_losses, stop, device)
+            for k, v in step_losses.items():
+                log_acc[k] = log_acc.get(k, 0.0) + v
             if global_step % args.log_every == 0 or global_step == args.num_steps:
                 count = args.log_every if global_step % args.log_every == 0 else global_step % args.log_every
                 for k, v in log_acc.items():
@@ -842,18 +1155,62 @@ if __name__ == "__main__":
                 writer.add_scalar("charts/learning_rate", scheduler.get_last_lr()[0], global_step)
                 sps = global_step / (time.time() - start)
                 writer.add_scalar("charts/SPS", sps, global_step)
-                print(
-                    f"step {global_step}: "
-                    + " ".join(f"{k}={v / count:.4f}" for k, v in log_acc.items())
-                    + f" SPS={sps:.1f} action-tokens/s={n_tokens / (time.time() - start):.0f}",
-                    flush=True,
-                )
+                if rank == 0:
+                    print(
+                        f"step {global_step}: "
+                        + " ".join(f"{k}={v / count:.4f}" for k, v in log_acc.items())
+                        + f" SPS={sps:.1f} action-tokens/s={n_tokens / (time.time() - start):.0f}",
+                        flush=True,
+                    )
                 last_log, log_acc = {k: v / count for k, v in log_acc.items()}, {}
                 first_log = first_log or last_log
+            if stop or (args.save_every and (global_step % args.save_every == 0 or global_step == args.num_steps)):
+                rank_rngs = gather_objects(rng_state(device), world_size) if world_size > 1 else [rng_state(device)]
+                if rank == 0:
+                    sampler = {
+                        "generator": batch_generator.get_state(),
+                        "queue": torch.cat(queue) if queue else torch.zeros(0, dtype=torch.long),
+                        "queue_sizes": torch.tensor([len(q) for q in queue], dtype=torch.long),
+                    }
+                    state = {
+                        "script": Path(__file__).stem,
+                        "step": global_step,
+                        "world_size": world_size,
+                        "args": asdict(args),
+                        "n_tokens": n_tokens,
+                        "log_acc": log_acc,
+                        "last_log": last_log,
+                        "first_log": first_log,
+                        "train_time_s": time.time() - start,
+                        "train_cpu_time_s": time.process_time() - cpu_start,
+                        "python_random": random.getstate(),
+                        "numpy_random": numpy_rng_json(),
+                    }
+                    save_train_checkpoint(
+                        run_dir, global_step, lm, heads, optimizer, scheduler, sampler, rank_rngs, state
+                    )
+                if world_size > 1:
+                    dist.barrier()  # no rank exits before rank 0 has saved (torchrun would stop it mid-write)
+            if stop:
+                writer.close()
+                if world_size > 1:
+                    dist.destroy_process_group()
+                launcher = f"torchrun --nproc_per_node {world_size} " if world_size > 1 else "python "
+                why = interrupt["signal"] or "interrupted on another rank"
+                raise SystemExit(
+                    f"{why}: checkpoint saved at step {global_step} of {args.num_steps}; continue with: "
+                    f"{launcher}{sys.argv[0]} --resume {run_dir}"
+                    if rank == 0
+                    else 1
+                )
+        for sig, previous in interrupt["previous"].items():  # Ctrl-C during evaluation stops at once
+            signal.signal(sig, previous)
     train_time, train_cpu = time.time() - start, time.process_time() - cpu_start
 
     # 4. evaluation: β sweep on validation episodes (choose β) and on test episodes (report)
     lm.eval()
+    if world_size > 1:  # every rank evaluates rank 0's weights, the ones saved below
+        broadcast_params([*lm.parameters(), *heads.parameters()])
     metrics = {f"dataset/{k}": float(data_stats[k]) for k in ("mean_return", "success_rate", "mean_length")}
     metrics["dataset/normalized_score"] = G.normalized_score(data_stats["mean_return"])
     optimal = G.evaluate_policy(G.OptimalPolicy(), n_episodes=args.eval_episodes, seed=args.eval_seed)
@@ -867,13 +1224,23 @@ if __name__ == "__main__":
     with torch.no_grad():  # the learned value of the start state (<bos>): the backup must carry rewards ~40 tokens back
         start_ids = torch.tensor([[tokenizer.bos_token_id]], device=device)
         metrics["model/v_start"] = float(forward_all(lm, heads, start_ids, torch.ones_like(start_ids))["v"][0, -1])
-    val, test = {}, {}
-    for beta in args.betas:
+    results = {}  # β -> (validation, test) results
+    for beta in args.betas[rank::world_size]:  # torchrun: the β values are split over ranks, each one evaluated whole
         agent = ILQLAgent(lm, heads, tokenizer, beta, args.top_k, args.greedy, args.seed, device)
-        val[beta] = G.evaluate_policy(agent, n_episodes=args.val_episodes, seed=args.val_seed)
+        val_res = G.evaluate_policy(agent, n_episodes=args.val_episodes, seed=args.val_seed)
         agent = ILQLAgent(lm, heads, tokenizer, beta, args.top_k, args.greedy, args.seed + 1, device)
-        test[beta] = G.evaluate_policy(agent, n_episodes=args.eval_episodes, seed=args.eval_seed, return_dialogues=True)
-        test[beta]["valid_utterance_rate"] = valid_utterance_rate(test[beta].pop("dialogues"))
+        test_res = G.evaluate_policy(agent, n_episodes=args.eval_episodes, seed=args.eval_seed, return_dialogues=True)
+        test_res["valid_utterance_rate"] = valid_utterance_rate(test_res.pop("dialogues"))
+        results[beta] = (val_res, test_res)
+        print(
+            f"β={beta:g}: val return {val_res['mean_return']:.3f} | test return {test_res['mean_return']:.3f} "
+            f"success {test_res['success_rate']:.3f} length {test_res['mean_length']:.2f}",
+            flush=True,
+        )
+    if world_size > 1:  # every rank gets every β's results, so the choice of β below is the same on every rank
+        results = {beta: res for part in gather_objects(results, world_size) for beta, res in part.items()}
+    val, test = {b: results[b][0] for b in args.betas}, {b: results[b][1] for b in args.betas}
+    for beta in args.betas:
         for name, res in (("val_", val[beta]), ("", test[beta])):
             prefix = f"eval/{name}beta_{beta:g}/"
             metrics.update(
@@ -884,11 +1251,6 @@ if __name__ == "__main__":
                 }
             )
         metrics[f"eval/beta_{beta:g}/valid_utterance_rate"] = test[beta]["valid_utterance_rate"]
-        print(
-            f"β={beta:g}: val return {val[beta]['mean_return']:.3f} | test return {test[beta]['mean_return']:.3f} "
-            f"success {test[beta]['success_rate']:.3f} length {test[beta]['mean_length']:.2f}",
-            flush=True,
-        )
     best_beta = max(args.betas, key=lambda b: (val[b]["mean_return"], -b))  # ties -> the smaller β
     for key, res in (("eval/", test[best_beta]), ("eval/bc_", test.get(0.0))):
         if res is None:
@@ -912,26 +1274,30 @@ if __name__ == "__main__":
     writer.add_scalar("charts/episodic_return", metrics["eval/episodic_return"], global_step)
     writer.add_scalar("charts/episodic_length", metrics["eval/episodic_length"], global_step)
 
-    # 5. save (model + tokenizer with save_pretrained, ILQL heads as safetensors next to them) and summarize
-    save_checkpoint(run_dir / "model", lm, tokenizer, heads)
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-    wall = time.time() - start
-    summary = {
-        "script": Path(__file__).stem,
-        "run_name": run_dir.name,
-        "run_dir": str(run_dir),
-        "args": asdict(args),
-        "metrics": metrics,
-        "wall_time_s": wall,
-        "train_time_s": train_time,
-        "cpu_time_s": time.process_time() - cpu_start,
-        "train_cpu_time_s": train_cpu,
-        "sps": global_step / train_time if global_step else 0.0,
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    writer.close()
-    print(
-        f"best β={best_beta:g} (on validation): test return {metrics['eval/episodic_return']:.3f} "
-        f"(normalized {metrics['eval/normalized_score']:.1f}), BC {metrics.get('eval/bc_episodic_return', 0):.3f}, "
-        f"dataset {data_stats['mean_return']:.3f}, optimal {optimal['mean_return']:.3f}; wall {wall:.0f}s -> {run_dir}"
-    )
+    # 5. save (model + tokenizer with save_pretrained, ILQL heads as safetensors next to them) and summarize (rank 0)
+    if rank == 0:
+        save_checkpoint(run_dir / "model", lm, tokenizer, heads)
+        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+        wall = time.time() - start
+        summary = {
+            "script": Path(__file__).stem,
+            "run_name": run_dir.name,
+            "run_dir": str(run_dir),
+            "args": asdict(args),
+            "metrics": metrics,
+            "wall_time_s": wall,
+            "train_time_s": train_time,
+            "cpu_time_s": time.process_time() - cpu_start,
+            "train_cpu_time_s": train_cpu,
+            "sps": global_step / train_time if global_step else 0.0,
+        }
+        write_json_atomic(run_dir / "summary.json", summary)  # last: its presence marks the run finished (--resume)
+        writer.close()
+        print(
+            f"best β={best_beta:g} (on validation): test return {metrics['eval/episodic_return']:.3f} "
+            f"(normalized {metrics['eval/normalized_score']:.1f}), BC {metrics.get('eval/bc_episodic_return', 0):.3f}, "
+            f"dataset {data_stats['mean_return']:.3f}, optimal {optimal['mean_return']:.3f}; wall {wall:.0f}s "
+            f"-> {run_dir}"
+        )
+    if world_size > 1:
+        dist.destroy_process_group()

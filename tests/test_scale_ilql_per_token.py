@@ -1,0 +1,254 @@
+"""Scaling out and long runs of algos/ilql_per_token.py: data-parallel training under torchrun (issue 16: the
+all-reduced gradient of a global minibatch split over 2 ranks is the one-process gradient; a 2-process run writes one
+run dir) and checkpoints (issue 17: SIGKILL or Ctrl-C after a checkpoint, then --resume, ends with exactly the metrics
+of the uninterrupted run; truncated checkpoints, finished runs, other scripts' runs are one-line errors).
+
+Run as a script under torchrun, this file is the worker of the gradient test (see the end of the file)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, load_script, run_script
+from safetensors.torch import load_file, save_file
+from test_ilql_per_token import check_evaluation_bookkeeping
+
+import envs.guess_image as G
+
+M = load_script("ilql_per_token")
+SCRIPT = str(ROOT / "algos" / "ilql_per_token.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TINY = (  # seconds: 300 dialogues, a 1-layer 32-wide model, 16 dialogues a step, 36 + 18 episodes per β
+    "--dataset-size",
+    "300",
+    "--log-every",
+    "10",
+    "--batch-size",
+    "16",
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "32",
+    "--eval-episodes",
+    "36",
+    "--val-episodes",
+    "18",
+    "--betas",
+    "0",
+    "4",
+)
+RESUMABLE = (*TINY, "--num-steps", "120", "--save-every", "5", "--warmup-steps", "10")  # ~2 s of training
+GRAD_IDX = [9, 3, 1, 12, 7, 0, 4]  # 7 dialogues of 12-107 tokens: shards of 4 (short) and 3 (long) over 2 ranks
+
+
+# ----------------------------------------------------------------------------------------------------- torchrun
+def grad_problem():
+    """A tiny model and dataset, identical in every process (seeded), for the gradient test."""
+    torch.manual_seed(0)
+    args = M.Args(n_layer=1, n_embd=32)
+    lm, heads, tok = M.build_model(args, torch.device("cpu"))
+    torch.nn.init.normal_(heads.target_q1[-1].weight, std=0.3)  # targets != online heads: the V loss is non-trivial
+    data = M.build_tensors(G.make_dataset(24, seed=5), tok)
+    return lm, heads, data, args
+
+
+def shard_losses_and_grads(lm, heads, data, args, rank=0, world_size=1):
+    """The losses of one rank's shard of the global minibatch GRAD_IDX (all of it for world_size 1), after
+    backward(): the gradients are in the parameters' .grad."""
+    batch = M.make_minibatch(data, torch.tensor(GRAD_IDX), torch.device("cpu"), rank, world_size)
+    out = M.forward_all(lm, heads, batch["input_ids"], batch["attention_mask"])
+    losses = M.ilql_losses(out, batch, args)
+    losses["loss"].backward()
+    return {k: float(v.detach()) for k, v in losses.items()}
+
+
+def named_grads(lm, heads) -> dict:
+    named = [*(("lm." + n, p) for n, p in lm.named_parameters())]
+    named += [("heads." + n, p) for n, p in heads.named_parameters()]
+    return {n: p.grad.clone() for n, p in named if p.grad is not None}
+
+
+def test_shard_losses_sum_to_the_global_minibatch_losses():
+    """In one process, without torch.distributed: the two shards' losses (each divided by the global minibatch's
+    token counts) add up to the one-process losses, so summing gradients over ranks is exact."""
+    lm, heads, data, args = grad_problem()
+    whole = shard_losses_and_grads(lm, heads, data, args)
+    parts = [shard_losses_and_grads(lm, heads, data, args, r, 2) for r in range(2)]
+    for k in whole:
+        assert parts[0][k] + parts[1][k] == pytest.approx(whole[k], rel=1e-5, abs=1e-7), k
+    assert parts[0]["q"] > 0 and parts[1]["q"] > 0 and whole["belief"] > 0  # both shards contribute to every term
+
+
+def test_allreduced_gradient_equals_one_process_gradient(tmp_path):
+    """Issue 16 (a). 2 gloo ranks each backpropagate their shard of GRAD_IDX (4 short and 3 long dialogues, each
+    shard trimmed to its own longest) and all-reduce; the result equals the one-process gradient of the whole
+    minibatch up to float summation order (the shards are padded to other widths): |Δ| <= 1e-4 * max|g| + 1e-7 per
+    tensor (measured: at most 2.9e-6 * max|g|); averaging the ranks' gradients instead of summing would halve them."""
+    proc = subprocess.run(
+        [*TORCHRUN, __file__, str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reduced = load_file(tmp_path / "grads.safetensors")
+    reduced_losses = json.loads((tmp_path / "losses.json").read_text())
+    lm, heads, data, args = grad_problem()
+    losses = shard_losses_and_grads(lm, heads, data, args)
+    grads = named_grads(lm, heads)
+    assert set(reduced) == set(grads) and len(grads) > 10
+    for name, g in grads.items():
+        assert (reduced[name] - g).abs().max() <= 1e-4 * g.abs().max() + 1e-7, name
+    for k in losses:  # the logged losses are the global minibatch's
+        assert reduced_losses[k] == pytest.approx(losses[k], rel=1e-5, abs=1e-7), k
+
+
+def test_torchrun_two_processes_write_one_run_dir(tmp_path):
+    """Issue 16 (b): 2 processes train, split the β sweep, agree on the β, and only rank 0 writes."""
+    runs = tmp_path / "runs"
+    cmd = [*TORCHRUN, SCRIPT, "--runs-dir", str(runs), *TINY, "--num-steps", "20", "--save-every", "10"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (run_dir,) = runs.iterdir()  # exactly one run dir
+    summary = json.loads((run_dir / "summary.json").read_text())
+    check_evaluation_bookkeeping(summary["metrics"], betas=(0.0, 4.0))
+    assert len(list(run_dir.glob("events.out.tfevents*"))) == 1  # one tensorboard writer
+    assert [p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir()] == ["step_20"]
+    state = json.loads((run_dir / "checkpoints" / "step_20" / "state.json").read_text())
+    assert state["world_size"] == 2 and sorted(p.name for p in (run_dir / "checkpoints" / "step_20").glob("rng*")) == [
+        "rng_rank0.pt",
+        "rng_rank1.pt",
+    ]
+    assert proc.stdout.count("β=0: val") == 1 and proc.stdout.count("β=4: val") == 1  # each β on one rank
+    assert proc.stdout.count("best β=") == 1  # one summary line: rank 0
+
+
+def test_shard_error_explains_batches_that_do_not_split():
+    assert M.shard_error(32, 20000, 2, True) is None
+    assert "not divisible" in M.shard_error(15, 300, 2, True)
+    assert M.shard_error(16, 301, 2, False) is None  # uniform sampling: every minibatch is full
+    assert "last minibatch" in M.shard_error(16, 305, 8, True)  # 305 % 16 = 1 dialogue for 8 ranks
+    assert M.shard_error(16, 307, 2, True) is None  # 3 dialogues: shards of 2 and 1 (global counts keep it exact)
+
+
+# ----------------------------------------------------------------------------------------------------- resume
+def start_run(runs: Path) -> subprocess.Popen:
+    cmd = [sys.executable, SCRIPT, "--runs-dir", str(runs), *RESUMABLE]
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_first_checkpoint(runs: Path, proc: subprocess.Popen, timeout: float = 120) -> Path:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = list(runs.glob("*/checkpoints/latest.json"))
+        if found:
+            return found[0].parents[1]
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    proc.kill()
+    raise AssertionError("no checkpoint appeared")
+
+
+def latest_step(run_dir: Path) -> int:
+    return json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
+
+
+def resume(run_dir: Path, *extra: str, expect_fail: bool = False):
+    cmd = [sys.executable, SCRIPT, "--resume", str(run_dir), *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    if expect_fail:
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # a one-line error
+        return proc.stderr
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return run_script("ilql_per_token", *RESUMABLE, runs_dir=tmp_path_factory.mktemp("runs"), timeout=300)
+
+
+def test_sigkill_then_resume_ends_with_the_uninterrupted_metrics(uninterrupted, tmp_path):
+    """Issue 17: kill -9 after the first checkpoint; a newer checkpoint truncated half-way is refused naming the
+    file; with latest.json still naming the complete one (a kill during a save), --resume ends bit-identical."""
+    runs = tmp_path / "runs"
+    proc = start_run(runs)
+    run_dir = wait_for_first_checkpoint(runs, proc)
+    proc.kill()
+    proc.communicate(timeout=60)
+    step = latest_step(run_dir)
+    assert step < 120 and not (run_dir / "summary.json").exists()  # killed during training
+    ckpt = run_dir / "checkpoints"
+    good_latest = (ckpt / "latest.json").read_text()
+    bad = ckpt / f"step_{step + 1}"
+    shutil.copytree(ckpt / f"step_{step}", bad)
+    weights = bad / "lm.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    (ckpt / "latest.json").write_text(json.dumps({"step": step + 1, "dir": bad.name}))
+    err = resume(run_dir, expect_fail=True)
+    assert "error: checkpoint file" in err and "lm.safetensors" in err and "truncated" in err
+    (ckpt / "latest.json").write_text(good_latest)  # the previous, complete checkpoint still loads
+    resumed = resume(run_dir)
+    assert resumed["metrics"] == uninterrupted["metrics"]  # bit-identical on CPU
+    assert [p.name for p in ckpt.iterdir() if p.is_dir()] == ["step_120"]  # only the newest is kept
+    err = resume(run_dir, expect_fail=True)
+    assert "is finished" in err
+
+
+def test_sigint_writes_a_checkpoint_and_resume_ends_with_the_uninterrupted_metrics(uninterrupted, tmp_path):
+    runs = tmp_path / "runs"
+    proc = start_run(runs)
+    run_dir = wait_for_first_checkpoint(runs, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in err, err
+    assert f"--resume {run_dir}" in err and "SIGINT" in err
+    step = latest_step(run_dir)
+    assert step < 120 and f"step {step} of 120" in err  # the checkpoint of the interrupted step
+    err = resume(run_dir, "--seed", "7", expect_fail=True)  # a resumed run keeps its arguments
+    assert "--seed 7 differs" in err
+    resumed = resume(run_dir, *RESUMABLE)  # repeating the run's own arguments is fine
+    assert resumed["metrics"] == uninterrupted["metrics"]
+
+
+def test_resume_refuses_other_scripts_and_bad_dirs(tmp_path):
+    other = tmp_path / "other_run" / "checkpoints"
+    (other / "step_5").mkdir(parents=True)
+    (other / "latest.json").write_text(json.dumps({"step": 5, "dir": "step_5"}))
+    (other / "step_5" / "state.json").write_text(json.dumps({"script": "rlhf_ppo_kl", "world_size": 1}))
+    for run_dir, message in (
+        (other.parent, "is a run of rlhf_ppo_kl"),
+        (tmp_path / "missing", "is not a directory"),
+        (tmp_path, "has no checkpoint"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            M.read_resume(M.Args(resume=str(run_dir)), 1)
+    (other / "step_5" / "state.json").write_text('{"script": "ilql_per_')  # truncated
+    with pytest.raises(SystemExit, match="state.json' is missing, truncated or corrupt"):
+        M.read_resume(M.Args(resume=str(other.parent)), 1)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    with pytest.raises(SystemExit, match="is a file, not a directory"):
+        M.check_runs_dir(str(a_file / "runs"))
+
+
+# ----------------------------------------------------------------------------------------------------- worker
+if __name__ == "__main__":  # under torchrun: the 2 ranks of test_allreduced_gradient_equals_one_process_gradient
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    lm, heads, data, args = grad_problem()
+    losses = shard_losses_and_grads(lm, heads, data, args, rank, world_size)
+    M.allreduce_grads([p for p in [*lm.parameters(), *heads.parameters()] if p.requires_grad])
+    losses, _ = M.global_sums(losses, False, torch.device("cpu"))
+    if rank == 0:
+        save_file(named_grads(lm, heads), str(Path(sys.argv[1]) / "grads.safetensors"))
+        (Path(sys.argv[1]) / "losses.json").write_text(json.dumps(losses))
+    dist.destroy_process_group()
