@@ -53,6 +53,25 @@ Implementation details:
      over `n_center_samples` SFT-like completions a' of the same prompt (the distribution the comparisons were
      drawn from; the gold utility is not used), and then pools. The same baseline is what group-relative policy
      gradients (RLOO, GRPO) subtract, so a policy trained with them never sees c(s).
+  8. Data-parallel under torchrun (`WORLD_SIZE` set; one process = the code path of one process, unchanged). Every
+     rank builds the same data and weights from --seed (then rank 0's are broadcast), draws the same permutation,
+     and takes its contiguous share of every global minibatch (`shard`: --batch-size / --sft-batch-size must divide
+     by the number of ranks). Each rank's loss is weighted so that averaging gradients over ranks gives the gradient
+     of the global minibatch's loss (SFT: its token mean; reward: its mean over rankings/pairs): one flat all-reduce
+     after backward(), before clipping (`allreduce_grads`, as CleanRL's ppo_atari_multigpu.py) rather than DDP, so
+     the loop reads the same in one process. Logged loss/accuracy are global (one small all-reduce per step, which
+     also carries Ctrl-C so every rank stops at the same step). This script samples nothing, so no rank-specific
+     seed is needed. After the last update rank 0 alone evaluates, normalizes and saves; only rank 0 writes.
+  9. Checkpoints (--save-every N gradient steps, SFT and reward updates counted together, and at the last update):
+     `RUN_DIR/checkpoints/step_<N>/` holds the model being trained (safetensors), optimizer + scheduler state, the
+     torch RNG and the epoch's permutation (safetensors), and state.json (position in the epoch, counters, args,
+     python/numpy RNG, byte size of every file); `latest.json` names the newest complete one. Atomic: written under
+     a temporary name, renamed into place, then latest.json replaced, then older ones deleted; a kill mid-save leaves
+     the previous one. `--resume RUN_DIR` takes the run's saved args, restores all of it at the same step boundary
+     and continues bit-identically on the same machine (the same final metrics); tensorboard continues with
+     `purge_step`. Ctrl-C writes a checkpoint at the next step boundary and exits with the --resume command.
+     Refused with one line: a finished run, another script's run, a truncated file, an algorithm arg that differs.
+     Under several nodes, --resume needs the run dir on a shared file system (every rank reads the checkpoint).
 
 A real model (`--model-name-or-path gpt2`, `EleutherAI/pythia-70m`, a TinyLlama id, or a local `save_pretrained`
 dir): the same code path. The checkpoint's causal LM (pretrained LM head included) and tokenizer are loaded with
@@ -73,22 +92,35 @@ References:
   InstructGPT (all C(K,2) pairs per batch element). [4] Eisenstein et al. 2023, Helping or herding? (reward
   centering). [5] huggingface/trl `RewardTrainer` (margin, center_rewards_coefficient).
 Reproduce: python algos/rlhf_reward_model.py --seed 1
+Data-parallel (details 8): torchrun --standalone --nproc_per_node 2 algos/rlhf_reward_model.py --seed 1   (CPU, gloo)
+  N GPUs: torchrun --standalone --nproc_per_node N algos/rlhf_reward_model.py --cuda ...   (nccl)
+  2 nodes: torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 algos/... --cuda
+Long runs (details 9): a checkpoint every --save-every 250 updates; after a kill or Ctrl-C:
+  python algos/rlhf_reward_model.py --resume runs/RUN_NAME
 """
 
 import copy
 import json
+import os
 import random
 import re
+import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
+from safetensors import SafetensorError
+from safetensors.torch import load_file, load_model, save_file, save_model
 from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
@@ -97,6 +129,9 @@ from envs import preference  # noqa: E402
 from envs.tokenizer import build_tokenizer  # noqa: E402
 
 TASK_ID = "seqrl-preference"  # run-name prefix
+SCRIPT = Path(__file__).stem  # named in summary.json and in every checkpoint's state.json
+RESUME_FREE = ("cuda", "runs_dir", "save_every", "resume")  # args a resumed run may change (the rest: the algorithm)
+LOG_EVERY = 20  # reward-model updates between logged training scalars
 N_POSITIONS = 64  # tiny GPT-2 context: prompt (<= 9 tokens) + completion (<= 16 tokens) fits with room
 CALIBRATION_BINS = 10  # equal-width bins of σ(Δr) for the calibration table / error
 SCORE_BATCH = 512  # sequences per no-grad scoring forward pass
@@ -126,6 +161,11 @@ class Args:
     """only evaluate the reward model given by `--checkpoint` (a run dir or its reward_model/ dir)"""
     checkpoint: str | None = None
     """path of a saved run dir or `save_pretrained` reward-model dir to evaluate with `--eval-only`"""
+    save_every: int = 250
+    """write a training checkpoint into RUN_DIR/checkpoints/ every N gradient steps (SFT and reward-model updates
+    counted together; the default run has ~1,130) and at the last update; 0 = only on Ctrl-C (details 9)"""
+    resume: str | None = None
+    """continue the run in this run dir from its latest checkpoint, with its saved args (details 9)"""
 
     # model
     model_name_or_path: str | None = None
@@ -374,19 +414,56 @@ def reward_model_from(lm, tokenizer, device):
     return model
 
 
-def causal_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy, mean over the predicted real tokens. (B, L, V), (B, L), (B, L) -> ()"""
+def causal_lm_loss(
+    logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_targets: float | None = None
+) -> torch.Tensor:
+    """Next-token cross-entropy, mean over the predicted real tokens. (B, L, V), (B, L), (B, L) -> ()
+    `n_targets`: divide by this count instead (a rank's share of a global minibatch's token mean, details 8)."""
     nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), input_ids[:, 1:], reduction="none")  # (B, L-1)
     target = attention_mask[:, 1:].float()  # (B, L-1): predict every real token after the first
-    return (nll * target).sum() / target.sum().clamp(min=1.0)
+    return (nll * target).sum() / (target.sum().clamp(min=1.0) if n_targets is None else n_targets)
 
 
-def supervised_fine_tune(lm, tokenizer, args, device, writer) -> float:
+def sft_minibatch_loss(lm, ids, mask, mb, device, world_size: int = 1, rank: int = 0) -> torch.Tensor:
+    """Causal-LM loss of the global minibatch `mb` (indices into ids, mask: (N, L)) on this rank's share; averaged
+    over ranks its gradient is the gradient of the global minibatch's token mean (details 8)."""
+    width = int(mask[mb].sum(-1).max())  # right padding: drop all-pad columns (of the global minibatch)
+    part = shard(mb, world_size, rank)
+    mb_ids, mb_mask = ids[part, :width].to(device), mask[part, :width].to(device)  # (B, W)
+    logits = lm(input_ids=mb_ids, attention_mask=mb_mask, position_ids=position_ids_from_mask(mb_mask)).logits
+    if world_size == 1:
+        return causal_lm_loss(logits, mb_ids, mb_mask)  # logits: (B, W, V)
+    n_targets = float(mask[mb, 1:width].sum().clamp(min=1))  # predicted tokens of the whole global minibatch
+    return causal_lm_loss(logits, mb_ids, mb_mask, n_targets) * world_size
+
+
+def reward_minibatch_loss(model, ids, mask, mb, args, device, world_size: int = 1, rank: int = 0):
+    """Preference loss of the global minibatch `mb` (indices into ids, mask: (N, G, L), completions best first) on
+    this rank's share, and its rewards (b, G). A rank's mean is weighted by its share of the minibatch, so averaged
+    over ranks the gradient is that of the global minibatch's mean (details 8)."""
+    mb_mask = mask[mb]  # (B, G, L)
+    width = int(mb_mask.sum(-1).max())  # right padding: drop all-pad columns
+    part, group = shard(mb, world_size, rank), ids.shape[1]
+    mb_ids = ids[part][..., :width].reshape(-1, width).to(device)  # (b*G, W)
+    mb_mask = mask[part][..., :width].reshape(-1, width).to(device)  # (b*G, W)
+    rewards = reward_forward(model, mb_ids, mb_mask).view(len(part), group)  # (b, G), best first
+    if args.loss == "pairwise":
+        loss = pairwise_loss(rewards[:, 0], rewards[:, 1], args.margin, args.center_coef)
+    else:
+        loss = kwise_loss(rewards, args.kwise_form, args.margin, args.center_coef)
+    if world_size > 1:
+        loss = loss * (len(part) * world_size / len(mb))
+    return loss, rewards
+
+
+def supervised_fine_tune(lm, tokenizer, args, device, writer, rt=None) -> float:
     """STEP 1: causal-LM training on demonstrations, in place; returns the last epoch's NLL.
 
     The input is the reward model's exact input format (`encode`: prompt + completion + EOS if it ended, right
     padded), so predicting "paris" after "what is the capital of france ?" teaches the backbone the fact table.
+    `rt` (a `Runtime`): this process's rank, the run dir and checkpoint to resume from (details 8-9).
     """
+    rt = rt or Runtime()
     demos = preference.make_sft_dataset(args.sft_examples, seed=args.seed + 30_000, split="train")
     enc = encode(tokenizer, [d[0] for d in demos], [d[1] for d in demos])
     ids, mask = enc["input_ids"], enc["attention_mask"]  # (N, L)
@@ -394,29 +471,44 @@ def supervised_fine_tune(lm, tokenizer, args, device, writer) -> float:
     num_updates = args.sft_epochs * steps_per_epoch
     optimizer = torch.optim.AdamW(lm.parameters(), lr=args.sft_learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / num_updates)
+    resume = rt.resume if rt.resume is not None and rt.resume["state"]["phase"] == "sft" else None
+    first_epoch, first_start = 0, 0
+    if resume is not None:  # continue inside the saved epoch, with its permutation and running NLL (details 9)
+        perm = restore(resume, lm, optimizer, scheduler, device)["perm"]
+        st = resume["state"]
+        first_epoch, first_start, total, count = st["epoch"], st["next_start"], st["sft_total"], st["sft_count"]
     lm.train()
     epoch_nll = float("nan")
-    for epoch in range(args.sft_epochs):
-        perm, total, count = torch.randperm(len(ids)), 0.0, 0
-        for start in range(0, len(ids), args.sft_batch_size):
+    for epoch in range(first_epoch, args.sft_epochs):
+        if resume is None or epoch > first_epoch:
+            perm, total, count = torch.randperm(len(ids)), 0.0, 0
+        for start in range(first_start if epoch == first_epoch else 0, len(ids), args.sft_batch_size):
             mb = perm[start : start + args.sft_batch_size]
-            width = int(mask[mb].sum(-1).max())  # right padding: drop all-pad columns
-            mb_ids, mb_mask = ids[mb, :width].to(device), mask[mb, :width].to(device)  # (B, W)
-            logits = lm(input_ids=mb_ids, attention_mask=mb_mask, position_ids=position_ids_from_mask(mb_mask)).logits
-            loss = causal_lm_loss(logits, mb_ids, mb_mask)  # logits: (B, W, V)
+            loss = sft_minibatch_loss(lm, ids, mask, mb, device, rt.world_size, rt.rank)
             optimizer.zero_grad()
             loss.backward()
+            if rt.world_size > 1:
+                allreduce_grads(list(lm.parameters()), rt.world_size)
             torch.nn.utils.clip_grad_norm_(lm.parameters(), args.max_grad_norm)
             optimizer.step()
             scheduler.step()
-            total, count = total + loss.item() * len(mb), count + len(mb)
+            loss_value, stop = loss.item(), STOP.is_set()
+            if rt.world_size > 1:  # the global minibatch's NLL; Ctrl-C on any rank stops every rank (details 8)
+                loss_value, n_stop = sum_over_ranks([loss_value / rt.world_size, float(stop)], device)
+                stop = n_stop > 0
+            total, count = total + loss_value * len(mb), count + len(mb)
+            update = epoch * steps_per_epoch + start // args.sft_batch_size + 1
+            position = {"epoch": epoch, "next_start": start + args.sft_batch_size, "sft_total": total,
+                        "sft_count": count}  # fmt: skip
+            end_of_step(rt, args, update, "sft", lm, optimizer, scheduler, position, {"perm": perm}, stop)
         epoch_nll = total / count
-        writer.add_scalar("losses/sft_nll", epoch_nll, epoch)
-        print(f"[sft] epoch {epoch + 1}/{args.sft_epochs}: nll {epoch_nll:.4f}")
+        if writer is not None:
+            writer.add_scalar("losses/sft_nll", epoch_nll, epoch)
+            print(f"[sft] epoch {epoch + 1}/{args.sft_epochs}: nll {epoch_nll:.4f}")
     return epoch_nll
 
 
-def load_checkpoint(path: str, device):
+def load_reward_model(path: str, device):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     p = Path(path)
@@ -515,9 +607,211 @@ def make_run_dir(args) -> tuple[str, Path]:
     return run_dir.name, run_dir
 
 
+# ------------------------------------------------------------------------------------------------------------
+# DISTRIBUTED (torchrun, details 8)
+# ------------------------------------------------------------------------------------------------------------
+@dataclass
+class Runtime:
+    """What one process knows beyond Args: its place under torchrun, the run dir, the checkpoint it resumes."""
+
+    world_size: int = 1
+    rank: int = 0
+    run_dir: Path | None = None  # None: no checkpoints (e.g. a function called from a test)
+    resume: dict | None = None  # `load_checkpoint` of --resume
+    start_time: float = 0.0  # time.time() at the run's start, moved back by the time before a resume
+    total_updates: int = 0  # SFT + reward-model updates: the last one is always checkpointed
+
+
+def shard(mb: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    """This rank's contiguous share of a global minibatch: mb[rank * n : (rank + 1) * n] with n = len(mb) / world_size
+    (a shorter last minibatch is split as evenly as it goes). One process: the whole minibatch."""
+    return mb if world_size == 1 else mb.tensor_split(world_size)[rank]
+
+
+def allreduce_grads(params: list, world_size: int) -> None:
+    """Average the gradients over ranks: flatten, one all-reduce (sum), divide, copy back."""
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= world_size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def sum_over_ranks(values: list[float], device) -> list[float]:
+    """Sum a few scalars over ranks with one small all-reduce."""
+    total = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.tolist()
+
+
+def broadcast_params(model) -> None:
+    """Rank 0's weights on every rank (they are already equal when every rank seeded alike; this makes it certain)."""
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CHECKPOINTS (--save-every / --resume / Ctrl-C, details 9)
+# ------------------------------------------------------------------------------------------------------------
+STOP = threading.Event()  # set by Ctrl-C (SIGINT); the training loops check it at step boundaries
+
+
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, tensors: dict) -> Path:
+    """Write RUN_DIR/checkpoints/step_<step>/ atomically, point latest.json at it, delete older ones.
+
+    model.safetensors (`save_model`: tied weights stored once), optimizer.pt (optimizer and scheduler state_dict:
+    tensors and numbers only), rng.safetensors (torch RNG state and `tensors`), state.json (`state`, python and numpy
+    RNG states, the byte size of every file).
+    """
+    root = run_dir / "checkpoints"
+    final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
+    tmp.mkdir(parents=True)
+    save_model(model, str(tmp / "model.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+    rng = {"torch_cpu": torch.get_rng_state(), **tensors}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["torch_cuda"] = torch.cuda.get_rng_state()
+    save_file({k: v.contiguous().cpu() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
+    numpy_rng = np.random.get_state(legacy=False)
+    numpy_rng["state"]["key"] = numpy_rng["state"]["key"].tolist()
+    python_rng = random.getstate()
+    files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
+    state = {**state, "script": SCRIPT, "step": step, "files": files, "numpy_rng": numpy_rng,
+             "python_rng": [python_rng[0], list(python_rng[1]), python_rng[2]]}  # fmt: skip
+    (tmp / "state.json").write_text(json.dumps(state))
+    if final.exists():  # complete, but latest.json never named it (the run was killed right after the rename)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    (root / "latest.json.tmp").write_text(json.dumps({"step": step, "dir": final.name, "phase": state["phase"]}))
+    os.replace(root / "latest.json.tmp", root / "latest.json")
+    for old in root.glob("step_*"):  # the previous checkpoint goes only now that the new one is complete
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(run_dir: Path) -> dict:
+    """The newest complete checkpoint of a run dir, checked: {"state": state.json, "dir": its step dir}; one-line
+    errors for a finished run, another script's run, no checkpoint, a missing or truncated file."""
+    if not run_dir.is_dir():
+        raise SystemExit(f"error: --resume '{run_dir}' is not a run directory")
+    if (run_dir / "summary.json").exists():
+        raise SystemExit(f"error: --resume '{run_dir}': the run is finished (summary.json exists); nothing to resume")
+    latest = run_dir / "checkpoints" / "latest.json"
+    if not latest.exists():
+        raise SystemExit(f"error: --resume '{run_dir}' has no checkpoint ({latest} missing; see --save-every)")
+    try:
+        step_dir = latest.parent / json.loads(latest.read_text())["dir"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"error: checkpoint index {latest} is unreadable ({e})") from None
+    try:
+        state = json.loads((step_dir / "state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: checkpoint file {step_dir / 'state.json'} is corrupt or missing ({e})") from None
+    if state.get("script") != SCRIPT:
+        raise SystemExit(f"error: --resume '{run_dir}' is a run of {state.get('script')}, not of {SCRIPT}")
+    for name, size in state["files"].items():
+        got = (step_dir / name).stat().st_size if (step_dir / name).exists() else 0
+        if got != size:
+            raise SystemExit(f"error: checkpoint file {step_dir / name} is truncated ({got} of {size} bytes)")
+    return {"state": state, "dir": step_dir}
+
+
+def restore(ckpt: dict, model, optimizer, scheduler, device) -> dict:
+    """Load a checkpoint's model, optimizer and scheduler in place and set every RNG; returns its saved tensors."""
+
+    def read(name, fn):
+        try:
+            return fn(ckpt["dir"] / name)
+        except (OSError, RuntimeError, ValueError, SafetensorError) as e:
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise SystemExit(f"error: checkpoint file {ckpt['dir'] / name} is corrupt ({message})") from None
+
+    read("model.safetensors", lambda f: load_model(model, str(f), device=str(device)))
+    saved = read("optimizer.pt", lambda f: torch.load(f, map_location=device, weights_only=True))
+    tensors = read("rng.safetensors", lambda f: load_file(str(f)))
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    torch.set_rng_state(tensors.pop("torch_cpu"))
+    cuda_rng = tensors.pop("torch_cuda", None)
+    if cuda_rng is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda_rng)
+    st = ckpt["state"]
+    random.setstate((st["python_rng"][0], tuple(st["python_rng"][1]), st["python_rng"][2]))
+    np.random.set_state(st["numpy_rng"])
+    return tensors
+
+
+def end_of_step(rt: Runtime, args, update: int, phase: str, model, optimizer, scheduler, position, tensors, stop):
+    """At a step boundary: checkpoint when due (every --save-every updates, and the last one) or when Ctrl-C was
+    pressed on any rank; in the latter case stop with the --resume command."""
+    due = args.save_every > 0 and (update % args.save_every == 0 or update == rt.total_updates)
+    if rt.run_dir is None or not (due or stop):
+        return
+    if rt.rank == 0:
+        state = {**position, "phase": phase, "update": update, "args": asdict(args),
+                 "elapsed_s": time.time() - rt.start_time}  # fmt: skip
+        step_dir = save_checkpoint(rt.run_dir, update, model, optimizer, scheduler, state, tensors)
+    if stop:
+        if rt.world_size > 1:
+            dist.barrier()  # no rank exits (torchrun would end the others) before rank 0's checkpoint is complete
+        if rt.rank == 0:
+            launcher = "python" if rt.world_size == 1 else f"torchrun --nproc_per_node {rt.world_size}"
+            print(f"interrupted: saved {step_dir}; continue with: {launcher} {sys.argv[0]} --resume {rt.run_dir}")
+        raise SystemExit(130)  # the shell's code for "ended by Ctrl-C"
+
+
+def resume_args(args: Args, saved: dict) -> Args:
+    """The resumed run's args: its saved ones. A field given on the command line (other than its default) must
+    agree with them, except the RESUME_FREE fields, which come from the command line."""
+    defaults, merged = asdict(Args()), {}
+    for name, value in asdict(args).items():
+        if name in RESUME_FREE or name not in saved:
+            merged[name] = value
+        elif value != defaults[name] and value != saved[name]:
+            raise SystemExit(
+                f"error: --{name.replace('_', '-')} {value} differs from the resumed run's {saved[name]} (drop it)"
+            )
+        else:
+            merged[name] = saved[name]
+    return Args(**merged)
+
+
+def check_runs_dir(runs_dir: str) -> None:
+    """A one-line error before any work when --runs-dir is a file or cannot be written."""
+    path = Path(runs_dir)
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"error: --runs-dir '{runs_dir}' is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"error: cannot create --runs-dir '{runs_dir}' ({e.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: --runs-dir '{runs_dir}' is not writable")
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))  # set by torchrun
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # validate early: one clear line instead of a traceback
+    if args.save_every < 0:
+        raise SystemExit("error: need --save-every >= 0 (0 = checkpoint only on Ctrl-C)")
+    if args.resume is not None and args.eval_only:
+        raise SystemExit("error: --resume continues a training run; --eval-only has nothing to resume")
+    if args.eval_only and world_size > 1:
+        raise SystemExit("error: --eval-only runs in one process (not under torchrun)")
+    ckpt = None
+    if args.resume is not None:  # the run's own args; the command line may only repeat them (details 9)
+        ckpt = load_checkpoint(Path(args.resume))
+        args = resume_args(args, ckpt["state"]["args"])
+    else:
+        check_runs_dir(args.runs_dir)
     if args.eval_only and args.checkpoint is None:
         raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or its reward_model/ dir)")
     if args.checkpoint is not None and not Path(args.checkpoint).exists():
@@ -532,18 +826,45 @@ if __name__ == "__main__":
         raise SystemExit("error: need --temperature > 0 and 0 <= --flip-prob <= 1")
     if args.loss == "kwise" and args.kwise_form == "softmax" and args.margin != 0:
         raise SystemExit("error: --margin is defined for pairwise / kwise-pairs losses, not --kwise-form softmax")
+    n_examples = args.n_train_prompts * (args.k * (args.k - 1) // 2 if args.loss == "pairwise" else 1)
+    for flag, n, batch in (("--sft-batch-size", args.sft_examples, args.sft_batch_size),
+                           ("--batch-size", n_examples, args.batch_size)):  # fmt: skip
+        if world_size > 1 and (batch % world_size or 0 < n % batch < world_size):  # every rank gets a share
+            raise SystemExit(f"error: {flag} {batch} (and a last minibatch of {n % batch}) must split over "
+                             f"{world_size} ranks")  # fmt: skip
 
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    start_time = time.time()
+    if world_size > 1:  # data-parallel (details 8); nccl on GPUs, gloo on CPUs
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+        if device.type == "cuda":
+            device = torch.device(f"cuda:{local_rank}")
+            torch.cuda.set_device(device)
+    start_time = time.time() - (ckpt["state"]["elapsed_s"] if ckpt else 0.0)
 
-    run_name, run_dir = make_run_dir(args)
-    writer = SummaryWriter(str(run_dir))
-    table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    writer = None
+    if ckpt is not None:
+        run_dir = Path(args.resume)
+        run_name = run_dir.name
+    elif rank == 0:
+        run_name, run_dir = make_run_dir(args)
+    if world_size > 1 and ckpt is None:  # rank 0 made the run dir; every rank learns its name
+        shared = [str(run_dir) if rank == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        run_dir = Path(shared[0])
+        run_name = run_dir.name
+    if rank == 0 and ckpt is None:
+        writer = SummaryWriter(str(run_dir))
+    elif rank == 0:  # continue the curves: drop what the interrupted run logged after its checkpoint (details 9)
+        st = ckpt["state"]  # losses/sft_nll is logged per SFT epoch, the rest per reward-model update
+        purge_step = st["epoch"] if st["phase"] == "sft" else max(st["global_step"] + 1, args.sft_epochs)
+        writer = SummaryWriter(str(run_dir), purge_step=purge_step)
+    if writer is not None and (ckpt is None or purge_step == 0):
+        table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
 
     # held-out comparisons: K completions of held-out prompts, ranked by the same labeler (other seed)
     heldout = preference.make_preference_dataset(
@@ -551,22 +872,32 @@ if __name__ == "__main__":
     )
     n_seen, global_step = 0, 0
     if args.eval_only:
-        model, tokenizer = load_checkpoint(args.checkpoint, device)
+        model, tokenizer = load_reward_model(args.checkpoint, device)
         scale = float(getattr(model.config, "seqrl_reward_std", 1.0))
         metrics, report = evaluate(model, tokenizer, heldout, args, device, scale=scale)
     else:
+        signal.signal(signal.SIGINT, lambda signum, frame: STOP.set())  # Ctrl-C: checkpoint at the next step
+        sft_updates = args.sft_epochs * ((args.sft_examples + args.sft_batch_size - 1) // args.sft_batch_size)
+        rt = Runtime(world_size, rank, run_dir, ckpt, start_time)  # every rank takes part in a checkpoint's timing
+        rt.total_updates = sft_updates + args.epochs * ((n_examples + args.batch_size - 1) // args.batch_size)
+        in_reward_phase = ckpt is not None and ckpt["state"]["phase"] == "reward"
         # 1. data: K SFT-like completions per training prompt, ranked by the simulated labeler
         data = preference.make_preference_dataset(
             args.n_train_prompts, args.k, args.seed, args.temperature, args.flip_prob, split="train"
         )
         lm, tokenizer = build_lm(args, device)
+        if world_size > 1:
+            broadcast_params(lm)
         # 1b. supervised fine-tuning on demonstrations; the reward model starts from the SFT model's backbone
-        sft_nll = None
-        if args.sft_epochs > 0:
-            sft_nll = supervised_fine_tune(lm, tokenizer, args, device, writer)
-            print(f"SFT: {args.sft_examples} demos x {args.sft_epochs} epochs ({time.time() - start_time:.0f}s)")
+        sft_nll = ckpt["state"]["sft_nll"] if in_reward_phase else None
+        if args.sft_epochs > 0 and not in_reward_phase:
+            sft_nll = supervised_fine_tune(lm, tokenizer, args, device, writer, rt)
+            if rank == 0:
+                print(f"SFT: {args.sft_examples} demos x {args.sft_epochs} epochs ({time.time() - start_time:.0f}s)")
         model = reward_model_from(lm, tokenizer, device)
         del lm
+        if world_size > 1:
+            broadcast_params(model)
         if args.loss == "pairwise":  # every pair its own example: (prompt, chosen, rejected)
             p, c, r = preference.to_pairs(data)
             enc = encode(tokenizer, p + p, c + r)
@@ -583,37 +914,55 @@ if __name__ == "__main__":
         num_updates = args.epochs * steps_per_epoch
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / num_updates)
-        print(f"{n_examples} training examples of {group} sequences, {num_updates} updates, device {device}")
+        if rank == 0:
+            print(f"{n_examples} training examples of {group} sequences, {num_updates} updates, device {device}")
+        first_epoch, first_start, loss_value = 0, 0, float("nan")
+        if in_reward_phase:  # continue inside the saved epoch, with its permutation (details 9)
+            perm = restore(ckpt, model, optimizer, scheduler, device)["perm"]
+            st = ckpt["state"]
+            first_epoch, first_start, loss_value = st["epoch"], st["next_start"], st["loss"]
+            global_step, n_seen = st["global_step"], st["n_seen"]
 
         # 2. fit r_psi by maximum likelihood of the preferences
-        for epoch in range(args.epochs):
+        for epoch in range(first_epoch, args.epochs):
             model.train()
-            perm = torch.randperm(n_examples)
-            for start in range(0, n_examples, args.batch_size):
+            if not in_reward_phase or epoch > first_epoch:
+                perm = torch.randperm(n_examples)
+            for start in range(first_start if epoch == first_epoch else 0, n_examples, args.batch_size):
                 mb = perm[start : start + args.batch_size]
-                mb_mask = mask[mb]  # (B, G, L)
-                width = int(mb_mask.sum(-1).max())  # right padding: drop all-pad columns
-                mb_ids = ids[mb][..., :width].reshape(-1, width).to(device)  # (B*G, W)
-                mb_mask = mb_mask[..., :width].reshape(-1, width).to(device)  # (B*G, W)
-                rewards = reward_forward(model, mb_ids, mb_mask).view(len(mb), group)  # (B, G), best first
-                if args.loss == "pairwise":
-                    loss = pairwise_loss(rewards[:, 0], rewards[:, 1], args.margin, args.center_coef)
-                else:
-                    loss = kwise_loss(rewards, args.kwise_form, args.margin, args.center_coef)
+                loss, rewards = reward_minibatch_loss(model, ids, mask, mb, args, device, world_size, rank)
                 optimizer.zero_grad()
                 loss.backward()
+                if world_size > 1:
+                    allreduce_grads(list(model.parameters()), world_size)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 global_step += 1
                 n_seen += len(mb) * group
-                if global_step % 20 == 0 or global_step == num_updates:
-                    acc = (rewards[:, 0] > rewards[:, 1]).float().mean().item()  # top-1 vs top-2 on the batch
-                    writer.add_scalar("losses/loss", loss.item(), global_step)
+                loss_value, stop = loss.item(), STOP.is_set()
+                acc = (rewards[:, 0] > rewards[:, 1]).float().mean().item()  # top-1 vs top-2 on the batch
+                if world_size > 1:  # global minibatch statistics; Ctrl-C on any rank stops every rank (details 8)
+                    n_correct = float((rewards[:, 0] > rewards[:, 1]).sum())
+                    stats = [loss_value / world_size, n_correct, float(stop)]
+                    loss_value, n_correct, n_stop = sum_over_ranks(stats, device)
+                    acc, stop = n_correct / len(mb), n_stop > 0
+                if writer is not None and (global_step % LOG_EVERY == 0 or global_step == num_updates):
+                    writer.add_scalar("losses/loss", loss_value, global_step)
                     writer.add_scalar("losses/accuracy_top2", acc, global_step)
                     writer.add_scalar("charts/learning_rate", scheduler.get_last_lr()[0], global_step)
                     writer.add_scalar("charts/SPS", n_seen / (time.time() - start_time), global_step)
-            print(f"epoch {epoch + 1}/{args.epochs}: loss {loss.item():.4f}  ({time.time() - start_time:.0f}s)")
+                position = {"epoch": epoch, "next_start": start + args.batch_size, "global_step": global_step,
+                            "n_seen": n_seen, "loss": loss_value, "sft_nll": sft_nll}  # fmt: skip
+                end_of_step(rt, args, sft_updates + global_step, "reward", model, optimizer, scheduler, position,
+                            {"perm": perm}, stop)  # fmt: skip
+            if rank == 0:
+                print(f"epoch {epoch + 1}/{args.epochs}: loss {loss_value:.4f}  ({time.time() - start_time:.0f}s)")
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C from here on: resume redoes the evaluation
+        if world_size > 1:  # no collective after training: rank 0 alone evaluates, normalizes and saves (details 8)
+            dist.destroy_process_group()
+            if rank != 0:
+                raise SystemExit(0)
 
         # 3. evaluate on the Bradley-Terry scale (calibration is not invariant to the normalization)
         metrics, report = evaluate(model, tokenizer, heldout, args, device)

@@ -1,0 +1,326 @@
+"""Issue 16 (data-parallel under torchrun) and issue 17 (checkpoints, --resume, Ctrl-C) for rlhf_reward_model.py.
+
+Distributed tests run on CPU with gloo and 2 processes (no GPU needed): an in-process world of 2 started with
+torch.multiprocessing (the gradient test) and `python3 -m torch.distributed.run` subprocesses (the end-to-end runs).
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import ROOT, load_script, run_script
+
+from envs import preference
+
+rm = load_script("rlhf_reward_model")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+SCRIPT = str(ROOT / "algos" / "rlhf_reward_model.py")
+# Gradients of the same minibatch summed in another order (per rank, then across ranks) in float32: they agree to
+# ~1e-7 relative; 1e-5 relative (1e-7 absolute, for entries near zero) leaves room for other CPUs' kernels.
+GRAD_TOL = {"rtol": 1e-5, "atol": 1e-7}
+# A run big enough that 1 vs 2 ranks is a comparison of learned models: 256 ranked prompts, global batch 32.
+DP_ARGS = ("--n-train-prompts", "256", "--epochs", "2", "--batch-size", "32", "--sft-epochs", "1",
+           "--sft-examples", "128", "--sft-batch-size", "32", "--eval-episodes", "64", "--n-norm-samples", "64",
+           "--n-center-samples", "8", "--seed", "3")  # fmt: skip
+ACC_TOL = 0.02  # |held-out accuracy 2 ranks - 1 rank| over 64 x 6 = 384 held-out pairs (~8 pairs); see the test
+# Checkpointed every 2 updates: 80 SFT updates, then 36 reward-model updates, so the first checkpoint (update 2) and
+# the first reward-phase one (update 82) come long before the end: the signals land in the middle of the run.
+RESUME_ARGS = ("--n-train-prompts", "96", "--epochs", "6", "--batch-size", "16", "--sft-epochs", "10",
+               "--sft-examples", "128", "--sft-batch-size", "16", "--eval-episodes", "16", "--n-norm-samples", "64",
+               "--n-center-samples", "8", "--save-every", "2", "--seed", "2")  # fmt: skip
+TIMEOUT = 300  # seconds for any subprocess
+
+
+# ------------------------------------------------------------------------------------------------------------
+# issue 16 (a): the all-reduced gradient of a split global minibatch is the one-process gradient
+# ------------------------------------------------------------------------------------------------------------
+def minibatch_gradients(kind: str, world_size: int, rank: int) -> dict:
+    """Gradients (after the all-reduce when world_size > 1) and the global loss of one fixed minibatch of 7
+    examples (split 4 + 3 over 2 ranks, so the weighting of unequal shares is tested too)."""
+    args = rm.Args()
+    torch.manual_seed(0)
+    lm, tok = rm.build_lm(args, "cpu")
+    mb = torch.tensor([5, 0, 3, 8, 1, 2, 6])  # 7 of 9 examples, in a shuffled order
+    if kind == "sft":  # token-mean causal-LM loss over demonstrations of different lengths
+        demos = preference.make_sft_dataset(9, seed=4)
+        enc = rm.encode(tok, [d[0] for d in demos], [d[1] for d in demos])
+        model = lm
+        loss = rm.sft_minibatch_loss(lm, enc["input_ids"], enc["attention_mask"], mb, "cpu", world_size, rank)
+    else:  # K-wise reward loss over rankings
+        data = preference.make_preference_dataset(9, args.k, 4, 1.0, 0.0, split="train")
+        enc = rm.encode(tok, [d["prompt"] for d in data for _ in range(args.k)],
+                        [d["completions"][j] for d in data for j in d["ranking"]])  # fmt: skip
+        ids, mask = (enc[key].view(len(data), args.k, -1) for key in ("input_ids", "attention_mask"))  # (N, K, L)
+        model = rm.reward_model_from(lm, tok, "cpu")
+        loss, _ = rm.reward_minibatch_loss(model, ids, mask, mb, args, "cpu", world_size, rank)
+    loss.backward()
+    global_loss = loss.item()
+    if world_size > 1:
+        rm.allreduce_grads(list(model.parameters()), world_size)
+        global_loss = rm.sum_over_ranks([loss.item() / world_size], "cpu")[0]
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return {"grads": grads, "loss": torch.tensor(global_loss)}
+
+
+def gradient_worker(rank: int, world_size: int, store: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    result = {kind: minibatch_gradients(kind, world_size, rank) for kind in ("sft", "reward")}
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_allreduced_gradient_of_split_minibatch_equals_one_process_gradient(tmp_path):
+    ctx = mp.start_processes(
+        gradient_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.time() + TIMEOUT
+    while not ctx.join(timeout=5):
+        if time.time() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail("the 2-process gradient test did not finish in time")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for kind in ("sft", "reward"):
+        whole = minibatch_gradients(kind, 1, 0)  # one process, the whole minibatch
+        assert len(whole["grads"]) > 10
+        for name, grad in whole["grads"].items():
+            assert grad.abs().sum() > 0, f"{kind} {name}: no gradient"
+            torch.testing.assert_close(ranks[0][kind]["grads"][name], grad, **GRAD_TOL, msg=f"{kind} {name}")
+            assert torch.equal(ranks[0][kind]["grads"][name], ranks[1][kind]["grads"][name])  # identical steps
+        torch.testing.assert_close(ranks[0][kind]["loss"], whole["loss"], rtol=1e-6, atol=0.0)
+
+
+def test_shard_is_contiguous_and_covers_the_minibatch():
+    mb = torch.arange(10, 18)
+    assert rm.shard(mb, 1, 0) is mb
+    assert [rm.shard(mb, 2, r).tolist() for r in range(2)] == [[10, 11, 12, 13], [14, 15, 16, 17]]
+    assert [len(rm.shard(mb[:7], 2, r)) for r in range(2)] == [4, 3]  # a short last minibatch: as even as it goes
+
+
+# ------------------------------------------------------------------------------------------------------------
+# issue 16 (b), (c): end to end under torchrun; 2 ranks reach 1 rank's held-out accuracy
+# ------------------------------------------------------------------------------------------------------------
+def torchrun(runs_dir: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", SCRIPT,
+           "--runs-dir", str(runs_dir), *args]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def one_and_two_ranks(tmp_path_factory):
+    """The same run (global batch, seed) in one process and under torchrun with 2 processes."""
+    runs = tmp_path_factory.mktemp("dp")
+    one = run_script("rlhf_reward_model", *DP_ARGS, runs_dir=runs / "one", timeout=TIMEOUT)
+    proc = torchrun(runs / "two", *DP_ARGS)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return one, proc, runs / "two"
+
+
+def test_torchrun_two_processes_writes_exactly_one_run_dir(one_and_two_ranks):
+    _, proc, runs = one_and_two_ranks
+    run_dirs = list(runs.iterdir())
+    assert len(run_dirs) == 1, run_dirs  # only rank 0 made a run dir
+    summary = json.loads((run_dirs[0] / "summary.json").read_text())
+    assert summary["script"] == "rlhf_reward_model" and summary["run_dir"] == str(run_dirs[0])
+    assert (run_dirs[0] / "reward_model" / "config.json").exists()
+    assert len(list(run_dirs[0].glob("events.out.tfevents.*"))) == 1  # one tensorboard writer
+    # the last update is always checkpointed, by rank 0 only: one complete step dir, nothing half-written
+    assert sorted(p.name for p in (run_dirs[0] / "checkpoints").iterdir()) == ["latest.json", "step_20"]
+    assert proc.stdout.count("training examples of") == 1  # rank 0 alone prints
+
+
+def test_two_ranks_reach_one_rank_heldout_accuracy(one_and_two_ranks):
+    # Same data, same permutation, same global minibatches: the runs differ only by float32 rounding of the summed
+    # gradient, so their held-out accuracies agree within ACC_TOL (a rounding difference flips at most a few
+    # near-tied pairs of 384); both models learned well above chance.
+    one, _, runs = one_and_two_ranks
+    two = json.loads((next(runs.iterdir()) / "summary.json").read_text())
+    acc1, acc2 = one["metrics"]["eval/preference_accuracy"], two["metrics"]["eval/preference_accuracy"]
+    assert acc1 > 0.6 and acc2 > 0.6, (acc1, acc2)
+    assert abs(acc2 - acc1) <= ACC_TOL, (acc1, acc2)
+    assert abs(two["metrics"]["model/sft_nll"] - one["metrics"]["model/sft_nll"]) < 1e-4  # the global SFT NLL
+
+
+# ------------------------------------------------------------------------------------------------------------
+# issue 17: kill / Ctrl-C, then --resume, ends with the uninterrupted run's metrics; bad resumes are one line
+# ------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("uninterrupted")
+    return run_script("rlhf_reward_model", *RESUME_ARGS, runs_dir=runs, timeout=TIMEOUT)
+
+
+def start_and_interrupt(runs: Path, sig: int, phase: str) -> tuple[subprocess.Popen, Path, str]:
+    """Start a run, wait for its first checkpoint of `phase`, send `sig`; returns the ended process, its run dir
+    and its output."""
+    cmd = [sys.executable, SCRIPT, "--runs-dir", str(runs), *RESUME_ARGS]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + TIMEOUT
+    while True:
+        latest = list(runs.glob("*/checkpoints/latest.json"))  # replaced atomically: always a complete file
+        if latest and json.loads(latest[0].read_text())["phase"] == phase:
+            break
+        assert proc.poll() is None, f"the run ended before its first {phase} checkpoint:\n{proc.stdout.read()}"
+        assert time.time() < deadline, "no checkpoint in time"
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=TIMEOUT)
+    return proc, latest[0].parents[1], out
+
+
+def resume(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, SCRIPT, "--resume", str(run_dir), *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory):
+    """A run SIGKILLed right after its first checkpoint (update 2, in the SFT phase), not yet resumed."""
+    proc, run_dir, _ = start_and_interrupt(tmp_path_factory.mktemp("killed"), signal.SIGKILL, "sft")
+    assert proc.returncode == -signal.SIGKILL and not (run_dir / "summary.json").exists()
+    return run_dir
+
+
+def test_sigkill_then_resume_ends_with_the_uninterrupted_metrics(killed_run, uninterrupted, tmp_path):
+    run_dir = Path(shutil.copytree(killed_run, tmp_path / killed_run.name))
+    step = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
+    assert step < 80, step  # killed inside SFT: the resume restores the SFT state, then trains the reward model
+    proc = resume(run_dir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["metrics"] == uninterrupted["metrics"]  # bit-identical on the same machine
+    assert summary["run_dir"] == str(run_dir)
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_ends_with_the_uninterrupted_metrics(uninterrupted, tmp_path):
+    proc, run_dir, out = start_and_interrupt(tmp_path / "runs", signal.SIGINT, "reward")
+    assert proc.returncode == 130, out
+    assert out.strip().splitlines()[-1].startswith("interrupted: saved ")  # one line, naming the command:
+    assert out.strip().endswith(f"rlhf_reward_model.py --resume {run_dir}")
+    latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    assert latest["phase"] == "reward" and 80 < latest["step"] < 116, latest  # inside the reward-model phase
+    assert not (run_dir / "summary.json").exists()
+    done = resume(run_dir)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["metrics"] == uninterrupted["metrics"]
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_resuming_a_finished_run_is_a_one_line_error(uninterrupted):
+    assert "finished" in one_line_error(resume(Path(uninterrupted["run_dir"])))
+
+
+def test_resuming_another_scripts_run_is_a_one_line_error(killed_run, tmp_path):
+    run_dir = Path(shutil.copytree(killed_run, tmp_path / "other"))
+    latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    state_file = run_dir / "checkpoints" / latest["dir"] / "state.json"
+    state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "script": "rlhf_ppo_kl"}))
+    assert "is a run of rlhf_ppo_kl" in one_line_error(resume(run_dir))
+
+
+def test_resuming_with_a_different_algorithm_arg_is_a_one_line_error(killed_run):
+    assert "--learning-rate" in one_line_error(resume(killed_run, "--learning-rate", "0.5"))
+
+
+def test_truncated_checkpoint_is_refused_in_one_line(killed_run, tmp_path):
+    run_dir = Path(shutil.copytree(killed_run, tmp_path / "truncated"))
+    latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    model_file = run_dir / "checkpoints" / latest["dir"] / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[: model_file.stat().st_size // 2])
+    message = one_line_error(resume(run_dir))
+    assert "truncated" in message and "model.safetensors" in message
+
+
+def test_runs_dir_that_is_a_file_is_a_one_line_error(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    proc = run_script("rlhf_reward_model", runs_dir=tmp_path / "a_file", timeout=TIMEOUT, expect_fail=True)
+    assert "is a file" in one_line_error(proc)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# issue 17, in process: a save killed half-way leaves the previous checkpoint, which loads; corruption is refused
+# ------------------------------------------------------------------------------------------------------------
+def tiny_training_state():
+    torch.manual_seed(0)
+    lm, tok = rm.build_lm(rm.Args(), "cpu")
+    model = rm.reward_model_from(lm, tok, "cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / 10)
+    model.score.weight.sum().backward()
+    optimizer.step()
+    scheduler.step()
+    return model, optimizer, scheduler
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_which_loads(tmp_path, monkeypatch):
+    model, optimizer, scheduler = tiny_training_state()
+    state = {"phase": "reward", "args": dataclasses.asdict(rm.Args())}
+    rm.save_checkpoint(tmp_path, 2, model, optimizer, scheduler, state, {"perm": torch.arange(5)})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def killed_while_writing(obj, f):  # what a SIGKILL during torch.save leaves: half a file, no rename
+        Path(f).write_bytes(b"PK\x03\x04 half a file")
+        raise KeyboardInterrupt
+
+    with torch.no_grad():
+        model.score.weight += 1.0
+    monkeypatch.setattr(rm.torch, "save", killed_while_writing)
+    with pytest.raises(KeyboardInterrupt):
+        rm.save_checkpoint(tmp_path, 4, model, optimizer, scheduler, state, {"perm": torch.arange(5)})
+    monkeypatch.undo()
+    assert (tmp_path / "checkpoints" / "step_4.tmp").exists() and (tmp_path / "checkpoints" / "step_2").exists()
+
+    ckpt = rm.load_checkpoint(tmp_path)  # latest.json still names step 2, which loads
+    assert ckpt["dir"].name == "step_2" and ckpt["state"]["script"] == "rlhf_reward_model"
+    fresh, fresh_opt, fresh_sched = tiny_training_state()
+    with torch.no_grad():
+        fresh.score.weight.zero_()
+    tensors = rm.restore(ckpt, fresh, fresh_opt, fresh_sched, "cpu")
+    assert torch.equal(tensors["perm"], torch.arange(5))
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+    assert fresh_sched.last_epoch == 1  # one AdamW step on the one parameter that had a gradient (score.weight):
+    assert [s["step"].item() for s in fresh_opt.state_dict()["state"].values()] == [1.0]
+
+    # the next save cleans up the half-written one and replaces the previous checkpoint
+    rm.save_checkpoint(tmp_path, 6, model, optimizer, scheduler, state, {"perm": torch.arange(5)})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest.json", "step_6"]
+
+    # a file of the right size with a broken header: refused naming the file
+    model_file = tmp_path / "checkpoints" / "step_6" / "model.safetensors"
+    data = bytearray(model_file.read_bytes())
+    data[:8] = b"\xff" * 8  # the header length
+    model_file.write_bytes(bytes(data))
+    with pytest.raises(SystemExit, match=r"error: checkpoint file .*model.safetensors is corrupt"):
+        rm.restore(rm.load_checkpoint(tmp_path), fresh, fresh_opt, fresh_sched, "cpu")
+    # a truncated file: refused before anything is loaded
+    model_file.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(SystemExit, match=r"error: checkpoint file .*model.safetensors is truncated"):
+        rm.load_checkpoint(tmp_path)
+
+
+def test_resume_takes_the_saved_args_and_refuses_a_different_algorithm_arg():
+    saved = dataclasses.asdict(rm.Args(learning_rate=3e-4, epochs=2, cuda=False, save_every=10))
+    merged = rm.resume_args(rm.Args(resume="r", save_every=5), saved)  # only --resume and --save-every given
+    assert (merged.learning_rate, merged.epochs, merged.save_every, merged.resume) == (3e-4, 2, 5, "r")
+    assert rm.resume_args(rm.Args(resume="r", learning_rate=3e-4), saved).learning_rate == 3e-4  # repeated: fine
+    with pytest.raises(SystemExit, match="--learning-rate"):
+        rm.resume_args(rm.Args(resume="r", learning_rate=0.5), saved)
