@@ -52,6 +52,28 @@ Implementation details:
   9. Evaluation: one completion per held-out prompt with fixed sampling noise (common random numbers between
      evaluations); gold reward (hidden utility), proxy reward (normalized r_psi) and KL(pi || pi_SFT) (the mean
      sequence log-ratio on the policy's own samples) go to tensorboard and `curve.jsonl`.
+ 10. torchrun (data-parallel; one process runs exactly the single-process code): the rollout batch of `--batch-size`
+     prompts is the global batch, drawn identically on every rank, and each rank generates its contiguous shard
+     with its own sampling noise (a generator seeded `seed + SEED_STRIDE * rank`). Each epoch, each rank shuffles
+     its shard into `--num-minibatches` local minibatches; the ranks' i-th minibatches together are the global
+     minibatch. A rank's loss is scaled by its share of the global minibatch's completion tokens, so the average of
+     the ranks' gradients (one flat all-reduce, as CleanRL's ppo_atari_multigpu.py, not DDP: each step runs
+     several forward passes, `generate` and frozen reference models, which DDP's one-forward-one-backward hooks
+     do not fit) is exactly the gradient of the global masked mean. Global (all_reduce / all_gather): advantage
+     and reward whitening, the bandit baseline, the reward normalization (its 512 SFT samples split over ranks),
+     the KL fed to the adaptive controller and every logged batch statistic (mean over ranks), evaluation and
+     best-of-n (prompts split over ranks, per-sample values gathered). There is no early stopping to synchronize.
+     STEPS 1-3 (SFT, preference data, reward model) are not sharded: every rank runs them identically from the
+     same seed and rank 0's weights are broadcast (to scale them, train the reward model with
+     rlhf_reward_model.py under torchrun and pass `--sft-model-path` / `--reward-model-path`). Only rank 0 writes.
+ 11. Checkpoints (`--save-every N` PPO updates, `--resume RUN_DIR`): when PPO starts, the finished SFT policy and
+     reward model are saved once (`checkpoints/models/`, save_pretrained), so a resume skips STEPS 1-3; then
+     every N updates `checkpoints/step_<N>/` holds the policy + value head (safetensors), the Adam state, beta, the
+     prompt sampler, python / numpy / torch RNG states (one file per rank), the reward normalization and the curve
+     so far. Atomic: written under a temporary name, renamed into place, then `checkpoints/latest.json` (temp file
+     + rename) names it; older step dirs are deleted after. The resumed run ends with the same metrics as an
+     uninterrupted one (bit-identical on CPU, tested). Ctrl-C / SIGTERM: the update in progress finishes, a
+     checkpoint is written and the run exits (code 130) naming the `--resume` command.
 
 Problem 21.3(c), `--reward-offset 2`: an arbitrary per-prompt constant c(s) added to r_psi does not change what
 PPO optimizes. The objective E[r + c(s)] - beta KL has the same maximizer pi* ∝ pi_SFT exp(r / beta) (c(s) cancels in
@@ -92,26 +114,34 @@ Reproduce (tuning seed 101, one thread, ~2-3 CPU minutes each; the over-optimiza
       # gold: SFT -0.31 -> peak 0.90 -> -1.24 at KL 47 while the proxy rises from -0.24 to 0.49
   python algos/rlhf_ppo_kl.py --seed 101 --kl-coef 0.1
       # gold 0.93 at KL 1.38 (peak 0.95); best-of-10 from SFT at the same KL: 0.79
+Scale out and resume (details 10-11):
+  torchrun --standalone --nproc_per_node 2 algos/rlhf_ppo_kl.py --seed 101      # gloo on CPU, nccl with --cuda
+  python algos/rlhf_ppo_kl.py --resume runs/<run_name>                         # after a kill or Ctrl-C
 """
 
 import copy
 import inspect
 import json
 import math
+import os
 import random
 import re
+import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
-from safetensors.torch import save_file
+from safetensors.torch import load_model, save_file, save_model
 from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
@@ -128,6 +158,9 @@ NORM_SAMPLES = 512  # SFT samples (cycling over the training prompts) that set t
 # is finite, so the log-prob of the padding after an EOS stays finite and masked losses never compute inf - inf
 NOT_TEXT_LOGIT = -1e9
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "gpt2", "EleutherAI/pythia-70m": a name from_pretrained fetches
+SEED_STRIDE = 1_000_003  # torchrun: rank r samples with seed + SEED_STRIDE * r (rank 0: the single-process seed)
+DIST_TIMEOUT = timedelta(minutes=10)  # a rank waiting this long in a collective gives up (a failed rank never hangs)
+SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (a resume checks it)
 
 
 @dataclass
@@ -148,6 +181,12 @@ class Args:
     """only evaluate the run dir given by `--checkpoint` (its policy/, sft_model/, reward_model/)"""
     checkpoint: str | None = None
     """a run dir written by this script, for `--eval-only`"""
+    save_every: int = 20
+    """write a checkpoint every this many PPO updates (and when PPO starts, and on Ctrl-C), for `--resume`; 0 = off.
+    20 = five per default run; on a real model an update takes seconds to minutes"""
+    resume: str | None = None
+    """continue the run in this run dir from its newest checkpoint (its args are used; flags that change the run are
+    refused)"""
 
     # models
     model_name_or_path: str | None = None
@@ -309,8 +348,9 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / std over the masked entries (mean kept if not shift_mean, as TRL does for rewards)."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    """(x - mean) / std over the masked entries of the (global, under torchrun) batch (mean kept if not shift_mean,
+    as TRL does for rewards)."""
+    mean, var = global_masked_mean_var(x, mask)
     whitened = (x - mean) * torch.rsqrt(var + EPS)
     if not shift_mean:
         whitened = whitened + mean
@@ -337,9 +377,10 @@ def gae(
 
 
 def bandit_advantages(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sequence-level advantage R - mean_batch(R), R = sum_t r~_t, given to every completion token."""
+    """Sequence-level advantage R - mean_batch(R), R = sum_t r~_t, given to every completion token (the mean over
+    the global batch under torchrun)."""
     returns = rewards.sum(dim=1)  # (B,)
-    return (returns - returns.mean()).unsqueeze(1) * mask  # (B, T)
+    return (returns - global_mean(returns)).unsqueeze(1) * mask  # (B, T)
 
 
 def clipped_surrogate_loss(
@@ -372,6 +413,22 @@ def clipped_value_loss(
     vf_losses1, vf_losses2 = (vpred - returns) ** 2, (vpredclipped - returns) ** 2
     loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
     return loss, masked_mean((vf_losses2 > vf_losses1).float(), mask).item()
+
+
+def ppo_minibatch_loss(
+    policy, query_ids, response_ids, mask, old_logprobs, old_values, advantages, returns, args, pad_id, not_text
+):
+    """The loss of one (rank-local) minibatch: the clipped surrogate, plus vf_coef x the clipped value loss in GAE
+    mode (both masked means over its completion tokens). Returns the loss and its diagnostics (floats)."""
+    new_logits, vpred = policy(query_ids, response_ids, pad_id, not_text)
+    new_logprobs = response_logprobs(new_logits, response_ids, args.temperature)
+    pg_loss, stats = clipped_surrogate_loss(new_logprobs, old_logprobs, advantages, mask, args.cliprange)
+    stats["pg_loss"], loss = pg_loss.item(), pg_loss
+    if args.advantage == "gae":
+        vf_loss, stats["vf_clipfrac"] = clipped_value_loss(vpred, old_values, returns, mask, args.cliprange_value)
+        loss = loss + args.vf_coef * vf_loss
+        stats["vf_loss"] = vf_loss.item()
+    return loss, stats
 
 
 def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
@@ -741,8 +798,11 @@ def sequence_kl(policy_lm, sft_lm, tokenizer, not_text, prompts, completions_ids
 
 @torch.no_grad()
 def evaluate(policy_lm, sft_lm, rm, rm_tokenizer, norm, tokenizer, not_text, prompts, args, device, seed):
-    """Gold reward, proxy reward (normalized r_psi) and KL(pi || pi_SFT) of one sample per held-out prompt."""
-    generator = torch.Generator(device=device).manual_seed(seed)  # common random numbers across evaluations
+    """Gold reward, proxy reward (normalized r_psi) and KL(pi || pi_SFT) of one sample per held-out prompt (under
+    torchrun: each rank samples its share of the prompts, the per-sample values are gathered)."""
+    # common random numbers across evaluations (each rank its own stream)
+    generator = torch.Generator(device=device).manual_seed(seed + SEED_STRIDE * rank_and_world()[0])
+    prompts = shard(prompts)
     q = encode_prompts(tokenizer, prompts, device)
     r = generate(
         policy_lm, q, tokenizer.pad_token_id, tokenizer.eos_token_id, not_text, args.max_new_tokens, args.temperature,
@@ -753,6 +813,7 @@ def evaluate(policy_lm, sft_lm, rm, rm_tokenizer, norm, tokenizer, not_text, pro
     proxy = (rm_scores(rm, rm_tokenizer, prompts, completions, device) - norm[0]) / norm[1]
     gold = preference.gold_utility_batch(prompts, completions)
     kl = sequence_kl(policy_lm, sft_lm, tokenizer, not_text, prompts, r, mask, args, device)
+    proxy, gold, kl, has_eos, lengths = (gather_cat(x) for x in (proxy, gold, kl, has_eos, mask.sum(1)))
     proxy_np = proxy.cpu().numpy()
     corr = float(np.corrcoef(proxy_np, gold)[0, 1]) if proxy_np.std() > 0 and gold.std() > 0 else 0.0
     return {
@@ -762,15 +823,17 @@ def evaluate(policy_lm, sft_lm, rm, rm_tokenizer, norm, tokenizer, not_text, pro
         "eval/proxy_reward": float(proxy.mean()),
         "eval/kl": float(kl.mean()),
         "eval/eos_rate": float(has_eos.float().mean()),
-        "eval/completion_length": float(mask.sum(1).float().mean()),
+        "eval/completion_length": float(lengths.float().mean()),
     }, completions
 
 
 @torch.no_grad()
 def best_of_n(sft_lm, rm, rm_tokenizer, norm, offsets, tokenizer, not_text, prompts, n, args, device, seed):
     """Best-of-n from pi_SFT: n samples per prompt, keep the one with the highest PPO objective score(s, a)
-    (`objective_scores`: normalized r_psi + c(s) - the missing-EOS penalty); its gold reward."""
-    generator = torch.Generator(device=device).manual_seed(seed)
+    (`objective_scores`: normalized r_psi + c(s) - the missing-EOS penalty); its gold reward (under torchrun: each
+    rank its share of the prompts and its own sampling stream)."""
+    generator = torch.Generator(device=device).manual_seed(seed + SEED_STRIDE * rank_and_world()[0])
+    prompts = shard(prompts)
     repeated = [p for p in prompts for _ in range(n)]
     completions = sample_completions(sft_lm, tokenizer, not_text, repeated, args, device, generator)
     scores = objective_scores(
@@ -778,7 +841,7 @@ def best_of_n(sft_lm, rm, rm_tokenizer, norm, offsets, tokenizer, not_text, prom
     ).view(len(prompts), n)
     best = scores.argmax(1).cpu().numpy()
     best_completions = [completions[i * n + int(b)] for i, b in enumerate(best)]
-    return float(np.mean(preference.gold_utility_batch(prompts, best_completions)))
+    return float(np.mean(gather_cat(preference.gold_utility_batch(prompts, best_completions))))
 
 
 def save_models(run_dir, policy, sft_lm, tokenizer, rm, rm_tokenizer):
@@ -793,7 +856,21 @@ def save_models(run_dir, policy, sft_lm, tokenizer, rm, rm_tokenizer):
     rm_tokenizer.save_pretrained(run_dir / "reward_model")
 
 
+def check_runs_dir(path_str: str) -> None:
+    """Fail before any work if `--runs-dir` is a file or cannot be written (not after minutes of training)."""
+    path = Path(path_str)
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"error: --runs-dir {path_str} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"error: cannot create --runs-dir {path_str}: {err.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: --runs-dir {path_str} is not writable")
+
+
 def make_run_dir(args):
+    check_runs_dir(args.runs_dir)
     run_name = f"{TASK_ID}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir, suffix = Path(args.runs_dir) / run_name, 0
     while True:  # never overwrite a run: mkdir is atomic, so runs started in the same second get -1, -2, ...
@@ -806,14 +883,277 @@ def make_run_dir(args):
     return run_dir.name, run_dir
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# DISTRIBUTED (torchrun, details 10; in one process every helper below is the identity or the single-process expression)
+# ---------------------------------------------------------------------------------------------------------------
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_distributed(args, world_size: int) -> tuple[int, torch.device]:
+    """torchrun sets WORLD_SIZE / RANK / LOCAL_RANK; nccl with --cuda on GPUs, gloo otherwise. Returns rank, device."""
+    use_cuda = torch.cuda.is_available() and args.cuda
+    if world_size == 1:
+        return 0, torch.device("cuda" if use_cuda else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=DIST_TIMEOUT)
+    return dist.get_rank(), torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+
+
+def shard(items: list) -> list:
+    """This rank's contiguous share of a global list (all of it in one process)."""
+    rank, world = rank_and_world()
+    return items[rank * len(items) // world : (rank + 1) * len(items) // world]
+
+
+def gather_cat(x):
+    """Every rank's x (a tensor or numpy array of per-sample values) concatenated in rank order; x in one process."""
+    world = rank_and_world()[1]
+    if world == 1:
+        return x
+    parts = [None] * world
+    dist.all_gather_object(parts, x.cpu() if torch.is_tensor(x) else x)
+    return torch.cat(parts) if torch.is_tensor(x) else np.concatenate(parts)
+
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum of x over ranks (x in one process)."""
+    if rank_and_world()[1] > 1:
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def global_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean of x over the global batch (all ranks' x)."""
+    if rank_and_world()[1] == 1:
+        return x.mean()
+    return all_sum(x.sum()) / all_sum(torch.tensor(float(x.numel()), device=x.device))
+
+
+def global_masked_mean_var(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased variance of x over the masked entries of the global batch (all_reduce of sums, two passes)."""
+    if rank_and_world()[1] == 1:
+        return masked_mean(x, mask), masked_var(x, mask)
+    n = all_sum(mask.sum())
+    mean = all_sum((x * mask).sum()) / n
+    return mean, all_sum(((x - mean) ** 2 * mask).sum()) / (n - 1).clamp(min=1)
+
+
+def token_share(mb_mask: torch.Tensor) -> torch.Tensor:
+    """world x (this rank's completion tokens) / (the global minibatch's): a rank's masked-mean loss times this has
+    the gradient sum_shard / n_global x world, so the ranks' average gradient is that of the global masked mean."""
+    n = mb_mask.sum()
+    return n * rank_and_world()[1] / all_sum(n)
+
+
+def allreduce_grads(params, world_size: int) -> None:
+    """Average the gradients over ranks with one flat all-reduce (CleanRL's ppo_atari_multigpu.py)."""
+    grads = [p.grad for p in params if p.grad is not None]  # the value head has none in bandit mode, on every rank
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= world_size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def broadcast_module(module: nn.Module) -> None:
+    """Rank 0's weights (and float buffers) on every rank: identical starts whatever each rank's RNG use."""
+    if rank_and_world()[1] > 1:
+        for t in [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]:
+            dist.broadcast(t.data, src=0)
+
+
+def any_rank(flag: bool, device) -> bool:
+    """True on every rank if it is true on one (a stop decided per rank would hang the next collective)."""
+    if rank_and_world()[1] == 1:
+        return flag
+    return bool(all_sum(torch.tensor([int(flag)], device=device)).item() > 0)
+
+
+class NullWriter:
+    """Ranks other than 0 write nothing: SummaryWriter's calls as no-ops."""
+
+    def add_scalar(self, *args, **kwargs):
+        pass
+
+    add_text = close = add_scalar
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CHECKPOINTS (--save-every / --resume / Ctrl-C, details 11)
+# ---------------------------------------------------------------------------------------------------------------
+RESUME_FREE_ARGS = ("resume", "save_every", "cuda", "runs_dir", "minibatch_size")  # may differ in the resuming call
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def file_sizes(root: Path, directory: Path) -> dict[str, int]:
+    """{path relative to root: size in bytes} of every file under directory: the manifest a load checks."""
+    return {str(f.relative_to(root)): f.stat().st_size for f in sorted(directory.rglob("*")) if f.is_file()}
+
+
+def save_phase_models(run_dir: Path, sft_lm, tokenizer, rm, rm_tokenizer) -> None:
+    """STEPS 1-3 finished: the SFT policy and the reward model, saved once (renamed into place when complete)."""
+    final, tmp = run_dir / "checkpoints" / "models", run_dir / "checkpoints" / ".tmp_models"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for name, model, tok in (("sft_model", sft_lm, tokenizer), ("reward_model", rm, rm_tokenizer)):
+        model.save_pretrained(tmp / name)
+        tok.save_pretrained(tmp / name)
+    os.replace(tmp, final)
+
+
+def save_checkpoint(run_dir: Path, update: int, policy, optimizer, generator, device, state: dict) -> None:
+    """checkpoints/step_<update>/: policy + value head, Adam, RNG states (one file per rank), state.json (counters,
+    args, curve, ...); every rank sends its RNG states, rank 0 writes. Atomic (see details 11)."""
+    rng = {"torch": torch.get_rng_state()}
+    if generator is not None:
+        rng["generator"] = generator.get_state()
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    rank, world = rank_and_world()
+    rngs = [rng]
+    if world > 1:
+        rngs = [None] * world
+        dist.all_gather_object(rngs, rng)
+    if rank != 0:
+        return
+    ckpt = run_dir / "checkpoints"
+    step_dir, tmp = ckpt / f"step_{update}", ckpt / f".tmp_step_{update}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(policy, str(tmp / "policy.safetensors"))  # the LM and the value head; tied embeddings handled
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    for r, rank_rng in enumerate(rngs):
+        torch.save(rank_rng, tmp / f"rng_rank{r}.pt")
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
+    files = {
+        **file_sizes(ckpt, ckpt / "models"),
+        **{f"{step_dir.name}/{k}": v for k, v in file_sizes(tmp, tmp).items()},
+    }
+    state = {
+        **state, "script": SCRIPT, "update": update, "world_size": world, "python_random": random.getstate(),
+        "numpy_random": numpy_state, "files": files,
+    }  # fmt: skip
+    (tmp / "state.json").write_text(json.dumps(state))
+    shutil.rmtree(step_dir, ignore_errors=True)  # left by a kill between the rename and latest.json: never named
+    os.replace(tmp, step_dir)
+    write_json_atomic(ckpt / "latest.json", {"script": SCRIPT, "step_dir": step_dir.name, "update": update})
+    for old in [*ckpt.glob("step_*"), *ckpt.glob(".tmp_step_*")]:  # only now: a kill before this point leaves the
+        if old != step_dir:  # previous checkpoint usable (and a stale temporary dir is never read)
+            shutil.rmtree(old)
+
+
+def read_checkpoint_state(run_dir_str: str) -> tuple[dict, Path]:
+    """Check a run dir for `--resume` (one-line errors) and return the state.json of its newest complete checkpoint
+    and that checkpoint's dir. Every file is checked against the sizes recorded when it was written."""
+    run_dir = Path(run_dir_str)
+    latest = run_dir / "checkpoints" / "latest.json"
+    if not run_dir.is_dir():
+        raise SystemExit(f"error: --resume {run_dir_str} is not a directory")
+    if (run_dir / "summary.json").exists():
+        raise SystemExit(f"error: --resume {run_dir_str} is a finished run (summary.json present): nothing to resume")
+    if not latest.is_file():
+        raise SystemExit(f"error: --resume {run_dir_str} has no checkpoints/latest.json (not a run of {SCRIPT} "
+                         "with --save-every, or stopped before its first checkpoint)")  # fmt: skip
+    try:
+        info = json.loads(latest.read_text())
+        if info.get("script") != SCRIPT:
+            raise SystemExit(f"error: --resume {run_dir_str} is a run of {info.get('script')}, not of {SCRIPT}")
+        step_dir = latest.parent / info["step_dir"]
+        state = json.loads((step_dir / "state.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise SystemExit(f"error: checkpoint in {run_dir_str} is unreadable ({type(err).__name__}: {err})") from None
+    for rel, size in state["files"].items():
+        path = latest.parent / rel
+        found = path.stat().st_size if path.is_file() else 0
+        if found != size:
+            raise SystemExit(f"error: checkpoint file {path} is truncated or missing ({found} of {size} bytes)")
+    return state, step_dir
+
+
+def resume_args(args: Args, saved: dict) -> Args:
+    """The run's own args; a flag given now that differs from the run's (and from the default) is refused, except
+    RESUME_FREE_ARGS, which a flag given now (not at its default) overrides."""
+    defaults, given = asdict(Args()), asdict(args)
+    for k, v in given.items():
+        if k not in RESUME_FREE_ARGS and v != defaults[k] and v != saved[k]:
+            flag = "--" + k.replace("_", "-")
+            raise SystemExit(f"error: {flag} {v} differs from the resumed run's {saved[k]} (a resume continues a run)")
+    return Args(**{**saved, **{k: given[k] for k in RESUME_FREE_ARGS if given[k] != defaults[k]}})
+
+
+def load_checkpoint(step_dir: Path, policy, optimizer, generator, device) -> None:
+    """Restore what save_checkpoint wrote (this rank's RNG states included); a corrupt file is a one-line error."""
+    path = step_dir / "policy.safetensors"
+    try:
+        load_model(policy, str(path), device=str(device))
+        path = step_dir / "optimizer.pt"
+        optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        path = step_dir / f"rng_rank{rank_and_world()[0]}.pt"
+        rng = torch.load(path, weights_only=True)
+    except Exception as err:  # safetensors / zip / unpickler errors have no common base class
+        raise SystemExit(f"error: checkpoint file {path} is corrupt ({type(err).__name__}: {err})") from None
+    state = json.loads((step_dir / "state.json").read_text())
+    torch.set_rng_state(rng["torch"])
+    if generator is not None:
+        generator.set_state(rng["generator"])
+    if "cuda" in rng and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], device)
+    py = state["python_random"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    numpy_state = state["numpy_random"]
+    numpy_state["state"]["key"] = np.array(numpy_state["state"]["key"], dtype=np.uint32)
+    np.random.set_state(numpy_state)
+
+
+def install_interrupt_handler() -> dict:
+    """Ctrl-C (SIGINT) / SIGTERM set a flag that the PPO loop reads after each update; a second one stops at once."""
+    flag = {"set": False}
+
+    def handler(signum, frame):
+        flag["set"] = True
+        signal.signal(signum, signal.SIG_DFL)
+        print(f"\n{signal.Signals(signum).name}: a checkpoint is written after this update (again to stop now)")
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return flag
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun (details 10)
+    resume_state = None
+    if args.resume is not None:
+        if args.eval_only:
+            raise SystemExit("error: --resume continues training; it does not combine with --eval-only")
+        resume_state, resume_step_dir = read_checkpoint_state(args.resume)
+        args = resume_args(args, resume_state["args"])
+        if resume_state["world_size"] != world_size:
+            raise SystemExit(f"error: the run used {resume_state['world_size']} processes; resume it with as many")
     # validate early: one clear line, never a deep traceback
     if args.batch_size % args.num_minibatches != 0:
         raise SystemExit(
             f"error: --batch-size {args.batch_size} not divisible by --num-minibatches {args.num_minibatches}"
         )
     args.minibatch_size = args.batch_size // args.num_minibatches
+    if args.minibatch_size % world_size != 0:
+        raise SystemExit(f"error: the minibatch size {args.minibatch_size} (--batch-size / --num-minibatches) is not "
+                         f"divisible by the {world_size} torchrun processes")  # fmt: skip
+    if args.save_every < 0:
+        raise SystemExit("error: --save-every must be >= 0 (0 = no checkpoints)")
     for flag, path in (("--reward-model-path", args.reward_model_path), ("--sft-model-path", args.sft_model_path)):
         if path is not None and not Path(path).is_dir():
             raise SystemExit(f"error: {flag} '{path}' does not exist or is not a directory")
@@ -828,9 +1168,23 @@ if __name__ == "__main__":
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    run_name, run_dir = make_run_dir(args)
-    writer = SummaryWriter(str(run_dir))
+    rank, device = init_distributed(args, world_size)
+    if rank > 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 prints (errors still reach stderr)
+    # sampling noise of rollouts and of the reward normalization: the global RNG in one process, one stream per rank
+    sample_gen = None if world_size == 1 else torch.Generator(device).manual_seed(args.seed + SEED_STRIDE * rank)
+    if resume_state is not None:
+        run_dir = Path(args.resume)
+        run_name = run_dir.name
+    else:
+        made = [make_run_dir(args) if rank == 0 else None]
+        if world_size > 1:
+            dist.broadcast_object_list(made, src=0)
+        run_name, run_dir = made[0]
+    if rank == 0:  # tensorboard continues after the checkpoint's update on a resume
+        writer = SummaryWriter(str(run_dir), **({"purge_step": resume_state["update"] + 1} if resume_state else {}))
+    else:
+        writer = NullWriter()
     start_time = time.time()
     train_prompts, heldout_prompts = list(preference.train_prompts()), list(preference.heldout_prompts())
     eval_prompts = [heldout_prompts[i % len(heldout_prompts)] for i in range(args.eval_episodes)]
@@ -838,10 +1192,14 @@ if __name__ == "__main__":
         ckpt = Path(args.checkpoint)
         args.sft_model_path = args.sft_model_path or str(ckpt / "sft_model")
         args.reward_model_path = args.reward_model_path or str(ckpt / "reward_model")
+    # a resume loads the finished STEPS 1-3 from the run's checkpoints/models/ (details 11)
+    models_dir = run_dir / "checkpoints" / "models"
+    sft_path = str(models_dir / "sft_model") if resume_state else args.sft_model_path
+    rm_path = str(models_dir / "reward_model") if resume_state else args.reward_model_path
 
     # ---- STEP 1: the SFT policy (loaded, or fine-tuned here from a base model) ----
-    if args.sft_model_path is not None:
-        sft_lm, tokenizer = with_pad_token(*load_pretrained("causal", args.sft_model_path, "--sft-model-path"), "SFT")
+    if sft_path is not None:
+        sft_lm, tokenizer = with_pad_token(*load_pretrained("causal", sft_path, "--sft-model-path"), "SFT")
     else:
         if args.model_name_or_path is not None:
             base_lm, tokenizer = load_pretrained("causal", args.model_name_or_path, "--model-name-or-path", hub_ok=True)
@@ -853,31 +1211,37 @@ if __name__ == "__main__":
             base_lm = AutoModelForCausalLM.from_config(tiny_gpt2_config(len(tokenizer), args, tokenizer))
         sft_lm = supervised_fine_tune(disable_dropout(base_lm).to(device), tokenizer, args, device, writer)
     sft_lm = disable_dropout(sft_lm).to(device).eval()
+    broadcast_module(sft_lm)  # torchrun: every rank ran STEP 1 identically; rank 0's weights make sure of it
     for p in sft_lm.parameters():
         p.requires_grad_(False)
     not_text = not_text_mask(tokenizer, sft_lm.get_output_embeddings().weight.shape[0], device)  # (V,) details 3
     if args.max_new_tokens is None:
         args.max_new_tokens = longest_demonstration(tokenizer, args)
-    writer.add_text(
-        "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-    )
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    if resume_state is None:
+        writer.add_text(
+            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+        )
+        if rank == 0:
+            (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
 
     # ---- STEPS 2-3: the reward model (loaded, or fit here on SFT samples ranked by the labeler) ----
-    if args.reward_model_path is not None:
-        rm, rm_tokenizer = load_pretrained("classifier", args.reward_model_path, "--reward-model-path")
+    if rm_path is not None:
+        rm, rm_tokenizer = load_pretrained("classifier", rm_path, "--reward-model-path")
         rm, rm_tokenizer = with_pad_token(rm, rm_tokenizer, "--reward-model-path")
         rm = rm.to(device).eval()
     else:
         rm = fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, writer)
         rm_tokenizer = tokenizer
+    broadcast_module(rm)
     for p in rm.parameters():
         p.requires_grad_(False)
-    # normalize r_psi to mean 0, std 1 on SFT samples of the training prompts (lm-human-preferences)
-    norm_prompts = [train_prompts[i % len(train_prompts)] for i in range(NORM_SAMPLES)]
-    norm_completions = sample_completions(sft_lm, tokenizer, not_text, norm_prompts, args, device)
-    raw = rm_scores(rm, rm_tokenizer, norm_prompts, norm_completions, device)
-    norm = (raw.mean().item(), max(raw.std().item(), LOG_STD_FLOOR))
+    if resume_state is not None:
+        norm = tuple(resume_state["norm"])
+    else:  # normalize r_psi to mean 0, std 1 on SFT samples of the training prompts (lm-human-preferences)
+        norm_prompts = shard([train_prompts[i % len(train_prompts)] for i in range(NORM_SAMPLES)])  # this rank's
+        norm_completions = sample_completions(sft_lm, tokenizer, not_text, norm_prompts, args, device, sample_gen)
+        raw = gather_cat(rm_scores(rm, rm_tokenizer, norm_prompts, norm_completions, device))  # all NORM_SAMPLES
+        norm = (raw.mean().item(), max(raw.std().item(), LOG_STD_FLOOR))
     # Problem 21.3(c): an arbitrary constant per prompt in the objective (all 0 unless --reward-offset)
     offsets = prompt_offsets(train_prompts + heldout_prompts, args.reward_offset, args.seed + 40_000)
 
@@ -887,8 +1251,13 @@ if __name__ == "__main__":
         policy = policy.to(device)
     for p in policy.parameters():
         p.requires_grad_(True)
+    broadcast_module(policy)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-5)  # CleanRL's Adam eps
-    curve_file = open(run_dir / "curve.jsonl", "w")
+    curve = resume_state["curve"] if resume_state else []  # one dict per evaluation, as in curve.jsonl
+    curve_file = None
+    if rank == 0:
+        curve_file = open(run_dir / "curve.jsonl", "w")
+        curve_file.writelines(json.dumps(point) + "\n" for point in curve)  # a resume: the curve up to its checkpoint
 
     def run_eval(step):
         policy.eval()
@@ -899,18 +1268,16 @@ if __name__ == "__main__":
         policy.train()
         for k, v in metrics.items():
             writer.add_scalar(k, v, step)
-        curve_file.write(
-            json.dumps(
-                {
-                    "step": step,
-                    "kl": metrics["eval/kl"],
-                    "proxy_reward": metrics["eval/proxy_reward"],
-                    "gold_reward": metrics["eval/gold_reward"],
-                }
-            )
-            + "\n"
-        )
-        curve_file.flush()
+        point = {
+            "step": step,
+            "kl": metrics["eval/kl"],
+            "proxy_reward": metrics["eval/proxy_reward"],
+            "gold_reward": metrics["eval/gold_reward"],
+        }
+        curve.append(point)
+        if curve_file is not None:
+            curve_file.write(json.dumps(point) + "\n")
+            curve_file.flush()
         print(
             f"[eval] update {step}: gold {metrics['eval/gold_reward']:.3f} proxy {metrics['eval/proxy_reward']:.3f} "
             f"kl {metrics['eval/kl']:.2f} corr {metrics['eval/proxy_gold_corr']:.2f} "
@@ -918,20 +1285,44 @@ if __name__ == "__main__":
         )
         return metrics
 
-    sft_metrics = run_eval(0)
-    metrics = sft_metrics
-    beta = args.kl_coef
     num_updates = 0 if args.eval_only else args.num_updates
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     prompt_rng = np.random.default_rng(args.seed)
-    for update in range(1, num_updates + 1):
+    local_batch_size, local_minibatch_size = args.batch_size // world_size, args.minibatch_size // world_size
+    checkpointing = args.save_every > 0 and num_updates > 0
+
+    def checkpoint(update):
+        state = {"args": asdict(args), "norm": list(norm), "beta": beta, "sft_metrics": sft_metrics,
+                 "metrics": metrics, "curve": curve, "prompt_rng": prompt_rng.bit_generator.state,
+                 "elapsed_s": time.time() - start_time}  # fmt: skip
+        save_checkpoint(run_dir, update, policy, optimizer, sample_gen, device, state)
+
+    if resume_state is not None:
+        sft_metrics, metrics, beta = resume_state["sft_metrics"], resume_state["metrics"], resume_state["beta"]
+        prompt_rng.bit_generator.state = resume_state["prompt_rng"]
+        load_checkpoint(resume_step_dir, policy, optimizer, sample_gen, device)  # weights, Adam, RNG states
+        first_update = resume_state["update"] + 1
+        start_time -= resume_state["elapsed_s"]  # wall time and SPS count the whole run
+        print(f"resumed {run_dir} after update {resume_state['update']}")
+    else:
+        sft_metrics = run_eval(0)
+        metrics = sft_metrics
+        beta = args.kl_coef
+        first_update = 1
+        if checkpointing:  # STEPS 1-3 are done: saved once, so that a resume starts here
+            if rank == 0:
+                save_phase_models(run_dir, sft_lm, tokenizer, rm, rm_tokenizer)
+            checkpoint(0)
+    interrupted = install_interrupt_handler() if checkpointing else {"set": False}
+    for update in range(first_update, num_updates + 1):
         # ---- STEP 4: PPO with a KL penalty ----
-        # 4.1 sample a batch of completions with pi_theta
+        # 4.1 sample a batch of completions with pi_theta (torchrun: this rank's shard of the global batch)
         prompts = [train_prompts[i] for i in prompt_rng.choice(len(train_prompts), args.batch_size)]
+        prompts = shard(prompts)
         query_ids = encode_prompts(tokenizer, prompts, device)  # (B, Lq), left-padded
         policy.eval()
         response_ids = generate(
-            policy.lm, query_ids, pad_id, eos_id, not_text, args.max_new_tokens, args.temperature
+            policy.lm, query_ids, pad_id, eos_id, not_text, args.max_new_tokens, args.temperature, sample_gen
         )  # (B, T)
         mask, has_eos = completion_mask(response_ids, eos_id)  # (B, T), (B,)
         maskf = mask.float()
@@ -963,30 +1354,24 @@ if __name__ == "__main__":
         stats = {k: [] for k in ("approxkl", "clipfrac", "ratio", "pg_loss", "vf_loss", "vf_clipfrac")}
         ratios = []
         for _epoch in range(args.update_epochs):
-            perm = torch.randperm(args.batch_size, device=device)
-            for start in range(0, args.batch_size, args.minibatch_size):
-                mb = perm[start : start + args.minibatch_size]
+            perm = torch.randperm(local_batch_size, device=device)
+            for start in range(0, local_batch_size, local_minibatch_size):
+                mb = perm[start : start + local_minibatch_size]  # torchrun: the ranks' mb together = the global one
                 mb_mask = maskf[mb]
-                new_logits, vpred = policy(query_ids[mb], response_ids[mb], pad_id, not_text)
-                new_logprobs = response_logprobs(new_logits, response_ids[mb], args.temperature)
-                pg_loss, pg_stats = clipped_surrogate_loss(
-                    new_logprobs, old_logprobs[mb], advantages[mb], mb_mask, args.cliprange
-                )
-                loss = pg_loss
-                if args.advantage == "gae":
-                    vf_loss, vf_clipfrac = clipped_value_loss(
-                        vpred, values[mb], returns[mb], mb_mask, args.cliprange_value
-                    )
-                    loss = loss + args.vf_coef * vf_loss
-                    stats["vf_loss"].append(vf_loss.item())
-                    stats["vf_clipfrac"].append(vf_clipfrac)
+                loss, mb_stats = ppo_minibatch_loss(
+                    policy, query_ids[mb], response_ids[mb], mb_mask, old_logprobs[mb], values[mb], advantages[mb],
+                    returns[mb], args, pad_id, not_text,
+                )  # fmt: skip
+                if world_size > 1:  # weight by this rank's share of the global minibatch's tokens (details 10)
+                    loss = loss * token_share(mb_mask)
                 optimizer.zero_grad()
                 loss.backward()
+                if world_size > 1:
+                    allreduce_grads(policy.parameters(), world_size)
                 nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 optimizer.step()
-                stats["pg_loss"].append(pg_loss.item())
-                for k in ("approxkl", "clipfrac", "ratio"):
-                    stats[k].append(pg_stats[k])
+                for k, v in mb_stats.items():
+                    stats[k].append(v)
         # 4.7 logging (TRL's metric names) and the adaptive KL controller
         seq_kl = kl.sum(1).mean().item()
         step = update * args.batch_size
@@ -1011,6 +1396,12 @@ if __name__ == "__main__":
         if args.advantage == "gae":
             log["losses/value_avg"] = float(np.mean(stats["vf_loss"]))
             log["val/clipfrac_avg"] = float(np.mean(stats["vf_clipfrac"]))
+        if world_size > 1:  # statistics of the global batch: means over ranks of equal shards (num_eos: the sum)
+            keys = [k for k in log if k not in ("charts/learning_rate", "charts/SPS")]
+            means = all_sum(torch.tensor([log[k] for k in keys], dtype=torch.float64, device=device)) / world_size
+            log.update(zip(keys, means.tolist(), strict=True))
+            log["val/num_eos_tokens"] *= world_size
+            seq_kl = log["objective/kl"]  # what the adaptive controller reads: the same on every rank
         for k, v in log.items():
             writer.add_scalar(k, v, update)
         if args.adaptive_kl:
@@ -1022,7 +1413,18 @@ if __name__ == "__main__":
                 f"update {update}: scores {log['objective/scores']:.3f} kl {seq_kl:.2f} beta {beta:.3f} "
                 f"clipfrac {log['policy/clipfrac_avg']:.3f} approxkl {log['policy/approxkl_avg']:.4f}"
             )
-    curve_file.close()
+        # 4.8 checkpoint every --save-every updates and on Ctrl-C / SIGTERM (decided together: details 10-11)
+        stop = checkpointing and any_rank(interrupted["set"], device)
+        if checkpointing and (update % args.save_every == 0 or stop):
+            checkpoint(update)
+        if stop:
+            if rank == 0:
+                launcher = "python" if world_size == 1 else f"torchrun --nproc_per_node {world_size}"
+                print(f"interrupted after update {update}, checkpoint saved; continue with: "
+                      f"{launcher} {sys.argv[0]} --resume {run_dir}", file=sys.stderr)  # fmt: skip
+            raise SystemExit(130)  # the shell's code for a run stopped by Ctrl-C
+    if curve_file is not None:
+        curve_file.close()
 
     # best-of-n from pi_SFT at the KL of the final policy (n capped at --bon-max-n), by the same objective
     bon_n = matched_bon_n(metrics["eval/kl"], args.bon_max_n)
@@ -1041,11 +1443,15 @@ if __name__ == "__main__":
         "eval/bon_gold_reward": bon_gold,
         "eval/bon_n": float(bon_n),
         "eval/bon_kl": bon_kl(bon_n),
-        "eval/max_gold_reward": max(json.loads(line)["gold_reward"] for line in open(run_dir / "curve.jsonl")),
+        "eval/max_gold_reward": max(point["gold_reward"] for point in curve),
         "model/final_kl_coef": float(beta),
     }
     for k in ("eval/bon_gold_reward", "eval/bon_n", "eval/bon_kl"):
         writer.add_scalar(k, summary_metrics[k], num_updates)
+    writer.close()
+    if rank > 0:
+        dist.destroy_process_group()
+        raise SystemExit(0)  # only rank 0 writes the summary and the models
     summary = {
         "script": Path(__file__).stem,
         "run_name": run_name,
@@ -1055,7 +1461,8 @@ if __name__ == "__main__":
         "wall_time_s": wall,
         "sps": num_updates * args.batch_size / wall,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     save_models(run_dir, policy, sft_lm, tokenizer, rm, rm_tokenizer)
-    writer.close()
+    write_json_atomic(run_dir / "summary.json", summary)  # last: a run with summary.json is complete
     print(json.dumps(summary_metrics, indent=1))
+    if world_size > 1:
+        dist.destroy_process_group()

@@ -1,0 +1,254 @@
+"""Tests of algos/rlhf_ppo_kl.py under torchrun (issue 16) and of its checkpoints / --resume / Ctrl-C (issue 17).
+
+torchrun: (a) the all-reduced, token-weighted gradient of a fixed global minibatch split over 2 gloo ranks equals the
+one-process gradient of the whole minibatch, and the global whitening / mean / gather helpers equal their one-process
+values (this file is also the worker: `python -m torch.distributed.run ... tests/test_scale_rlhf_ppo_kl.py OUT`);
+(b) the script runs end to end under `python -m torch.distributed.run --standalone --nproc_per_node 2` and writes
+exactly one run dir. Resume: a tiny run killed with SIGKILL (or stopped with SIGINT) after a checkpoint and resumed
+ends with bit-identical metrics and curve to the same run uninterrupted (CPU); a truncated checkpoint is refused
+naming the file while a half-written newer one is ignored; a finished run, another script's run and changed flags
+are one-line errors."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import ROOT, load_script, run_script
+
+M = load_script("rlhf_ppo_kl")
+SCRIPT = str(ROOT / "algos" / "rlhf_ppo_kl.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-7  # float32: the shard and whole-batch forward passes sum in different orders
+TINY = (  # seconds: tiny data, tiny model; eval every update; batch 8 = 2 minibatches of 4 = 2 ranks x 2
+    "--sft-examples", "128", "--sft-epochs", "1", "--pref-prompts", "8", "--rm-epochs", "1",
+    "--batch-size", "8", "--num-minibatches", "2", "--update-epochs", "1", "--eval-every", "1",
+    "--eval-episodes", "8", "--bon-max-n", "4", "--n-embd", "16", "--n-layer", "1", "--n-head", "2",
+)  # fmt: skip
+# the resume tests: long enough (12 updates, a checkpoint every 2) that a kill after the first PPO checkpoint lands
+# mid-run; --adaptive-kl so that beta is part of the restored state
+RESUME_RUN = (*TINY, "--num-updates", "12", "--save-every", "2", "--adaptive-kl", "--kl-horizon", "50")
+
+
+def run(cmd, timeout=240, expect_fail=False):
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    if expect_fail:
+        assert proc.returncode != 0, f"expected a failure:\n{proc.stdout[-2000:]}"
+        return proc
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def one_line_error(proc) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (a) gradients and global statistics over 2 ranks (this file is the worker)
+# ---------------------------------------------------------------------------------------------------------------
+def flat_grad(policy) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in policy.parameters() if p.grad is not None]).clone()
+
+
+def gradient_worker(out_dir: str) -> None:
+    import torch.distributed as dist
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # the same model and minibatch on every rank
+    config = GPT2Config(vocab_size=12, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, eos_token_id=2, bos_token_id=1)  # fmt: skip
+    policy = M.PolicyWithValue(GPT2LMHeadModel(config))
+    torch.nn.init.normal_(policy.v_head.weight, std=0.5)  # a non-zero value head: the value loss has gradients
+    not_text = torch.zeros(12, dtype=torch.bool)
+    not_text[[0, 1, 3]] = True  # pad, bos, unk
+    B, T = 8, 6
+    query = torch.randint(4, 12, (B, 3))
+    query[::2, 0] = 0  # left padding on half the prompts
+    response = torch.randint(4, 12, (B, T))
+    # rank 0's half ends early, rank 1's runs long: unequal token counts, so a plain average of shard means is wrong
+    for i, length in enumerate([1, 2, 1, 3, 6, 5, 6, 4]):
+        if length < T:
+            response[i, length - 1], response[i, length:] = 2, 0  # EOS, then padding
+    mask = M.completion_mask(response, 2)[0].float()
+    with torch.no_grad():
+        logits, values = policy(query, response, 0, not_text)
+        old_logprobs = M.response_logprobs(logits, response, 1.0) + 0.3 * torch.randn(B, T) * mask  # ratios != 1
+    advantages, returns = torch.randn(B, T) * mask, (values + torch.randn(B, T)) * mask
+    args = SimpleNamespace(temperature=1.0, cliprange=0.2, cliprange_value=0.2, vf_coef=0.5, advantage="gae")
+    batch = (query, response, mask, old_logprobs, values, advantages, returns)
+
+    def loss_of(rows):
+        return M.ppo_minibatch_loss(policy, *(x[rows] for x in batch), args, 0, not_text)[0]
+
+    everything, mine = slice(0, B), slice(rank * B // world, (rank + 1) * B // world)
+    policy.zero_grad()
+    loss_of(everything).backward()  # the one-process gradient of the whole minibatch (no collective involved)
+    one_process = flat_grad(policy)
+    policy.zero_grad()
+    (loss_of(mine) * M.token_share(mask[mine])).backward()  # what the script does under torchrun
+    M.allreduce_grads(policy.parameters(), world)
+    data_parallel = flat_grad(policy)
+    policy.zero_grad()
+    loss_of(mine).backward()  # without the token share: the mean of the shards' means
+    M.allreduce_grads(policy.parameters(), world)
+    unweighted = flat_grad(policy)
+
+    x = torch.randn(B, T)
+    mean, var = M.global_masked_mean_var(x[mine], mask[mine])
+    whitened = M.masked_whiten(x[mine], mask[mine])
+    gathered_whitened = M.gather_cat(whitened)
+    dist.destroy_process_group()  # from here on the helpers see one process: the single-process reference values
+    result = {
+        "grad_max_abs_diff": (data_parallel - one_process).abs().max().item(),
+        "grad_close": torch.allclose(data_parallel, one_process, rtol=GRAD_RTOL, atol=GRAD_ATOL),
+        "grad_max_abs": one_process.abs().max().item(),
+        "unweighted_max_abs_diff": (unweighted - one_process).abs().max().item(),
+        "mean_diff": (mean - M.masked_mean(x, mask)).abs().item(),
+        "var_diff": (var - M.masked_var(x, mask)).abs().item(),
+        "whiten_max_abs_diff": (gathered_whitened - M.masked_whiten(x, mask)).abs().max().item(),
+        "data_parallel_grad": data_parallel.tolist(),
+    }
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def test_allreduced_gradient_of_a_split_minibatch_equals_the_one_process_gradient(tmp_path):
+    run([*TORCHRUN, str(Path(__file__).resolve()), str(tmp_path)], timeout=180)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["data_parallel_grad"] == r1["data_parallel_grad"]  # every rank steps with the same gradient
+    for r in (r0, r1):
+        assert r["grad_close"], r["grad_max_abs_diff"]  # rtol 1e-5, atol 1e-7 (float32 summation order)
+        assert r["grad_max_abs"] > 1e-3  # a gradient worth comparing
+        assert r["unweighted_max_abs_diff"] > 100 * r["grad_max_abs_diff"]  # the token weighting is what makes it
+        assert r["mean_diff"] < 1e-6 and r["var_diff"] < 1e-5 and r["whiten_max_abs_diff"] < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (b) end to end under torchrun
+# ---------------------------------------------------------------------------------------------------------------
+def test_torchrun_two_processes_end_to_end_writes_exactly_one_run_dir(runs_dir):
+    proc = run([*TORCHRUN, SCRIPT, "--runs-dir", str(runs_dir), *TINY, "--num-updates", "2", "--save-every", "1"])
+    (run_dir,) = runs_dir.iterdir()  # exactly one run dir: only rank 0 creates it
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["script"] == "rlhf_ppo_kl" and summary["args"]["num_updates"] == 2
+    assert all(v == v for v in summary["metrics"].values())  # no NaN from a statistic over an empty shard
+    assert len((run_dir / "curve.jsonl").read_text().splitlines()) == 3  # updates 0, 1, 2: one writer
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # one tensorboard writer
+    latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    step_dir = run_dir / "checkpoints" / latest["step_dir"]
+    assert latest["update"] == 2 and {p.name for p in step_dir.glob("rng_rank*.pt")} == {"rng_rank0.pt", "rng_rank1.pt"}
+    assert proc.stdout.count("[bon]") == 1  # only rank 0 prints
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# resume: SIGKILL / SIGINT after a checkpoint, then --resume, ends bit-identical to the uninterrupted run
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("uninterrupted")
+    summary = run_script("rlhf_ppo_kl", *RESUME_RUN, runs_dir=runs, timeout=240)
+    return summary, Path(summary["run_dir"])
+
+
+def start_and_stop_after_first_ppo_checkpoint(runs_dir: Path, sig: int) -> tuple[Path, subprocess.Popen]:
+    """Start the resume-test run, send `sig` as soon as a checkpoint after update 0 exists; return its run dir."""
+    cmd = [sys.executable, SCRIPT, "--runs-dir", str(runs_dir), *RESUME_RUN]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        latest = list(runs_dir.glob("*/checkpoints/latest.json"))
+        if latest and json.loads(latest[0].read_text())["update"] >= 2:
+            proc.send_signal(sig)
+            break
+        time.sleep(0.01)
+    out, err = proc.communicate(timeout=120)
+    (run_dir,) = runs_dir.iterdir()
+    assert not (run_dir / "summary.json").exists(), f"the run finished before the signal:\n{out[-2000:]}"
+    proc.stderr_text = err
+    return run_dir, proc
+
+
+def assert_same_final_metrics(run_dir: Path, uninterrupted) -> None:
+    summary, ref_dir = uninterrupted
+    resumed = json.loads((run_dir / "summary.json").read_text())
+    assert resumed["metrics"] == summary["metrics"]  # bit-identical floats
+    assert (run_dir / "curve.jsonl").read_text() == (ref_dir / "curve.jsonl").read_text()
+
+
+def test_sigkill_then_resume_ends_bit_identical_and_truncated_checkpoints(runs_dir, tmp_path, uninterrupted):
+    run_dir, proc = start_and_stop_after_first_ppo_checkpoint(runs_dir, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    ckpt = run_dir / "checkpoints"
+    latest = json.loads((ckpt / "latest.json").read_text())
+    # a copy whose newest checkpoint was truncated half-way (e.g. the disk filled up): refused, naming the file
+    broken = tmp_path / "broken"
+    shutil.copytree(run_dir, broken)
+    weights = broken / "checkpoints" / latest["step_dir"] / "policy.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    error = one_line_error(run([sys.executable, SCRIPT, "--resume", str(broken)], expect_fail=True))
+    assert "truncated" in error and str(weights) in error
+    # a kill during the next save leaves a half-written temporary dir: ignored, the previous checkpoint loads
+    half = ckpt / f".tmp_step_{latest['update'] + 2}"
+    shutil.rmtree(half, ignore_errors=True)  # (the SIGKILL itself may have hit a save)
+    shutil.copytree(ckpt / latest["step_dir"], half)
+    (half / "optimizer.pt").write_bytes((half / "optimizer.pt").read_bytes()[:100])
+    (half / "state.json").unlink()
+    resumed = run([sys.executable, SCRIPT, "--resume", str(run_dir)])
+    assert f"after update {latest['update']}" in resumed.stdout
+    assert_same_final_metrics(run_dir, uninterrupted)
+    assert not half.exists()  # the stale temporary dir is cleaned up by the next save
+
+
+def test_sigint_writes_a_checkpoint_then_resume_ends_bit_identical(runs_dir, uninterrupted):
+    run_dir, proc = start_and_stop_after_first_ppo_checkpoint(runs_dir, signal.SIGINT)
+    assert proc.returncode == 130, proc.stderr_text[-2000:]
+    assert f"--resume {run_dir}" in proc.stderr_text.strip().splitlines()[-1]
+    stopped_at = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["update"]
+    assert 2 <= stopped_at <= 12
+    run([sys.executable, SCRIPT, "--resume", str(run_dir)])
+    assert_same_final_metrics(run_dir, uninterrupted)
+
+
+def test_resume_refuses_a_finished_run_another_scripts_run_and_changed_flags(tmp_path, uninterrupted):
+    _, finished = uninterrupted
+    error = one_line_error(run([sys.executable, SCRIPT, "--resume", str(finished)], expect_fail=True))
+    assert "finished" in error
+    # another script's run (its own checkpoint naming it), and a run dir with no checkpoint at all
+    other = tmp_path / "other_run"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "checkpoints" / "latest.json").write_text(json.dumps({"script": "rlhf_reward_model", "step_dir": "x"}))
+    error = one_line_error(run([sys.executable, SCRIPT, "--resume", str(other)], expect_fail=True))
+    assert "rlhf_reward_model" in error
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    assert "no checkpoints/latest.json" in one_line_error(
+        run([sys.executable, SCRIPT, "--resume", str(empty)], expect_fail=True)
+    )
+    # a flag that changes the run (here, on a copy of a finished run made resumable by removing its summary)
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(finished, unfinished)
+    (unfinished / "summary.json").unlink()
+    error = one_line_error(run([sys.executable, SCRIPT, "--resume", str(unfinished), "--seed", "7"], expect_fail=True))
+    assert "--seed 7" in error
+
+
+def test_runs_dir_that_is_a_file_is_a_one_line_error(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    proc = run_script("rlhf_ppo_kl", *TINY, runs_dir=not_a_dir, expect_fail=True)
+    assert "is a file" in one_line_error(proc)
+
+
+if __name__ == "__main__":  # the worker of test (a), started by torch.distributed.run
+    gradient_worker(sys.argv[1])
