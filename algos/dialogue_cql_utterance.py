@@ -57,6 +57,19 @@ Implementation details:
      dialogue: the RL horizon, 4.85 on average, at most 8), `timestep/action_space_log10` (every sequence of up to
      12 tokens of the 111 writable ones: 10^24.5 utterances), `timestep/distinct_data_utterances` (26 in the data)
      and `timestep/actions_per_step` (the deduplicated candidate set the Bellman max runs over: ~6.5 of N = 16).
+ 10. Long runs (the CHECKPOINTS block at the end; the algorithm does not depend on it): RUN_DIR/checkpoints gets a
+     checkpoint at the end of the BC phase, at the end of the candidate phase and every `--save-every` critic steps
+     (and at the critic's end), and Ctrl-C writes one at the next of these points: the proposer's weights
+     (safetensors), the candidate sets and the utterance table they index (arrays.npz, with torch's RNG state),
+     from the critic phase on the critic, its target (safetensors), Adam (torch.save, read back with
+     weights_only=True) and the minibatch rng, and state.json (phase, critic step, BC fit, timings, args, python
+     and numpy RNG states, file sizes). Written into a temporary dir, os.replace'd into place, then named by
+     latest.json (temp file + os.replace): a kill leaves the previous one; all deleted when the run ends.
+     `--resume RUN_DIR` rebuilds the data (deterministic), skips the phases done, and ends with the same metrics,
+     bit for bit on CPU, as the run uninterrupted (tests/test_resume_dialogue_cql_utterance.py). The BC phase
+     itself is not checkpointed inside (a kill during BC restarts it). Tensorboard: the BC and critic curves share
+     the step axis, so `purge_step` (which would cut the BC curve) is not used: critic points a killed run logged
+     after its last checkpoint appear twice.
 
 What is taken from CHAI [1] and from Snell's re-implementation [3], and what differs:
   - CHAI: per-utterance Q(s, a) trained offline with a CQL penalty; max over actions approximated by sampling
@@ -96,14 +109,20 @@ References:
       Sea-Snell/Implicit-Language-Q-Learning `src/models/chai_model.py` (the CHAI baseline re-implementation).
   [4] vwxyzjn/cleanrl `dqn.py` (script layout, target networks, logging).
 Reproduce: python algos/dialogue_cql_utterance.py
+Long runs: checkpoints at the phase ends and every 500 critic steps (`--save-every`); Ctrl-C writes one and prints
+the command that continues:  python algos/dialogue_cql_utterance.py --resume runs/<run_name>
 """
 
 import copy
 import json
 import math
+import os
 import random
+import shutil
+import signal
 import sys
 import time
+import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -112,7 +131,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load_file, load_model, save_file, save_model
 from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
@@ -126,6 +146,9 @@ MASKED_Q = -1e9  # value given to padded candidate slots before a max / logsumex
 BC_SORT_BLOCK = 32  # BC minibatches are formed from length-sorted blocks of 32 minibatches (less padding)
 BC_WARMUP_STEPS = 50  # linear learning-rate warmup of the BC LM (then cosine decay to 0)
 LM_POSITIONS = 256  # GPT-2 context: 8 turns of 12-word (malformed) utterances + replies + a 13-token sample < 256
+SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
+RESUME_FREE_FIELDS = ("resume", "save_every", "runs_dir")  # may change on --resume; the rest is the run's
+SIGINT_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a job stopped by Ctrl-C
 
 
 @dataclass
@@ -152,6 +175,12 @@ class Args:
     """only evaluate the run dir given by `--checkpoint` (its bc_lm/ and critic.safetensors)"""
     checkpoint: str | None = None
     """a run dir written by this script, for `--eval-only`"""
+    save_every: int = 500
+    """critic steps between checkpoints in RUN_DIR/checkpoints; with N > 0 the end of the BC and the candidate
+    phases writes one too (0 = none; Ctrl-C always writes one, at the end of the current phase or after the current
+    critic step): all that `--resume` needs to continue exactly; deleted when the run ends"""
+    resume: str | None = None
+    """a run dir of this script with a checkpoint: continue that run there, with its own arguments"""
 
     # data (identical defaults to ilql_per_token.py: the same offline dataset)
     dataset_size: int = 20000
@@ -797,6 +826,7 @@ def validate(args):
         (args.belief_coef >= 0.0, f"--belief-coef must be >= 0, got {args.belief_coef}"),
         (args.eval_episodes >= 1, f"--eval-episodes must be >= 1, got {args.eval_episodes}"),
         (args.critic_steps >= 0 and args.bc_epochs >= 0, "--critic-steps and --bc-epochs must be >= 0"),
+        (args.save_every >= 0, f"--save-every must be >= 0 (0 = no periodic checkpoints), got {args.save_every}"),
         (args.n_embd % args.n_head == 0, f"--n-embd {args.n_embd} not divisible by --n-head {args.n_head}"),
     ]
     for ok, msg in checks:
@@ -811,9 +841,175 @@ def validate(args):
             )
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# CHECKPOINTS: --save-every, --resume and Ctrl-C (a reader of the algorithm can skip this block)
+# ---------------------------------------------------------------------------------------------------------------
+def check_writable_dir(path: Path, flag: str) -> None:
+    """A one-line error, before any work, if `path` is a file, cannot be created, or is not writable."""
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"error: {flag} {path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"error: cannot create {flag} {path}: {err.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: {flag} {path} is not writable")
+
+
+def sigint_flag() -> dict:
+    """Ctrl-C sets flag["set"]: a checkpoint is written at the end of the current phase (BC, candidates) or after
+    the current critic step, then the run exits. A second Ctrl-C stops at once."""
+    flag = {"set": False}
+
+    def handler(signum, frame):
+        if flag["set"]:
+            raise KeyboardInterrupt
+        flag["set"] = True
+        print("Ctrl-C: writing a checkpoint at the end of this phase or critic step, then exiting (Ctrl-C again to "
+              "stop now)", flush=True)  # fmt: skip
+
+    signal.signal(signal.SIGINT, handler)
+    return flag
+
+
+def save_training_checkpoint(run_dir: Path, name: str, lm, arrays: dict, state: dict, critic_parts=None) -> Path:
+    """Write RUN_DIR/checkpoints/<name>/ (returned) atomically: the files go into a temporary dir that os.replace
+    moves into place, then latest.json (temp file + os.replace) names it, then older checkpoints are deleted. A kill
+    at any point leaves latest.json naming a complete checkpoint. Reads RNG states, never draws from them.
+
+    lm.safetensors (the proposer's weights), arrays.npz (`arrays`: the candidate table, and torch's RNG state),
+    with `critic_parts` (critic, target, optimizer, rng of the critic minibatches) critic / target safetensors and
+    optimizer.pt; state.json: `state` (phase, critic step, BC fit, timings) with the args, the python / numpy RNG
+    states and the file sizes."""
+    root = run_dir / "checkpoints"
+    step_dir, tmp = root / name, root / f".tmp_{name}"
+    if not step_dir.is_dir():  # (it exists when Ctrl-C comes right after a resume: the same state)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a kill during a save
+        tmp.mkdir(parents=True)
+        save_model(lm, str(tmp / "lm.safetensors"))  # (save_model: GPT-2's output and input embeddings are tied)
+        np.savez(tmp / "arrays.npz", torch_rng=torch.get_rng_state().numpy(), **arrays)
+        np_global = np.random.get_state()
+        numpy_global = [np_global[0], np_global[1].tolist(), *np_global[2:]]
+        rng_states = {"python": random.getstate(), "numpy_global": numpy_global}
+        if critic_parts is not None:
+            for key in ("critic", "target"):
+                weights = {k: v.contiguous() for k, v in critic_parts[key].state_dict().items()}
+                save_file(weights, tmp / f"{key}.safetensors")
+            torch.save(critic_parts["optimizer"].state_dict(), tmp / "optimizer.pt")
+            rng_states["critic_minibatches"] = critic_parts["rng"].bit_generator.state
+        state = state | {"script": SCRIPT, "rng": rng_states,
+                         "files": {path.name: path.stat().st_size for path in sorted(tmp.iterdir())}}  # fmt: skip
+        (tmp / "state.json").write_text(json.dumps(state))
+        os.replace(tmp, step_dir)
+    (root / ".latest.json.tmp").write_text(json.dumps({"step_dir": name}))
+    os.replace(root / ".latest.json.tmp", root / "latest.json")
+    for old in root.iterdir():
+        if old.is_dir() and not old.name.startswith(".") and old != step_dir:
+            shutil.rmtree(old)
+    return step_dir
+
+
+def checkpoint_or_exit(run_dir, phase, critic_step, lm, arrays, progress, interrupted, writer, critic_parts=None):
+    """Write the checkpoint <phase>_<critic step> (the phase that has ended, or "critic" after `critic_step` steps);
+    after Ctrl-C, exit with the one-line command that continues the run."""
+    state = progress | {"phase": phase, "critic_step": critic_step}
+    step_dir = save_training_checkpoint(run_dir, f"{phase}_{critic_step}", lm, arrays, state, critic_parts)
+    writer.flush()
+    if interrupted["set"]:
+        writer.close()
+        print(f"interrupted: checkpoint {step_dir}; continue with: python {sys.argv[0]} --resume {run_dir}",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(SIGINT_EXIT_CODE)
+
+
+def read_checkpoint_state(run_dir: Path) -> tuple[Path, dict]:
+    """(checkpoint dir, its state.json) of the checkpoint latest.json names, after checking that every file is
+    complete (the sizes recorded at save time) and that it is a checkpoint of this script; one-line errors else."""
+    latest = run_dir / "checkpoints" / "latest.json"
+    if not latest.is_file():
+        raise SystemExit(f"error: {run_dir} has no checkpoint ({latest} not found)")
+    try:
+        step_dir = run_dir / "checkpoints" / json.loads(latest.read_text())["step_dir"]
+        state = json.loads((step_dir / "state.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f"error: checkpoint {latest} or its state.json is corrupt: {err}") from None
+    if state.get("script") != SCRIPT:
+        raise SystemExit(f"error: {run_dir} is a run of {state.get('script')}.py, not of {SCRIPT}.py")
+    for name, size in state["files"].items():
+        found = (step_dir / name).stat().st_size if (step_dir / name).is_file() else 0
+        if found != size:
+            raise SystemExit(f"error: checkpoint file {step_dir / name} is truncated or missing ({found} of {size} "
+                             "bytes); it cannot be resumed")  # fmt: skip
+    return step_dir, state
+
+
+def resume_args(cli: Args) -> tuple[Args, Path, Path, dict]:
+    """The run's own args for `--resume RUN_DIR` (plus RESUME_FREE_FIELDS given on the command line), its run dir,
+    checkpoint dir and state; one-line errors for a finished run, another script's run, or changed arguments."""
+    run_dir = Path(cli.resume)
+    if not run_dir.is_dir():
+        raise SystemExit(f"error: --resume {run_dir}: no such run directory")
+    if (run_dir / "summary.json").is_file():
+        try:
+            script = json.loads((run_dir / "summary.json").read_text()).get("script")
+        except ValueError:
+            script = None
+        if script is not None and script != SCRIPT:
+            raise SystemExit(f"error: {run_dir} is a run of {script}.py, not of {SCRIPT}.py")
+        raise SystemExit(f"error: run {run_dir} has finished (summary.json exists); there is nothing to resume")
+    step_dir, state = read_checkpoint_state(run_dir)
+    saved, defaults = state["args"], asdict(Args())
+    given = {key: value for key, value in asdict(cli).items() if value != defaults[key]}  # set on the command line
+    for key, value in given.items():
+        if key not in RESUME_FREE_FIELDS and value != saved.get(key):
+            raise SystemExit(f"error: --{key.replace('_', '-')} {value} differs from the run's {saved.get(key)}; "
+                             "--resume continues a run with its own arguments")  # fmt: skip
+    free = {key: value for key, value in given.items() if key in RESUME_FREE_FIELDS}
+    saved["act_temperatures"] = tuple(saved["act_temperatures"])  # (a JSON list)
+    try:
+        return Args(**(saved | free)), run_dir, step_dir, state
+    except TypeError as err:
+        raise SystemExit(f"error: the arguments saved in {step_dir} do not fit this script: {err}") from None
+
+
+def load_training_checkpoint(step_dir: Path, state: dict, lm, critic_parts=None) -> dict:
+    """Load what save_training_checkpoint wrote: the proposer's weights into `lm` (and the RNG states), or, with
+    `critic_parts`, the critic, target, optimizer and minibatch rng. Returns the arrays; one-line errors name a bad
+    file."""
+    path = step_dir
+    try:
+        if critic_parts is not None:
+            for key in ("critic", "target"):
+                path = step_dir / f"{key}.safetensors"
+                critic_parts[key].load_state_dict(load_file(path))
+            path = step_dir / "optimizer.pt"
+            critic_parts["optimizer"].load_state_dict(torch.load(path, weights_only=True))
+            critic_parts["rng"].bit_generator.state = state["rng"]["critic_minibatches"]
+            return {}
+        path = step_dir / "lm.safetensors"
+        load_model(lm, str(path))
+        path = step_dir / "arrays.npz"
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {name: data[name] for name in data.files}
+    except (SafetensorError, OSError, RuntimeError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
+        raise SystemExit(f"error: cannot load checkpoint file {path}: {str(err).splitlines()[0]}") from None
+    torch.set_rng_state(torch.from_numpy(arrays.pop("torch_rng")))
+    random.setstate((state["rng"]["python"][0], tuple(state["rng"]["python"][1]), state["rng"]["python"][2]))
+    kind, keys, *rest = state["rng"]["numpy_global"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    return arrays
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    resume_dir = phase = None  # --resume: the run dir, and the phase its checkpoint ended (CHECKPOINTS block)
+    if args.resume is not None:
+        if args.eval_only:
+            raise SystemExit("error: --resume continues a training run; it does not go with --eval-only")
+        args, resume_dir, resume_step_dir, resume_state = resume_args(args)
+        phase = resume_state["phase"]  # "bc", "candidates" or "critic": done up to there
     validate(args)
+    check_writable_dir(resume_dir or Path(args.runs_dir), "--resume" if resume_dir else "--runs-dir")
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -828,7 +1024,10 @@ if __name__ == "__main__":
         lm = lm.to(device)
     dialogues = load_dialogues(args)
     data_stats = G.dataset_stats(dialogues)
-    run_name, run_dir = make_run_dir(args)
+    if resume_dir is None:
+        run_name, run_dir = make_run_dir(args)
+    else:  # (no purge_step: the BC and critic curves share the step axis; see detail 10)
+        run_name, run_dir = resume_dir.name, resume_dir
     writer = SummaryWriter(str(run_dir))
     print(f"run dir {run_dir}; dataset: {data_stats['n']} dialogues, mean return {data_stats['mean_return']:.3f}")
 
@@ -837,40 +1036,61 @@ if __name__ == "__main__":
         table = UtteranceTable(tokenizer)
         states, prompts, tr = build_transitions(dialogues, tokenizer, table)
         args.n_states, args.n_transitions = len(states), len(tr["s"])
-        writer.add_text(
-            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-        )
+        if resume_dir is None:
+            writer.add_text(
+                "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+            )
+        interrupted = sigint_flag()  # (CHECKPOINTS block)
+        if phase is not None:  # CHECKPOINTS: the proposer (and the RNG states) as the phase `phase` left them
+            arrays = load_training_checkpoint(resume_step_dir, resume_state, lm)
+            lm.eval()
+            bc_nll, timings = resume_state["bc_nll"], resume_state["timings"]
+            print(f"resumed {run_dir} after the {phase} phase from {resume_step_dir}", flush=True)
 
         # STEP 1: the BC utterance model
-        t0 = time.time()
-        secrets = [d["secret_id"] for d in dialogues] if args.belief_coef > 0 else None
-        tokenized = G.tokenize_dialogues(dialogues, tokenizer)
-        lm, bc_nll = train_bc(lm, tokenized, secrets, args, device, writer, tokenizer.pad_token_id)
-        lm.eval()
-        timings = {"bc_s": time.time() - t0}
-        print(f"[bc] trained in {timings['bc_s']:.0f}s", flush=True)
+        if phase is None:
+            t0 = time.time()
+            secrets = [d["secret_id"] for d in dialogues] if args.belief_coef > 0 else None
+            tokenized = G.tokenize_dialogues(dialogues, tokenizer)
+            lm, bc_nll = train_bc(lm, tokenized, secrets, args, device, writer, tokenizer.pad_token_id)
+            lm.eval()
+            timings = {"bc_s": time.time() - t0}
+            print(f"[bc] trained in {timings['bc_s']:.0f}s", flush=True)
+        progress = {"bc_nll": bc_nll, "timings": timings, "args": asdict(args)}  # (CHECKPOINTS: state.json)
+        if phase is None and (args.save_every or interrupted["set"]):
+            checkpoint_or_exit(run_dir, "bc", 0, lm, {}, progress, interrupted, writer)
 
         # STEP 2: N candidate utterances per distinct history, sampled once, deduplicated
-        t0 = time.time()
-        generator = torch.Generator().manual_seed(args.seed)
-        samples = sample_utterances(
-            lm, tokenizer, prompts, args.n_candidates, args.temperature, device, generator, args.gen_batch_size
-        )
-        cand = torch.full((len(states), args.n_candidates), -1, dtype=torch.long)  # (S, N) sampled set C(s)
-        for i, s in enumerate(samples):
-            cs = dedupe_utterances(s)
-            cand[i, : len(cs)] = torch.tensor([table.add(c) for c in cs])
-        coverage = (cand[tr["s"]] == tr["a"][:, None]).any(dim=1).float().mean().item()
-        set_size = (cand >= 0).sum(dim=1).float().mean().item()
-        timings["candidates_s"] = time.time() - t0
-        print(
-            f"[candidates] {len(states)} histories x {args.n_candidates} samples in {timings['candidates_s']:.0f}s; "
-            f"mean set size {set_size:.2f}; data utterance sampled for {coverage:.1%} of transitions; "
-            f"{len(table.tokens)} distinct utterances",
-            flush=True,
-        )
-        writer.add_scalar("charts/candidate_set_size", set_size, 0)
-        writer.add_scalar("charts/data_utterance_coverage", coverage, 0)
+        if phase in (None, "bc"):
+            t0 = time.time()
+            generator = torch.Generator().manual_seed(args.seed)
+            samples = sample_utterances(
+                lm, tokenizer, prompts, args.n_candidates, args.temperature, device, generator, args.gen_batch_size
+            )
+            cand = torch.full((len(states), args.n_candidates), -1, dtype=torch.long)  # (S, N) sampled set C(s)
+            for i, s in enumerate(samples):
+                cs = dedupe_utterances(s)
+                cand[i, : len(cs)] = torch.tensor([table.add(c) for c in cs])
+            coverage = (cand[tr["s"]] == tr["a"][:, None]).any(dim=1).float().mean().item()
+            set_size = (cand >= 0).sum(dim=1).float().mean().item()
+            timings["candidates_s"] = time.time() - t0
+            print(
+                f"[candidates] {len(states)} histories x {args.n_candidates} samples in {timings['candidates_s']:.0f}s;"
+                f" mean set size {set_size:.2f}; data utterance sampled for {coverage:.1%} of transitions; "
+                f"{len(table.tokens)} distinct utterances",
+                flush=True,
+            )
+            writer.add_scalar("charts/candidate_set_size", set_size, 0)
+            writer.add_scalar("charts/data_utterance_coverage", coverage, 0)
+        else:  # CHECKPOINTS: the sampled sets and the utterance table they index (the data utterances come first)
+            if arrays["utterances"][: len(table.tokens)].tolist() != list(table.ids):
+                raise SystemExit(f"error: the dataset's utterances differ from those in {resume_step_dir}")
+            cand = torch.from_numpy(arrays["cand"])
+            for utterance in arrays["utterances"][len(table.tokens) :]:
+                table.add(str(utterance))
+        candidate_arrays = {"cand": cand.numpy(), "utterances": np.array(list(table.ids), dtype=str)}
+        if phase in (None, "bc") and (args.save_every or interrupted["set"]):
+            checkpoint_or_exit(run_dir, "candidates", 0, lm, candidate_arrays, progress, interrupted, writer)
         problem = {**timestep_stats(dialogues, tokenizer, lm, cand, tr), **bc_nll}  # Problem 21.4 + BC fit
 
         # STEP 3: the critic with twin Q heads, a Polyak target and the CQL penalty
@@ -885,8 +1105,12 @@ if __name__ == "__main__":
         u_ids, u_len = table.tensors(device)
         cql_cands = with_data_first(cand[tr["s"]], tr["a"])  # (T, N + 1): C(s) u {a}, data first
         rng = np.random.default_rng(args.seed)
-        t0 = time.time()
-        for step in range(1, args.critic_steps + 1):
+        critic_parts, first_step = {"critic": critic, "target": target, "optimizer": optimizer, "rng": rng}, 1
+        if phase == "critic":  # CHECKPOINTS: continue after the checkpoint's critic step
+            load_training_checkpoint(resume_step_dir, resume_state, lm, critic_parts)
+            first_step = resume_state["critic_step"] + 1
+        t0 = time.time() - timings.get("critic_s", 0.0)
+        for step in range(first_step, args.critic_steps + 1):
             b = torch.from_numpy(rng.integers(0, len(tr["s"]), size=args.batch_size))  # (B,)
             s, s2 = tr["s"][b], tr["s2"][b]
             ns, ns2 = n_turns_all[s], n_turns_all[s2]  # (B,)
@@ -930,6 +1154,12 @@ if __name__ == "__main__":
                     f"Q(data) {q_data.mean().item():.3f} SPS {sps:.0f}",
                     flush=True,
                 )
+            # checkpoint every --save-every critic steps, at the critic's end, and on Ctrl-C (CHECKPOINTS block)
+            if interrupted["set"] or (args.save_every and (step % args.save_every == 0 or step == args.critic_steps)):
+                timings["critic_s"] = time.time() - t0
+                checkpoint_or_exit(run_dir, "critic", step, lm, candidate_arrays, progress, interrupted, writer,
+                                   critic_parts)  # fmt: skip
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # training is over: Ctrl-C stops at once
         critic.eval()
         timings["critic_s"] = time.time() - t0
 
@@ -988,9 +1218,11 @@ if __name__ == "__main__":
         "sps": steps_done / wall,
         "time_s": {**({} if args.eval_only else timings), "eval_s": eval_time},  # BC, candidates, critic, eval
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
     if not args.eval_only:
         save_checkpoint(run_dir, lm, tokenizer, critic)
+    (run_dir / "summary.json.tmp").write_text(json.dumps(summary, indent=2))
+    os.replace(run_dir / "summary.json.tmp", run_dir / "summary.json")  # written last: it marks a finished run
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a finished run is not resumed; the models are saved
     writer.close()
     print(f"done in {wall:.0f}s -> {run_dir / 'summary.json'}")

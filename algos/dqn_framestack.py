@@ -84,6 +84,7 @@ Reproduce: python algos/dqn_framestack.py --seed 1   (MaskedCartPole, k = 4, the
 """
 
 import json
+import os
 import random
 import sys
 import time
@@ -519,6 +520,19 @@ def make_run_dir(args: Args) -> tuple[str, Path]:
     return run_dir.name, run_dir
 
 
+def check_runs_dir(path_str: str) -> None:
+    """Fail before any work if `--runs-dir` is a file or cannot be written (not after minutes of training)."""
+    path = Path(path_str)
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"error: --runs-dir {path_str} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"error: cannot create --runs-dir {path_str}: {err.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: --runs-dir {path_str} is not writable")
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
     state_dict = None
@@ -547,6 +561,7 @@ if __name__ == "__main__":
     if args.keep_best and args.select_frequency < 1:
         raise SystemExit("error: --keep-best needs --select-frequency > 0")
     check_env(args.env_id, env_kwargs)
+    check_runs_dir(args.runs_dir)
 
     # TRY NOT TO MODIFY: seeding
     random.seed(args.seed)

@@ -84,6 +84,7 @@ TMaze L=5 success 1.00, return 3.45 (~7 min); MaskedCartPole 30k steps (without 
 """
 
 import json
+import os
 import random
 import sys
 import time
@@ -105,7 +106,7 @@ from envs.pomdp import true_pass_probability  # noqa: E402  (importing envs regi
 MIN_STD = 0.1  # lower bound of the latent standard deviations (PlaNet's min_stddev), keeps the KL finite
 PROBE_PARTICLES = 1000  # Monte Carlo particles for the TwoDoors probe probabilities
 MAX_CODE_BITS = 12  # Markov baseline only for binary observations of at most 12 bits (4096 codes)
-ARCH_FIELDS = ("deter_size", "stoch_size", "hidden_size")  # read back from args.json on --eval-only
+ARCH_FIELDS = ("env_id", "env_kwargs", "deter_size", "stoch_size", "hidden_size")  # from args.json on --eval-only
 EVAL_SEED_STRIDE = 10_000  # eval env i of training seed s gets seed 10_000 (s + 1) + i: disjoint sets per seed
 SELECT_SEED_BASE = 10**9  # evaluations during training: env seeds 1e9 + 1e7 s + global_step + i, disjoint from
 SELECT_SEED_STRIDE = 10**7  # the final evaluation's and across training seeds (global_step + i < 1e7)
@@ -620,13 +621,21 @@ def load_checkpoint(path: str | None, model: nn.Module, q_net: nn.Module):
             raise SystemExit(f"error: checkpoint {file} does not match this architecture/env ({first})") from None
 
 
+def check_runs_dir(path_str: str) -> None:
+    """Fail before any work if `--runs-dir` is a file or cannot be written (not after minutes of training)."""
+    path = Path(path_str)
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"error: --runs-dir {path_str} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"error: cannot create --runs-dir {path_str}: {err.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: --runs-dir {path_str} is not writable")
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    try:
-        env_kwargs = json.loads(args.env_kwargs)
-        assert isinstance(env_kwargs, dict)
-    except (json.JSONDecodeError, AssertionError):
-        raise SystemExit(f"error: --env-kwargs must be a JSON dict, got {args.env_kwargs!r}") from None
     if args.eval_only and args.checkpoint is not None:  # take the architecture from the saved run if present
         saved = (
             Path(args.checkpoint) if Path(args.checkpoint).is_dir() else Path(args.checkpoint).parent
@@ -634,6 +643,11 @@ if __name__ == "__main__":
         if saved.is_file():
             for k in ARCH_FIELDS:
                 setattr(args, k, json.loads(saved.read_text()).get(k, getattr(args, k)))
+    try:
+        env_kwargs = json.loads(args.env_kwargs)
+        assert isinstance(env_kwargs, dict)
+    except (json.JSONDecodeError, AssertionError):
+        raise SystemExit(f"error: --env-kwargs must be a JSON dict, got {args.env_kwargs!r}") from None
     for name in ("num_envs", "total_timesteps", "eval_episodes", "batch_size", "seq_len", "train_frequency"):
         if getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -650,6 +664,7 @@ if __name__ == "__main__":
     capacity = args.buffer_size // args.num_envs
     if not args.eval_only and capacity < args.seq_len + 1:
         raise SystemExit(f"error: --buffer-size {args.buffer_size} too small for {args.num_envs} envs x seq-len")
+    check_runs_dir(args.runs_dir)
 
     run_name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.runs_dir) / run_name

@@ -344,3 +344,10 @@ def test_tmaze_short_corridor_solved_with_a_stack_and_at_chance_without(runs_dir
     memoryless = run_script("dqn_framestack", *common, "--frame-stack", "1", runs_dir=runs_dir, timeout=300)
     assert 0.35 <= memoryless["metrics"]["eval/success_rate"] <= 0.65  # a coin flip (200 episodes: sd 0.035)
     assert memoryless["metrics"]["eval/timeout_rate"] == 0.0  # it does reach the junction
+
+
+def test_runs_dir_that_is_a_file_is_a_clear_error(tmp_path):
+    afile = tmp_path / "a_file"
+    afile.write_text("not a directory")
+    proc = run_script("dqn_framestack", runs_dir=afile, expect_fail=True)
+    assert proc.stderr.strip() == f"error: --runs-dir {afile} is a file, not a directory"

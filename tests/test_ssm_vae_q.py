@@ -221,8 +221,11 @@ def test_smoke_run_eval_only_and_errors(runs_dir):
         ["--eval-episodes", "10001"],
         ["--eval-only"],
         ["--eval-only", "--checkpoint", str(runs_dir / "missing")],
-        ["--eval-only", "--checkpoint", str(run_dir), "--env-id", "seqrl/TMaze-v0"],  # obs/action sizes differ
     ]
+    bare = runs_dir / "bare"  # weights without their args.json: the env comes from the flags, and its sizes differ
+    bare.mkdir()
+    (bare / "model.safetensors").write_bytes((run_dir / "model.safetensors").read_bytes())
+    bad.append(["--eval-only", "--checkpoint", str(bare / "model.safetensors"), "--env-id", "seqrl/TMaze-v0"])
     corrupt = runs_dir / "corrupt.safetensors"
     corrupt.write_bytes(b"not a safetensors file")
     bad.append(["--eval-only", "--checkpoint", str(corrupt)])
@@ -239,9 +242,9 @@ def test_keep_best_saves_and_reports_the_kept_networks(runs_dir):
     metrics = s["metrics"]
     assert metrics["select/best_global_step"] in (200.0, 400.0)  # evaluations at 200 and 400 env steps
     assert {"eval/last_network_episodic_return", "eval/last_network_success_rate"} <= set(metrics)
-    env = tiny[:4]  # --eval-only takes the architecture from args.json, the env from the flags
-    e = run_script("ssm_vae_q", *env, "--eval-only", "--checkpoint", s["run_dir"], "--eval-episodes", "6",
-                   runs_dir=runs_dir)  # fmt: skip
+    # --eval-only takes the env (TMaze, corridor 2, not the default TwoDoors) and the architecture from args.json
+    e = run_script("ssm_vae_q", "--eval-only", "--checkpoint", s["run_dir"], "--eval-episodes", "6", runs_dir=runs_dir)
+    assert e["args"]["env_id"] == "seqrl/TMaze-v0" and e["args"]["env_kwargs"] == '{"corridor_length": 2}'
     assert e["metrics"]["eval/success_rate"] == metrics["eval/success_rate"]  # the kept networks are the saved ones
     assert e["metrics"]["eval/one_step_obs_error"] == pytest.approx(metrics["eval/one_step_obs_error"])
     if metrics["select/best_global_step"] == 400.0:  # the kept networks are the last ones: the same evaluation
@@ -271,3 +274,10 @@ def test_two_doors_latent_model_remembers_the_failed_door(runs_dir):
     assert metrics["model/markov_p_pass_same_door"] == pytest.approx(0.5, abs=0.05)
     assert metrics["model/markov_p_pass_other_door"] == pytest.approx(0.5, abs=0.05)
     assert metrics["eval/episodic_return"] > 0.93  # memory-optimal 0.95; memoryless optimum 0.9
+
+
+def test_runs_dir_that_is_a_file_is_a_clear_error(tmp_path):
+    afile = tmp_path / "a_file"
+    afile.write_text("not a directory")
+    proc = run_script("ssm_vae_q", runs_dir=afile, expect_fail=True)
+    assert proc.stderr.strip() == f"error: --runs-dir {afile} is a file, not a directory"

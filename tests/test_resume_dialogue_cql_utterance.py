@@ -1,0 +1,172 @@
+"""Per-utterance CQL (algos/dialogue_cql_utterance.py), issue 17: checkpoints at the phase ends and every
+--save-every critic steps, --resume and Ctrl-C continue a run exactly.
+
+A run killed (SIGKILL) or interrupted (SIGINT) after a checkpoint of the BC, candidate or critic phase and resumed
+ends with the same metrics, bit for bit, as the same run uninterrupted; so does a run that writes no checkpoints.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, load_script, run_script
+
+cql = load_script("dialogue_cql_utterance")
+
+# the smoke test's tiny run (200 dialogues, 1 BC epoch, 2 candidates, 18 + 18 episodes) with 60 critic steps
+TINY = ["--dataset-size", "200", "--bc-epochs", "1", "--critic-steps", "60", "--batch-size", "16",
+        "--eval-episodes", "18", "--n-candidates", "2", "--n-embd", "16", "--critic-dim", "16", "--critic-hidden",
+        "16", "--log-every", "10", "--val-episodes", "18", "--act-temperatures", "1.0", "0.5"]  # fmt: skip
+SAVE_EVERY = ["--save-every", "20"]  # checkpoints bc_0, candidates_0, critic_20, critic_40, critic_60
+TIMEOUT = 300  # seconds for one subprocess run (a tiny run takes seconds)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def command(*args: str) -> list[str]:
+    return [sys.executable, str(ROOT / "algos" / "dialogue_cql_utterance.py"), *args]
+
+
+def start_run(runs_dir, log_path) -> subprocess.Popen:
+    with open(log_path, "w") as log:  # a file, not a pipe: a full pipe would block the run
+        return subprocess.Popen(command("--runs-dir", str(runs_dir), *TINY, *SAVE_EVERY), cwd=ROOT, env=ENV,
+                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, runs_dir, phases: tuple[str, ...]):
+    """The run dir once latest.json names a checkpoint of one of `phases`; the run must still be going."""
+    deadline = time.time() + TIMEOUT
+    while time.time() < deadline:
+        for latest in runs_dir.glob("*/checkpoints/latest.json"):
+            if json.loads(latest.read_text())["step_dir"].startswith(phases):
+                return latest.parents[1]
+        assert proc.poll() is None, f"the run ended before a checkpoint of {phases}"
+        time.sleep(0.01)
+    proc.kill()
+    pytest.fail(f"no checkpoint of {phases} within the timeout")
+
+
+def resume(run_dir, *args: str, expect_fail: bool = False):
+    proc = subprocess.run(command("--resume", str(run_dir), *args), cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=TIMEOUT)  # fmt: skip
+    if expect_fail:
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+        return proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"resumed {run_dir} after the" in proc.stdout
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The tiny run without checkpoints and with all of them: identical metrics (saving never draws a random number),
+    and the checkpoints are gone once the run has finished."""
+    runs_dir = tmp_path_factory.mktemp("uninterrupted")
+    plain = run_script("dialogue_cql_utterance", *TINY, "--save-every", "0", runs_dir=runs_dir / "off", timeout=TIMEOUT)
+    saving = run_script("dialogue_cql_utterance", *TINY, *SAVE_EVERY, runs_dir=runs_dir / "on", timeout=TIMEOUT)
+    assert saving["metrics"] == plain["metrics"]
+    assert not (runs_dir / "on" / saving["run_name"] / "checkpoints").exists()
+    return plain
+
+
+@pytest.mark.parametrize("phases", [("bc", "candidates"), ("critic",)])
+def test_sigkill_after_a_checkpoint_then_resume_matches_uninterrupted(uninterrupted, tmp_path, phases):
+    runs_dir = tmp_path / "runs"
+    proc = start_run(runs_dir, tmp_path / "log.txt")
+    run_dir = wait_for_checkpoint(proc, runs_dir, phases)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not (run_dir / "summary.json").exists()
+    summary = resume(run_dir)
+    assert summary["metrics"] == uninterrupted["metrics"]  # bit-identical
+    assert summary["run_dir"] == str(run_dir) and list(runs_dir.iterdir()) == [run_dir]  # the same run dir
+    assert not (run_dir / "checkpoints").exists()
+    assert (run_dir / "critic.safetensors").exists() and (run_dir / "bc_lm" / "config.json").exists()
+
+
+def test_sigint_truncated_checkpoint_and_refusals(uninterrupted, tmp_path):
+    runs_dir = tmp_path / "runs"
+    proc = start_run(runs_dir, tmp_path / "log.txt")
+    run_dir = wait_for_checkpoint(proc, runs_dir, ("bc", "candidates"))
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=TIMEOUT) == cql.SIGINT_EXIT_CODE
+    last_line = (tmp_path / "log.txt").read_text().strip().splitlines()[-1]
+    assert last_line.startswith("interrupted: checkpoint ") and f"--resume {run_dir}" in last_line
+    name = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step_dir"]
+    assert name != "bc_0" and not (run_dir / "summary.json").exists()  # the next boundary after the first one
+
+    # changed arguments are refused; a checkpoint truncated half-way is refused naming its file
+    assert "--critic-steps 61 differs from the run's 60" in resume(run_dir, "--critic-steps", "61", expect_fail=True)
+    weights = run_dir / "checkpoints" / name / "lm.safetensors"
+    content = weights.read_bytes()
+    weights.write_bytes(content[: len(content) // 2])
+    message = resume(run_dir, expect_fail=True)
+    assert "truncated" in message and str(weights) in message
+    # a kill during the next save leaves its temporary dir, and latest.json names the previous, complete checkpoint
+    weights.write_bytes(content)
+    (run_dir / "checkpoints" / ".tmp_critic_999").mkdir()
+    (run_dir / "checkpoints" / ".tmp_critic_999" / "lm.safetensors").write_bytes(content[:100])
+    summary = resume(run_dir)
+    assert summary["metrics"] == uninterrupted["metrics"]  # bit-identical
+    assert not (run_dir / "checkpoints").exists()
+
+    # a finished run, another script's run, a dir without checkpoint: one-line errors
+    finished = resume(run_dir, expect_fail=True)
+    assert finished == f"error: run {run_dir} has finished (summary.json exists); there is nothing to resume"
+    foreign = tmp_path / "foreign"
+    (foreign / "checkpoints" / "step_8").mkdir(parents=True)
+    (foreign / "checkpoints" / "latest.json").write_text(json.dumps({"step_dir": "step_8"}))
+    (foreign / "checkpoints" / "step_8" / "state.json").write_text(json.dumps({"script": "r2d2_rnnstate"}))
+    for run, message in ((foreign, "is a run of r2d2_rnnstate.py, not of dialogue_cql_utterance.py"),
+                         (tmp_path, "has no checkpoint")):  # fmt: skip
+        with pytest.raises(SystemExit, match=message):
+            cql.resume_args(cql.Args(resume=str(run)))
+
+
+def test_checkpoint_round_trip_is_exact(tmp_path):
+    """What save_training_checkpoint writes (proposer with tied embeddings, candidate arrays, critic, target, Adam,
+    minibatch rng, RNG states), load_training_checkpoint restores bit for bit; the older checkpoint is deleted."""
+    import numpy as np
+    import torch
+
+    torch.manual_seed(0)
+    args = cql.Args(n_embd=16, n_head=4, critic_dim=8, critic_hidden=8)
+    lm, tokenizer = cql.build_lm(args)
+    new_critic = lambda: cql.UtteranceCritic(len(tokenizer), 8, 8, tokenizer.pad_token_id)  # noqa: E731
+    critic, target = new_critic(), new_critic()
+    optimizer = torch.optim.Adam(critic.parameters(), lr=1e-3)
+    sum(param.square().sum() for param in critic.parameters()).backward()
+    optimizer.step()
+    rng = np.random.default_rng(0)
+    parts = {"critic": critic, "target": target, "optimizer": optimizer, "rng": rng}
+    arrays = {"cand": rng.integers(-1, 9, size=(5, 3)), "utterances": np.array(["is it red ?", "", "it is big ."])}
+    progress = {"bc_nll": {"model/bc_nll_end": 1.25}, "timings": {"bc_s": 1.0}, "args": {}}
+    cql.checkpoint_or_exit(tmp_path, "bc", 0, lm, {}, progress, {"set": False}, _NullWriter())
+    cql.checkpoint_or_exit(tmp_path, "critic", 20, lm, arrays, progress, {"set": False}, _NullWriter(), parts)
+    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["critic_20", "latest.json"]
+    expected = (rng.random(), torch.rand(1), np.random.random())  # the draws after the save
+
+    step_dir, state = cql.read_checkpoint_state(tmp_path)
+    assert state["phase"] == "critic" and state["critic_step"] == 20 and state["bc_nll"] == progress["bc_nll"]
+    torch.manual_seed(1)
+    fresh_lm, _ = cql.build_lm(args)
+    fresh = {"critic": new_critic(), "target": new_critic(), "rng": np.random.default_rng(3)}
+    fresh["optimizer"] = torch.optim.Adam(fresh["critic"].parameters(), lr=1e-3)
+    got = cql.load_training_checkpoint(step_dir, state, fresh_lm)
+    cql.load_training_checkpoint(step_dir, state, fresh_lm, fresh)
+    for old, new in ((lm, fresh_lm), (critic, fresh["critic"]), (target, fresh["target"])):
+        assert all(torch.equal(value, new.state_dict()[key]) for key, value in old.state_dict().items())
+    assert fresh_lm.lm_head.weight.data_ptr() == fresh_lm.transformer.wte.weight.data_ptr()  # still tied
+    for key, value in optimizer.state_dict()["state"][0].items():
+        assert torch.equal(fresh["optimizer"].state_dict()["state"][0][key], value)
+    np.testing.assert_array_equal(got["cand"], arrays["cand"])
+    assert got["utterances"].tolist() == ["is it red ?", "", "it is big ."]
+    assert (fresh["rng"].random(), torch.rand(1), np.random.random()) == expected
+
+
+class _NullWriter:
+    def flush(self):
+        pass
