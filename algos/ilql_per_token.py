@@ -587,7 +587,7 @@ def forward_all(lm, heads: ILQLHeads, input_ids, attention_mask, position_ids=No
     hidden = out.last_hidden_state  # (B, T, d), after the final layer norm
     if last_only:
         hidden = hidden[:, -1:]  # (B, 1, d)
-    new_cache = out.get("cache", out.get("past_key_values"))
+    new_cache = out["cache"] if "cache" in out else out.get("past_key_values")  # (reading the old name warns)
     return {"logits": lm.get_output_embeddings()(hidden), **heads(hidden), "cache": new_cache}
 
 
