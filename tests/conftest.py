@@ -26,15 +26,30 @@ def load_script(name: str):
     return module
 
 
+SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def script_command(script: str, *args: str) -> list[str]:
+    """`python algos/<script>.py ARGS...` as an argument list."""
+    return [sys.executable, str(ROOT / "algos" / f"{script}.py"), *args]
+
+
+def start_script(script: str, log_path: Path, *args: str) -> subprocess.Popen:
+    """Start `algos/<script>.py ARGS...` in the background (e.g. to kill it later), its output going to `log_path`
+    (a file, not a pipe: a full pipe would block the run)."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(script_command(script, *args), cwd=ROOT, env=SUBPROCESS_ENV, stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+
+
 def run_script(script: str, *args: str, runs_dir: Path, timeout: float = 300, expect_fail: bool = False):
     """Run `python algos/<script>.py --runs-dir RUNS_DIR ARGS...` and return its summary.json as a dict.
 
     With `expect_fail=True` the run must exit non-zero; the CompletedProcess is returned instead.
     """
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, str(ROOT / "algos" / f"{script}.py"), "--runs-dir", str(runs_dir), *args]
+    cmd = script_command(script, "--runs-dir", str(runs_dir), *args)
     before = set(Path(runs_dir).glob("*")) if Path(runs_dir).exists() else set()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=timeout)
     if expect_fail:
         assert proc.returncode != 0, f"expected a failure, got exit 0:\n{proc.stdout[-2000:]}"
         return proc

@@ -6,14 +6,12 @@ ends with the same metrics, bit for bit, as the same run uninterrupted; so does 
 """
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
-from conftest import ROOT, load_script, run_script
+from conftest import ROOT, SUBPROCESS_ENV, load_script, run_script, script_command, start_script
 
 cql = load_script("dialogue_cql_utterance")
 
@@ -23,17 +21,10 @@ TINY = ["--dataset-size", "200", "--bc-epochs", "1", "--critic-steps", "60", "--
         "16", "--log-every", "10", "--val-episodes", "18", "--act-temperatures", "1.0", "0.5"]  # fmt: skip
 SAVE_EVERY = ["--save-every", "20"]  # checkpoints bc_0, candidates_0, critic_20, critic_40, critic_60
 TIMEOUT = 300  # seconds for one subprocess run (a tiny run takes seconds)
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def command(*args: str) -> list[str]:
-    return [sys.executable, str(ROOT / "algos" / "dialogue_cql_utterance.py"), *args]
 
 
 def start_run(runs_dir, log_path) -> subprocess.Popen:
-    with open(log_path, "w") as log:  # a file, not a pipe: a full pipe would block the run
-        return subprocess.Popen(command("--runs-dir", str(runs_dir), *TINY, *SAVE_EVERY), cwd=ROOT, env=ENV,
-                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    return start_script("dialogue_cql_utterance", log_path, "--runs-dir", str(runs_dir), *TINY, *SAVE_EVERY)
 
 
 def wait_for_checkpoint(proc: subprocess.Popen, runs_dir, phases: tuple[str, ...]):
@@ -50,8 +41,8 @@ def wait_for_checkpoint(proc: subprocess.Popen, runs_dir, phases: tuple[str, ...
 
 
 def resume(run_dir, *args: str, expect_fail: bool = False):
-    proc = subprocess.run(command("--resume", str(run_dir), *args), cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=TIMEOUT)  # fmt: skip
+    cmd = script_command("dialogue_cql_utterance", "--resume", str(run_dir), *args)
+    proc = subprocess.run(cmd, cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=TIMEOUT)
     if expect_fail:
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
         return proc.stderr.strip().splitlines()[-1]

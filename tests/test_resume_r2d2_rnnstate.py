@@ -5,18 +5,16 @@ bit for bit, as the same run uninterrupted; so does a run that writes checkpoint
 """
 
 import json
-import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, load_script, run_script
+from conftest import ROOT, SUBPROCESS_ENV, load_script, run_script, script_command, start_script
 
 r2d2 = load_script("r2d2_rnnstate")
 
@@ -28,17 +26,10 @@ TINY = ["--total-timesteps", "2400", "--learning-starts", "400", "--num-envs", "
         "--env-kwargs", '{"corridor_length": 3}']  # fmt: skip
 SAVE_EVERY = ["--save-every", "1000"]
 TIMEOUT = 180  # seconds for one subprocess run (a tiny run takes seconds)
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def command(*args: str) -> list[str]:
-    return [sys.executable, str(ROOT / "algos" / "r2d2_rnnstate.py"), *args]
 
 
 def start_run(runs_dir, log_path) -> subprocess.Popen:
-    with open(log_path, "w") as log:  # a file, not a pipe: a full pipe would block the run
-        return subprocess.Popen(command("--runs-dir", str(runs_dir), *TINY, *SAVE_EVERY), cwd=ROOT, env=ENV,
-                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    return start_script("r2d2_rnnstate", log_path, "--runs-dir", str(runs_dir), *TINY, *SAVE_EVERY)
 
 
 def wait_for_checkpoint(proc: subprocess.Popen, runs_dir):
@@ -55,8 +46,8 @@ def wait_for_checkpoint(proc: subprocess.Popen, runs_dir):
 
 
 def resume(run_dir, *args: str, expect_fail: bool = False):
-    proc = subprocess.run(command("--resume", str(run_dir), *args), cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=TIMEOUT)  # fmt: skip
+    cmd = script_command("r2d2_rnnstate", "--resume", str(run_dir), *args)
+    proc = subprocess.run(cmd, cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=TIMEOUT)
     if expect_fail:
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
         return proc.stderr.strip()
