@@ -26,7 +26,9 @@ def load_script(name: str):
     return module
 
 
-SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def subprocess_env() -> dict:
+    """The environment of a script run: this one's (read at call time, so monkeypatch.setenv reaches it), one thread."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def script_command(script: str, *args: str) -> list[str]:
@@ -38,7 +40,7 @@ def start_script(script: str, log_path: Path, *args: str) -> subprocess.Popen:
     """Start `algos/<script>.py ARGS...` in the background (e.g. to kill it later), its output going to `log_path`
     (a file, not a pipe: a full pipe would block the run)."""
     with open(log_path, "w") as log:
-        return subprocess.Popen(script_command(script, *args), cwd=ROOT, env=SUBPROCESS_ENV, stdout=log,
+        return subprocess.Popen(script_command(script, *args), cwd=ROOT, env=subprocess_env(), stdout=log,
                                 stderr=subprocess.STDOUT)  # fmt: skip
 
 
@@ -49,7 +51,7 @@ def run_script(script: str, *args: str, runs_dir: Path, timeout: float = 300, ex
     """
     cmd = script_command(script, "--runs-dir", str(runs_dir), *args)
     before = set(Path(runs_dir).glob("*")) if Path(runs_dir).exists() else set()
-    proc = subprocess.run(cmd, cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
     if expect_fail:
         assert proc.returncode != 0, f"expected a failure, got exit 0:\n{proc.stdout[-2000:]}"
         return proc

@@ -11,7 +11,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import ROOT, SUBPROCESS_ENV, load_script, run_script, script_command, start_script
+from conftest import ROOT, load_script, run_script, script_command, start_script, subprocess_env
 
 cql = load_script("dialogue_cql_utterance")
 
@@ -42,7 +42,7 @@ def wait_for_checkpoint(proc: subprocess.Popen, runs_dir, phases: tuple[str, ...
 
 def resume(run_dir, *args: str, expect_fail: bool = False):
     cmd = script_command("dialogue_cql_utterance", "--resume", str(run_dir), *args)
-    proc = subprocess.run(cmd, cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=TIMEOUT)
     if expect_fail:
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
         return proc.stderr.strip().splitlines()[-1]

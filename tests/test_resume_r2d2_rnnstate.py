@@ -14,7 +14,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, SUBPROCESS_ENV, load_script, run_script, script_command, start_script
+from conftest import ROOT, load_script, run_script, script_command, start_script, subprocess_env
 
 r2d2 = load_script("r2d2_rnnstate")
 
@@ -47,7 +47,7 @@ def wait_for_checkpoint(proc: subprocess.Popen, runs_dir):
 
 def resume(run_dir, *args: str, expect_fail: bool = False):
     cmd = script_command("r2d2_rnnstate", "--resume", str(run_dir), *args)
-    proc = subprocess.run(cmd, cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=TIMEOUT)
     if expect_fail:
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
         return proc.stderr.strip()
