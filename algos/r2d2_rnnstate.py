@@ -58,9 +58,12 @@ Implementation details:
     and stored > stored + burn-in on 10/10 (ratio 1.10-3.8; means 0.99 / 0.22 / 0.17), and all 10 solve TMaze-20.
     Later, 20 more tuning seeds (111-130): 18 solve it, 117 and 129 stay at chance (success 0.49, 0.45); zero >
     stored on 20/20, stored + burn-in < stored on 19/20 (129: 0.309 vs 0.307; means 1.01 / 0.22 / 0.14). So
-    this recipe solves TMaze-20 on about 9 seeds in 10 (28 of 30 tuning seeds; benchmark seeds 1-5: 4 of 5),
-    not on every seed: a failed seed learns the cue and then loses it (seed 2: return -0.03 at 53k steps, -1.2
-    from 60k on).
+    100k steps solve TMaze-20 on about 9 seeds in 10 (28 of 30 tuning seeds; benchmark seeds 1-5: 4 of 5): a
+    failed seed learns the cue late and loses it again (seed 2: return -0.03 at 53k steps, -1.2 from 60k on).
+    With `--total-timesteps 150000` (the benchmark's TMaze-20 lines) all 20 tuning seeds 111-130 solve it, 117
+    and 129 included, and the last row orders zero > stored > stored + burn-in on 20/20 (ratio zero / stored
+    >= 6.1; means 1.05 / 0.06 / 0.03). Benchmark seeds 1-10 at 150k: 9 of 10 solve it; seed 2 stays at chance
+    again (its ordering still holds: 0.19 > 0.08 > 0.004), so about 1 seed in 10-30 still fails.
  8. Memory (`replay/bytes`, `replay/bytes_full_histories`, `replay_bytes`): the filled rows as stored (each step
     once, with the 2 x 64 floats of (h, c)) against the same rows storing each step's full history of inputs
     (o, a_{t-1}, r_{t-1} of all k + 1 steps so far) instead of a state: T(T + 1)/2 inputs per episode of T steps.
@@ -104,9 +107,10 @@ does: `--select-frequency 10000 --keep-best` evaluates the greedy policy on 10 e
 disjoint from the final evaluation), keeps the best (the later one on ties), and reports the final evaluation of
 that network on fresh episodes; summary.json also gives the last network's return. Kept network (benchmark.sh,
 results/20261202-193826): 498.4 / 500.0 / 480.6 (seeds 1 / 2 / 3; kept at 150k / 140k / 130k steps), 2 min a run.
-Reproduce (TMaze-20: success 1.00 on 28 of tuning seeds 101-130; the run also reports the one-network ablation,
+Reproduce (TMaze-20: success 1.00 on tuning seeds 111-130; the run also reports the one-network ablation,
 `model/final_delta_q_*`; training-time ablation runs: add `--state-init zero --burn-in 0` or `--burn-in 0`):
     python algos/r2d2_rnnstate.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' --buffer-size 30000
+        --total-timesteps 150000
     python algos/r2d2_rnnstate.py --env-id seqrl/MaskedCartPole-v0 --total-timesteps 150000 --eval-episodes 20
         (the benchmark adds --select-frequency 10000 --keep-best)
 Long runs: a checkpoint every 25k env steps (`--save-every`); Ctrl-C writes one and prints the command that continues:
