@@ -54,7 +54,12 @@ Implementation details:
     VecNormalize). Off by default, as in CleanRL ppo.py: on CartPole-v1 its drifting statistics made 2 of 5
     tuning seeds collapse late in training (500 -> ~100). MaskedCartPole needs it (angle steps of ~0.01 rad carry
     the velocity) and uses RL Zoo's RecurrentPPO recipe for CartPoleNoVel (8 envs x 32 steps, 20 epochs, gamma
-    0.98, lambda 0.8, no entropy bonus, normalized observations).
+    0.98, lambda 0.8, no entropy bonus, normalized observations). With it the GRU agent's return swings between
+    ~200 and 500 late in training (20 epochs on each 256-step batch move the policy far), so where a run ends is
+    partly luck: at 100k steps tuning seeds 101-105 ended at 500 / 500 / 496 / 495 / 368 and benchmark seeds 1-5
+    at 308 / 164 / 500 / 500 / 500; at 150k (101-105) 500 / 500 / 500 / 247 / 497; at 200k (106-109) 346 / 421 /
+    210 / 488; with RL Zoo's linear clip-range annealing (`--anneal-clip`, 100k, 106-110) 311 / 245 / 194 / 437 /
+    250. Every one of these 24 runs is far above the memoryless agent (~43); 500 is reached on about half.
  8. `--returns mc` (pure Monte Carlo): each rollout resets the envs and runs until every env finished its first
     episode (the rollout is as long as the longest one, at most `--num-steps`, which must cover the time limit);
     only those episodes are trained on (a mask in every loss), their returns are discounted sums of their own
@@ -80,8 +85,8 @@ Reproduce (seed 1; the same command with `--rnn none` gives the memoryless basel
         --eval-episodes 1000  (the 10-step horizon is part of the task: no bootstrap)
    python algos/ppo_recurrent.py --env-id seqrl/MaskedCartPole-v0 --rnn gru --num-envs 8 --num-steps 32
         --num-minibatches 1 --update-epochs 20 --gamma 0.98 --gae-lambda 0.8 --ent-coef 0 --norm-obs
-        --total-timesteps 100000  (RL Zoo's RecurrentPPO recipe for CartPoleNoVel; tuning seeds 101-105: 500 / 500
-        / 496 / 495 / 368; at 150k 500 / 500 / 500 / 247 / 497: late collapses on some seeds; memoryless ~42)
+        --total-timesteps 100000  (RL Zoo's RecurrentPPO recipe for CartPoleNoVel; 164-500 depending on the seed,
+        detail 7; memoryless ~43)
    python algos/ppo_recurrent.py --env-id CartPole-v1 --rnn none --num-envs 4 --num-steps 128 --learning-rate 2.5e-4
         --total-timesteps 500000  (CleanRL ppo.py's settings)
    python algos/ppo_recurrent.py --env-id seqrl/ShortCorridor-v0 --rnn none --returns mc --num-steps 100
@@ -197,6 +202,9 @@ class Args:
     """normalize advantages per minibatch"""
     clip_coef: float = 0.2
     """the surrogate clipping coefficient epsilon (also clips the value change)"""
+    anneal_clip: bool = False
+    """linearly anneal the surrogate's epsilon to 0 over training, as SB3's `clip_range: lin_0.2` (the value clip
+    keeps `--clip-coef`)"""
     clip_vloss: bool = True
     """use PPO's clipped value loss"""
     ent_coef: float = 0.01
@@ -594,6 +602,7 @@ if __name__ == "__main__":
         initial_state = next_state.clone()  # the update replays each sequence from here
         if args.anneal_lr:
             optimizer.param_groups[0]["lr"] = (1.0 - global_step / budget) * args.learning_rate
+        clip_now = (1.0 - global_step / budget) * args.clip_coef if args.anneal_clip else args.clip_coef
 
         # 1. collect T steps in each env (`--returns mc`: until every env finished its first episode)
         ended = np.zeros(B, dtype=bool)  # the env finished an episode in this rollout
@@ -675,7 +684,7 @@ if __name__ == "__main__":
                 if args.norm_adv:
                     mb_advantages = normalize_advantages(mb_advantages, mb_mask)
                 pg_loss, approx_kl, clipfrac = clipped_policy_loss(
-                    dist.log_prob(actions[t, mb_t]), logprobs[t, mb_t], mb_advantages, args.clip_coef, mb_mask
+                    dist.log_prob(actions[t, mb_t]), logprobs[t, mb_t], mb_advantages, clip_now, mb_mask
                 )
                 v_loss = value_loss(
                     new_value, values[t, mb_t], returns[:, mb_t], args.clip_coef, args.clip_vloss, mb_mask
@@ -700,7 +709,8 @@ if __name__ == "__main__":
         explained_var = np.nan if var_returns == 0 else 1 - (returns - values[:n_steps]).var().item() / var_returns
         sps = int(global_step / (time.time() - start_time))
         for tag, scalar in [
-            ("charts/learning_rate", optimizer.param_groups[0]["lr"]), ("charts/SPS", sps),
+            ("charts/learning_rate", optimizer.param_groups[0]["lr"]), ("charts/clip_coef", clip_now),
+            ("charts/SPS", sps),
             ("losses/value_loss", v_loss.item()), ("losses/policy_loss", pg_loss.item()),
             ("losses/entropy", entropy.item()), ("losses/approx_kl", approx_kl.item()),
             ("losses/clipfrac", np.mean(clipfracs)), ("losses/explained_variance", explained_var),

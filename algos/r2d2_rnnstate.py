@@ -63,7 +63,13 @@ Implementation details:
     With `--total-timesteps 150000` (the benchmark's TMaze-20 lines) all 20 tuning seeds 111-130 solve it, 117
     and 129 included, and the last row orders zero > stored > stored + burn-in on 20/20 (ratio zero / stored
     >= 6.1; means 1.05 / 0.06 / 0.03). Benchmark seeds 1-10 at 150k: 9 of 10 solve it; seed 2 stays at chance
-    again (its ordering still holds: 0.19 > 0.08 > 0.004), so about 1 seed in 10-30 still fails.
+    again (its ordering still holds: 0.19 > 0.08 > 0.004), so about 1 seed in 10-30 still fails. The step at
+    which a run learns the cue (rolling mean of 50 episode returns > 1) is spread out: 46k-95k on 18 of the 20
+    tuning seeds, 102k and 124k on the other two, ~125k on benchmark seed 6, > 150k on seed 2. Exploration and the
+    learning rate are constant, so a longer run is the shorter one continued (checked: tuning seeds 117 and 129 at
+    250k repeat their 150k runs bit for bit, returns and TD losses): the benchmark's TMaze-20 lines run
+    `--total-timesteps 250000`, twice the latest tuning seed. At 250k tuning seeds 111, 117, 124, 129 solve it
+    (1.00) and order zero > stored > stored + burn-in (means 1.10 / 0.09 / 0.05).
  8. Memory (`replay/bytes`, `replay/bytes_full_histories`, `replay_bytes`): the filled rows as stored (each step
     once, with the 2 x 64 floats of (h, c)) against the same rows storing each step's full history of inputs
     (o, a_{t-1}, r_{t-1} of all k + 1 steps so far) instead of a state: T(T + 1)/2 inputs per episode of T steps.
@@ -107,10 +113,10 @@ does: `--select-frequency 10000 --keep-best` evaluates the greedy policy on 10 e
 disjoint from the final evaluation), keeps the best (the later one on ties), and reports the final evaluation of
 that network on fresh episodes; summary.json also gives the last network's return. Kept network (benchmark.sh,
 results/20261202-193826): 498.4 / 500.0 / 480.6 (seeds 1 / 2 / 3; kept at 150k / 140k / 130k steps), 2 min a run.
-Reproduce (TMaze-20: success 1.00 on tuning seeds 111-130; the run also reports the one-network ablation,
+Reproduce (TMaze-20: success 1.00 on tuning seeds 111-130 at 150k; the run also reports the one-network ablation,
 `model/final_delta_q_*`; training-time ablation runs: add `--state-init zero --burn-in 0` or `--burn-in 0`):
     python algos/r2d2_rnnstate.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' --buffer-size 30000
-        --total-timesteps 150000
+        --total-timesteps 250000
     python algos/r2d2_rnnstate.py --env-id seqrl/MaskedCartPole-v0 --total-timesteps 150000 --eval-episodes 20
         (the benchmark adds --select-frequency 10000 --keep-best)
 Long runs: a checkpoint every 25k env steps (`--save-every`); Ctrl-C writes one and prints the command that continues:

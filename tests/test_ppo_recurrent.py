@@ -408,3 +408,11 @@ def test_gru_learns_short_tmaze(runs_dir):
         timeout=300,
     )
     assert summary["metrics"]["eval/success_rate"] >= 0.9
+
+
+@pytest.mark.parametrize("anneal", [False, True])
+def test_anneal_clip_shrinks_the_surrogate_epsilon_linearly(runs_dir, monkeypatch, anneal):
+    """`--anneal-clip` (SB3's clip_range lin_0.2): the last update of 4 uses epsilon * (1 - 3/4); off, epsilon."""
+    flags = ["--anneal-clip"] if anneal else []
+    g = run_main(monkeypatch, "--runs-dir", str(runs_dir), "--clip-coef", "0.2", *flags, *TINY)  # 4 iterations
+    assert g["clip_now"] == pytest.approx(0.2 * (1 - 3 / 4) if anneal else 0.2)
