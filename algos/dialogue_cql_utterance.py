@@ -972,32 +972,39 @@ def resume_args(cli: Args) -> tuple[Args, Path, Path, dict]:
         raise SystemExit(f"error: the arguments saved in {step_dir} do not fit this script: {err}") from None
 
 
-def load_training_checkpoint(step_dir: Path, state: dict, lm, critic_parts=None) -> dict:
-    """Load what save_training_checkpoint wrote: the proposer's weights into `lm` (and the RNG states), or, with
-    `critic_parts`, the critic, target, optimizer and minibatch rng. Returns the arrays; one-line errors name a bad
-    file."""
-    path = step_dir
+CHECKPOINT_READ_ERRORS = (SafetensorError, OSError, RuntimeError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
+
+
+def load_proposer_checkpoint(step_dir: Path, state: dict, lm) -> dict:
+    """Load the proposer part of what save_training_checkpoint wrote: its weights into `lm` and the python, numpy
+    and torch RNG states. Returns the saved arrays; a bad file is a one-line error naming it."""
+    path = step_dir / "lm.safetensors"
     try:
-        if critic_parts is not None:
-            for key in ("critic", "target"):
-                path = step_dir / f"{key}.safetensors"
-                critic_parts[key].load_state_dict(load_file(path))
-            path = step_dir / "optimizer.pt"
-            critic_parts["optimizer"].load_state_dict(torch.load(path, weights_only=True))
-            critic_parts["rng"].bit_generator.state = state["rng"]["critic_minibatches"]
-            return {}
-        path = step_dir / "lm.safetensors"
         load_model(lm, str(path))
         path = step_dir / "arrays.npz"
         with np.load(path, allow_pickle=False) as data:
             arrays = {name: data[name] for name in data.files}
-    except (SafetensorError, OSError, RuntimeError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
+    except CHECKPOINT_READ_ERRORS as err:
         raise SystemExit(f"error: cannot load checkpoint file {path}: {str(err).splitlines()[0]}") from None
     torch.set_rng_state(torch.from_numpy(arrays.pop("torch_rng")))
     random.setstate((state["rng"]["python"][0], tuple(state["rng"]["python"][1]), state["rng"]["python"][2]))
     kind, keys, *rest = state["rng"]["numpy_global"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
     return arrays
+
+
+def load_critic_checkpoint(step_dir: Path, state: dict, critic_parts: dict) -> None:
+    """Load the critic part of a checkpoint into `critic_parts`: critic, target, optimizer and minibatch rng."""
+    path = step_dir
+    try:
+        for key in ("critic", "target"):
+            path = step_dir / f"{key}.safetensors"
+            critic_parts[key].load_state_dict(load_file(path))
+        path = step_dir / "optimizer.pt"
+        critic_parts["optimizer"].load_state_dict(torch.load(path, weights_only=True))
+    except CHECKPOINT_READ_ERRORS as err:
+        raise SystemExit(f"error: cannot load checkpoint file {path}: {str(err).splitlines()[0]}") from None
+    critic_parts["rng"].bit_generator.state = state["rng"]["critic_minibatches"]
 
 
 if __name__ == "__main__":
@@ -1042,7 +1049,7 @@ if __name__ == "__main__":
             )
         interrupted = sigint_flag()  # (CHECKPOINTS block)
         if phase is not None:  # CHECKPOINTS: the proposer (and the RNG states) as the phase `phase` left them
-            arrays = load_training_checkpoint(resume_step_dir, resume_state, lm)
+            arrays = load_proposer_checkpoint(resume_step_dir, resume_state, lm)
             lm.eval()
             bc_nll, timings = resume_state["bc_nll"], resume_state["timings"]
             print(f"resumed {run_dir} after the {phase} phase from {resume_step_dir}", flush=True)
@@ -1107,7 +1114,7 @@ if __name__ == "__main__":
         rng = np.random.default_rng(args.seed)
         critic_parts, first_step = {"critic": critic, "target": target, "optimizer": optimizer, "rng": rng}, 1
         if phase == "critic":  # CHECKPOINTS: continue after the checkpoint's critic step
-            load_training_checkpoint(resume_step_dir, resume_state, lm, critic_parts)
+            load_critic_checkpoint(resume_step_dir, resume_state, critic_parts)
             first_step = resume_state["critic_step"] + 1
         t0 = time.time() - timings.get("critic_s", 0.0)
         for step in range(first_step, args.critic_steps + 1):

@@ -1299,5 +1299,6 @@ if __name__ == "__main__":
             f"dataset {data_stats['mean_return']:.3f}, optimal {optimal['mean_return']:.3f}; wall {wall:.0f}s "
             f"-> {run_dir}"
         )
-    if world_size > 1:
+    if world_size > 1:  # every rank tears down together, after rank 0 has saved (a lone early teardown can abort gloo)
+        dist.barrier()
         dist.destroy_process_group()

@@ -1449,9 +1449,10 @@ if __name__ == "__main__":
     for k in ("eval/bon_gold_reward", "eval/bon_n", "eval/bon_kl"):
         writer.add_scalar(k, summary_metrics[k], num_updates)
     writer.close()
-    if rank > 0:
+    if rank > 0:  # only rank 0 writes the summary and the models; every rank tears down together once it has
+        dist.barrier()  # (a lone early teardown can abort gloo)
         dist.destroy_process_group()
-        raise SystemExit(0)  # only rank 0 writes the summary and the models
+        raise SystemExit(0)
     summary = {
         "script": Path(__file__).stem,
         "run_name": run_name,
@@ -1465,4 +1466,5 @@ if __name__ == "__main__":
     write_json_atomic(run_dir / "summary.json", summary)  # last: a run with summary.json is complete
     print(json.dumps(summary_metrics, indent=1))
     if world_size > 1:
+        dist.barrier()
         dist.destroy_process_group()

@@ -960,6 +960,7 @@ if __name__ == "__main__":
                 print(f"epoch {epoch + 1}/{args.epochs}: loss {loss_value:.4f}  ({time.time() - start_time:.0f}s)")
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C from here on: resume redoes the evaluation
         if world_size > 1:  # no collective after training: rank 0 alone evaluates, normalizes and saves (details 8)
+            dist.barrier()  # every rank tears down together (a lone early teardown can abort gloo)
             dist.destroy_process_group()
             if rank != 0:
                 raise SystemExit(0)

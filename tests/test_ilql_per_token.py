@@ -16,11 +16,9 @@ import envs.guess_image as G
 from envs.tokenizer import build_tokenizer
 
 M = load_script("ilql_per_token")
-SMOKE = (  # a few seconds: 300 dialogues, a 1-layer 32-wide model, 20 steps, 36 + 18 episodes per β
+TINY = (  # 300 dialogues, 1-layer 32-wide model, 16 dialogues a step, 36 + 18 episodes per β; test_scale_* too
     "--dataset-size",
     "300",
-    "--num-steps",
-    "20",
     "--log-every",
     "10",
     "--batch-size",
@@ -37,6 +35,7 @@ SMOKE = (  # a few seconds: 300 dialogues, a 1-layer 32-wide model, 20 steps, 36
     "0",
     "4",
 )
+SMOKE = (*TINY, "--num-steps", "20")  # a few seconds
 
 
 def hand_dialogue():

@@ -119,7 +119,8 @@ def test_sigint_truncated_checkpoint_and_refusals(uninterrupted, tmp_path):
 
 def test_checkpoint_round_trip_is_exact(tmp_path):
     """What save_training_checkpoint writes (proposer with tied embeddings, candidate arrays, critic, target, Adam,
-    minibatch rng, RNG states), load_training_checkpoint restores bit for bit; the older checkpoint is deleted."""
+    minibatch rng, RNG states), load_proposer_checkpoint and load_critic_checkpoint restore bit for bit; the older
+    checkpoint is deleted."""
     import numpy as np
     import torch
 
@@ -146,8 +147,8 @@ def test_checkpoint_round_trip_is_exact(tmp_path):
     fresh_lm, _ = cql.build_lm(args)
     fresh = {"critic": new_critic(), "target": new_critic(), "rng": np.random.default_rng(3)}
     fresh["optimizer"] = torch.optim.Adam(fresh["critic"].parameters(), lr=1e-3)
-    got = cql.load_training_checkpoint(step_dir, state, fresh_lm)
-    cql.load_training_checkpoint(step_dir, state, fresh_lm, fresh)
+    got = cql.load_proposer_checkpoint(step_dir, state, fresh_lm)
+    cql.load_critic_checkpoint(step_dir, state, fresh)
     for old, new in ((lm, fresh_lm), (critic, fresh["critic"]), (target, fresh["target"])):
         assert all(torch.equal(value, new.state_dict()[key]) for key, value in old.state_dict().items())
     assert fresh_lm.lm_head.weight.data_ptr() == fresh_lm.transformer.wte.weight.data_ptr()  # still tied

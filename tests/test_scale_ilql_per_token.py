@@ -6,7 +6,6 @@ of the uninterrupted run; truncated checkpoints, finished runs, other scripts' r
 Run as a script under torchrun, this file is the worker of the gradient test (see the end of the file)."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -16,35 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, load_script, run_script
+from conftest import ROOT, load_script, run_script, subprocess_env
 from safetensors.torch import load_file, save_file
-from test_ilql_per_token import check_evaluation_bookkeeping
+from test_ilql_per_token import TINY, check_evaluation_bookkeeping
 
 import envs.guess_image as G
 
 M = load_script("ilql_per_token")
 SCRIPT = str(ROOT / "algos" / "ilql_per_token.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-TINY = (  # seconds: 300 dialogues, a 1-layer 32-wide model, 16 dialogues a step, 36 + 18 episodes per β
-    "--dataset-size",
-    "300",
-    "--log-every",
-    "10",
-    "--batch-size",
-    "16",
-    "--n-layer",
-    "1",
-    "--n-embd",
-    "32",
-    "--eval-episodes",
-    "36",
-    "--val-episodes",
-    "18",
-    "--betas",
-    "0",
-    "4",
-)
 RESUMABLE = (*TINY, "--num-steps", "120", "--save-every", "5", "--warmup-steps", "10")  # ~2 s of training
 GRAD_IDX = [9, 3, 1, 12, 7, 0, 4]  # 7 dialogues of 12-107 tokens: shards of 4 (short) and 3 (long) over 2 ranks
 
@@ -93,7 +72,12 @@ def test_allreduced_gradient_equals_one_process_gradient(tmp_path):
     minibatch up to float summation order (the shards are padded to other widths): |Δ| <= 1e-4 * max|g| + 1e-7 per
     tensor (measured: at most 2.9e-6 * max|g|); averaging the ranks' gradients instead of summing would halve them."""
     proc = subprocess.run(
-        [*TORCHRUN, __file__, str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180
+        [*TORCHRUN, __file__, str(tmp_path)],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     reduced = load_file(tmp_path / "grads.safetensors")
@@ -112,7 +96,7 @@ def test_torchrun_two_processes_write_one_run_dir(tmp_path):
     """Issue 16 (b): 2 processes train, split the β sweep, agree on the β, and only rank 0 writes."""
     runs = tmp_path / "runs"
     cmd = [*TORCHRUN, SCRIPT, "--runs-dir", str(runs), *TINY, "--num-steps", "20", "--save-every", "10"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     (run_dir,) = runs.iterdir()  # exactly one run dir
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -139,7 +123,9 @@ def test_shard_error_explains_batches_that_do_not_split():
 # ----------------------------------------------------------------------------------------------------- resume
 def start_run(runs: Path) -> subprocess.Popen:
     cmd = [sys.executable, SCRIPT, "--runs-dir", str(runs), *RESUMABLE]
-    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def wait_for_first_checkpoint(runs: Path, proc: subprocess.Popen, timeout: float = 120) -> Path:
@@ -160,7 +146,7 @@ def latest_step(run_dir: Path) -> int:
 
 def resume(run_dir: Path, *extra: str, expect_fail: bool = False):
     cmd = [sys.executable, SCRIPT, "--resume", str(run_dir), *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     if expect_fail:
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # a one-line error

@@ -10,7 +10,6 @@ naming the file while a half-written newer one is ignored; a finished run, anoth
 are one-line errors."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -21,11 +20,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, load_script, run_script
+from conftest import ROOT, load_script, run_script, subprocess_env
 
 M = load_script("rlhf_ppo_kl")
 SCRIPT = str(ROOT / "algos" / "rlhf_ppo_kl.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-7  # float32: the shard and whole-batch forward passes sum in different orders
 TINY = (  # seconds: tiny data, tiny model; eval every update; batch 8 = 2 minibatches of 4 = 2 ranks x 2
@@ -39,7 +37,7 @@ RESUME_RUN = (*TINY, "--num-updates", "12", "--save-every", "2", "--adaptive-kl"
 
 
 def run(cmd, timeout=240, expect_fail=False):
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
     if expect_fail:
         assert proc.returncode != 0, f"expected a failure:\n{proc.stdout[-2000:]}"
         return proc
@@ -164,7 +162,9 @@ def uninterrupted(tmp_path_factory):
 def start_and_stop_after_first_ppo_checkpoint(runs_dir: Path, sig: int) -> tuple[Path, subprocess.Popen]:
     """Start the resume-test run, send `sig` as soon as a checkpoint after update 0 exists; return its run dir."""
     cmd = [sys.executable, SCRIPT, "--runs-dir", str(runs_dir), *RESUME_RUN]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         latest = list(runs_dir.glob("*/checkpoints/latest.json"))

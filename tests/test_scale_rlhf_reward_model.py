@@ -6,7 +6,6 @@ torch.multiprocessing (the gradient test) and `python3 -m torch.distributed.run`
 
 import dataclasses
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -18,12 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import ROOT, load_script, run_script
+from conftest import ROOT, load_script, run_script, subprocess_env
 
 from envs import preference
 
 rm = load_script("rlhf_reward_model")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 SCRIPT = str(ROOT / "algos" / "rlhf_reward_model.py")
 # Gradients of the same minibatch summed in another order (per rank, then across ranks) in float32: they agree to
 # ~1e-7 relative; 1e-5 relative (1e-7 absolute, for entries near zero) leaves room for other CPUs' kernels.
@@ -114,7 +112,7 @@ def test_shard_is_contiguous_and_covers_the_minibatch():
 def torchrun(runs_dir: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", SCRIPT,
            "--runs-dir", str(runs_dir), *args]  # fmt: skip
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+    return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +163,9 @@ def start_and_interrupt(runs: Path, sig: int, phase: str) -> tuple[subprocess.Po
     """Start a run, wait for its first checkpoint of `phase`, send `sig`; returns the ended process, its run dir
     and its output."""
     cmd = [sys.executable, SCRIPT, "--runs-dir", str(runs), *RESUME_ARGS]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     deadline = time.time() + TIMEOUT
     while True:
         latest = list(runs.glob("*/checkpoints/latest.json"))  # replaced atomically: always a complete file
@@ -181,7 +181,7 @@ def start_and_interrupt(runs: Path, sig: int, phase: str) -> tuple[subprocess.Po
 
 def resume(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, SCRIPT, "--resume", str(run_dir), *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+    return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
