@@ -92,7 +92,6 @@ def test_malformed_check_is_a_clear_error_naming_the_line(tmp_path):
         ("eval/x + 3", "not a comparison"),
         ("eval/x / 2 > 3", "Div is not allowed"),
         ("__import__('os') > eval/x", "not allowed"),
-        ("nothere:eval/x > 3", "unknown experiment 'nothere'"),
         ("3 > 2", "names no metric"),
     ]:
         lines = ["ok | fine | s | eval/x | - | eval/x >= 0", f"bad | broken | s | eval/x | - | {check}"]
@@ -103,6 +102,23 @@ def test_malformed_check_is_a_clear_error_naming_the_line(tmp_path):
     lines = ["bad | five fields only | s | eval/x | -"]
     proc = aggregate(make_folder(tmp_path / "fields", lines, {}))
     assert proc.returncode == 2 and "needs 6" in proc.stderr
+
+
+def test_unknown_experiment_is_an_error_before_a_run_and_not_checked_in_a_folder(tmp_path):
+    lines = ["ok | fine | s | eval/x | - | eval/x >= 0", "cmp | compared | s | eval/x | - | eval/x > nothere:eval/x"]
+    source = (ROOT / "benchmark.sh").read_text()
+    agg_py = source.split("AGG_PY=$(cat <<'PY'\n", 1)[1].split("\nPY\n)", 1)[0]
+    spec = tmp_path / "lines.txt"
+    spec.write_text("".join(f"quick: {line}\n" for line in lines))
+    proc = subprocess.run(["python", "-c", agg_py, "validate", str(spec)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "experiment line 2 (id cmp)" in proc.stderr
+    assert "unknown experiment 'nothere'" in proc.stderr  # a typo stops benchmark.sh before any run
+    # in a results folder it is an experiment that --only left out: the claim is not checked, the rest is
+    metrics = {"ok": {1: {"eval/x": 1.0}}, "cmp": {1: {"eval/x": 2.0}}}
+    proc = aggregate(make_folder(tmp_path / "folder", lines, metrics, seeds=(1,)))
+    text = (tmp_path / "folder" / "results" / "results.md").read_text()
+    assert proc.returncode == 0, proc.stderr
+    assert "claims holding: 1 of 1** (1 not checked" in text and "not checked: nothere not run" in text
 
 
 def test_every_experiment_line_of_benchmark_sh_parses():
