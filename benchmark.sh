@@ -209,8 +209,10 @@ def parse_experiments(lines: list[tuple[str, str]], strict: bool = True) -> list
     so a typo stops the run before it starts); in a results folder it is an experiment `--only` left out, and the
     claim is reported as not checked."""
     experiments = [parse_line(line, where) for line, where in lines]
+    if not strict:
+        return experiments
     ids = {e["id"] for e in experiments}
-    for e in experiments if strict else []:
+    for e in experiments:
         for cond in e["conditions"]:
             for exp, _ in cond["refs"]:
                 if exp is not None and exp not in ids:

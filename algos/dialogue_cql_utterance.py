@@ -995,7 +995,6 @@ def load_proposer_checkpoint(step_dir: Path, state: dict, lm) -> dict:
 
 def load_critic_checkpoint(step_dir: Path, state: dict, critic_parts: dict) -> None:
     """Load the critic part of a checkpoint into `critic_parts`: critic, target, optimizer and minibatch rng."""
-    path = step_dir
     try:
         for key in ("critic", "target"):
             path = step_dir / f"{key}.safetensors"

@@ -1449,22 +1449,19 @@ if __name__ == "__main__":
     for k in ("eval/bon_gold_reward", "eval/bon_n", "eval/bon_kl"):
         writer.add_scalar(k, summary_metrics[k], num_updates)
     writer.close()
-    if rank > 0:  # only rank 0 writes the summary and the models; every rank tears down together once it has
-        dist.barrier()  # (a lone early teardown can abort gloo)
-        dist.destroy_process_group()
-        raise SystemExit(0)
-    summary = {
-        "script": Path(__file__).stem,
-        "run_name": run_name,
-        "run_dir": str(run_dir),
-        "args": asdict(args),
-        "metrics": summary_metrics,
-        "wall_time_s": wall,
-        "sps": num_updates * args.batch_size / wall,
-    }
-    save_models(run_dir, policy, sft_lm, tokenizer, rm, rm_tokenizer)
-    write_json_atomic(run_dir / "summary.json", summary)  # last: a run with summary.json is complete
-    print(json.dumps(summary_metrics, indent=1))
-    if world_size > 1:
+    if rank == 0:  # only rank 0 writes the summary and the models
+        summary = {
+            "script": Path(__file__).stem,
+            "run_name": run_name,
+            "run_dir": str(run_dir),
+            "args": asdict(args),
+            "metrics": summary_metrics,
+            "wall_time_s": wall,
+            "sps": num_updates * args.batch_size / wall,
+        }
+        save_models(run_dir, policy, sft_lm, tokenizer, rm, rm_tokenizer)
+        write_json_atomic(run_dir / "summary.json", summary)  # last: a run with summary.json is complete
+        print(json.dumps(summary_metrics, indent=1))
+    if world_size > 1:  # every rank tears down together, after rank 0 has saved (a lone early teardown can abort gloo)
         dist.barrier()
         dist.destroy_process_group()

@@ -4,6 +4,7 @@ of benchmark.sh itself parses. Runs `bash benchmark.sh --aggregate` on hand-made
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 from conftest import ROOT
@@ -110,7 +111,7 @@ def test_unknown_experiment_is_an_error_before_a_run_and_not_checked_in_a_folder
     agg_py = source.split("AGG_PY=$(cat <<'PY'\n", 1)[1].split("\nPY\n)", 1)[0]
     spec = tmp_path / "lines.txt"
     spec.write_text("".join(f"quick: {line}\n" for line in lines))
-    proc = subprocess.run(["python", "-c", agg_py, "validate", str(spec)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", agg_py, "validate", str(spec)], capture_output=True, text=True)
     assert proc.returncode == 2 and "experiment line 2 (id cmp)" in proc.stderr
     assert "unknown experiment 'nothere'" in proc.stderr  # a typo stops benchmark.sh before any run
     # in a results folder it is an experiment that --only left out: the claim is not checked, the rest is
