@@ -31,6 +31,14 @@ def subprocess_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+def gloo_threads() -> list[str]:
+    """The names of this process's gloo threads (Linux; [] elsewhere). After destroy_process_group there must be none:
+    a group kept alive keeps them running into interpreter exit, where one can abort the process (SIGABRT)."""
+    tasks = Path("/proc/self/task")
+    names = [(t / "comm").read_text().strip() for t in tasks.iterdir()] if tasks.exists() else []
+    return [n for n in names if "gloo" in n]
+
+
 def script_command(script: str, *args: str) -> list[str]:
     """`python algos/<script>.py ARGS...` as an argument list."""
     return [sys.executable, str(ROOT / "algos" / f"{script}.py"), *args]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, load_script, run_script, subprocess_env
+from conftest import ROOT, gloo_threads, load_script, run_script, subprocess_env
 from safetensors.torch import load_file, save_file
 from test_ilql_per_token import TINY, check_evaluation_bookkeeping
 
@@ -238,3 +238,4 @@ if __name__ == "__main__":  # under torchrun: the 2 ranks of test_allreduced_gra
         save_file(named_grads(lm, heads), str(Path(sys.argv[1]) / "grads.safetensors"))
         (Path(sys.argv[1]) / "losses.json").write_text(json.dumps(losses))
     dist.destroy_process_group()
+    assert not gloo_threads(), f"rank {rank}: the process group outlived destroy_process_group"

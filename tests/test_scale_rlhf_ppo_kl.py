@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, load_script, run_script, subprocess_env
+from conftest import ROOT, gloo_threads, load_script, run_script, subprocess_env
 
 M = load_script("rlhf_ppo_kl")
 SCRIPT = str(ROOT / "algos" / "rlhf_ppo_kl.py")
@@ -108,6 +108,7 @@ def gradient_worker(out_dir: str) -> None:
     whitened = M.masked_whiten(x[mine], mask[mine])
     gathered_whitened = M.gather_cat(whitened)
     dist.destroy_process_group()  # from here on the helpers see one process: the single-process reference values
+    assert not gloo_threads(), f"rank {rank}: the process group outlived destroy_process_group"
     result = {
         "grad_max_abs_diff": (data_parallel - one_process).abs().max().item(),
         "grad_close": torch.allclose(data_parallel, one_process, rtol=GRAD_RTOL, atol=GRAD_ATOL),

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import ROOT, load_script, run_script, subprocess_env
+from conftest import ROOT, gloo_threads, load_script, run_script, subprocess_env
 
 from envs import preference
 
@@ -76,6 +76,7 @@ def gradient_worker(rank: int, world_size: int, store: str, out_dir: str) -> Non
     result = {kind: minibatch_gradients(kind, world_size, rank) for kind in ("sft", "reward")}
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
+    assert not gloo_threads(), f"rank {rank}: the process group outlived destroy_process_group"
 
 
 def test_allreduced_gradient_of_split_minibatch_equals_one_process_gradient(tmp_path):
