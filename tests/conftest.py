@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,12 +32,24 @@ def subprocess_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def gloo_threads() -> list[str]:
-    """The names of this process's gloo threads (Linux; [] elsewhere). After destroy_process_group there must be none:
-    a group kept alive keeps them running into interpreter exit, where one can abort the process (SIGABRT)."""
+def gloo_threads(grace_s: float = 2.0) -> list[str]:
+    """The names of this process's gloo threads once those that are exiting are gone (Linux; [] elsewhere). After
+    destroy_process_group there must be none: a group kept alive keeps them running into interpreter exit, where one
+    can abort the process (SIGABRT). A joined thread can still be listed for a moment (the kernel clears the joined
+    thread's id before it removes its /proc entry), hence the grace period."""
     tasks = Path("/proc/self/task")
-    names = [(t / "comm").read_text().strip() for t in tasks.iterdir()] if tasks.exists() else []
-    return [n for n in names if "gloo" in n]
+    deadline = time.monotonic() + grace_s
+    while True:
+        names = []
+        for task in tasks.iterdir() if tasks.exists() else []:
+            try:
+                names.append((task / "comm").read_text().strip())
+            except OSError:  # the thread ended while we listed it
+                continue
+        names = [n for n in names if "gloo" in n]
+        if not names or time.monotonic() > deadline:
+            return names
+        time.sleep(0.01)
 
 
 def script_command(script: str, *args: str) -> list[str]:

@@ -238,4 +238,5 @@ if __name__ == "__main__":  # under torchrun: the 2 ranks of test_allreduced_gra
         save_file(named_grads(lm, heads), str(Path(sys.argv[1]) / "grads.safetensors"))
         (Path(sys.argv[1]) / "losses.json").write_text(json.dumps(losses))
     dist.destroy_process_group()
-    assert not gloo_threads(), f"rank {rank}: the process group outlived destroy_process_group"
+    left = gloo_threads()
+    assert not left, f"rank {rank}: the process group outlived destroy_process_group ({left} still run)"

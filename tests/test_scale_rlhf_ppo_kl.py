@@ -108,7 +108,8 @@ def gradient_worker(out_dir: str) -> None:
     whitened = M.masked_whiten(x[mine], mask[mine])
     gathered_whitened = M.gather_cat(whitened)
     dist.destroy_process_group()  # from here on the helpers see one process: the single-process reference values
-    assert not gloo_threads(), f"rank {rank}: the process group outlived destroy_process_group"
+    left = gloo_threads()
+    assert not left, f"rank {rank}: the process group outlived destroy_process_group ({left} still run)"
     result = {
         "grad_max_abs_diff": (data_parallel - one_process).abs().max().item(),
         "grad_close": torch.allclose(data_parallel, one_process, rtol=GRAD_RTOL, atol=GRAD_ATOL),

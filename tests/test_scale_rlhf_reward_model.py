@@ -76,7 +76,8 @@ def gradient_worker(rank: int, world_size: int, store: str, out_dir: str) -> Non
     result = {kind: minibatch_gradients(kind, world_size, rank) for kind in ("sft", "reward")}
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
-    assert not gloo_threads(), f"rank {rank}: the process group outlived destroy_process_group"
+    left = gloo_threads()
+    assert not left, f"rank {rank}: the process group outlived destroy_process_group ({left} still run)"
 
 
 def test_allreduced_gradient_of_split_minibatch_equals_one_process_gradient(tmp_path):
