@@ -38,10 +38,12 @@ def gloo_threads(grace_s: float = 2.0) -> list[str]:
     can abort the process (SIGABRT). A joined thread can still be listed for a moment (the kernel clears the joined
     thread's id before it removes its /proc entry), hence the grace period."""
     tasks = Path("/proc/self/task")
+    if not tasks.exists():
+        return []
     deadline = time.monotonic() + grace_s
     while True:
         names = []
-        for task in tasks.iterdir() if tasks.exists() else []:
+        for task in tasks.iterdir():
             try:
                 names.append((task / "comm").read_text().strip())
             except OSError:  # the thread ended while we listed it
