@@ -59,7 +59,7 @@ Implementation details:
      and `timestep/actions_per_step` (the deduplicated candidate set the Bellman max runs over: ~6.5 of N = 16).
  10. Long runs (the CHECKPOINTS block at the end; the algorithm does not depend on it): RUN_DIR/checkpoints gets a
      checkpoint at the end of the BC phase, at the end of the candidate phase and every `--save-every` critic steps
-     (and at the critic's end), and Ctrl-C writes one at the next of these points: the proposer's weights
+     (and at the critic's end), and Ctrl-C or SIGTERM writes one at the next of these points: the proposer's weights
      (safetensors), the candidate sets and the utterance table they index (arrays.npz, with torch's RNG state),
      from the critic phase on the critic, its target (safetensors), Adam (torch.save, read back with
      weights_only=True) and the minibatch rng, and state.json (phase, critic step, BC fit, timings, args, python
@@ -109,8 +109,8 @@ References:
       Sea-Snell/Implicit-Language-Q-Learning `src/models/chai_model.py` (the CHAI baseline re-implementation).
   [4] vwxyzjn/cleanrl `dqn.py` (script layout, target networks, logging).
 Reproduce: python algos/dialogue_cql_utterance.py
-Long runs: checkpoints at the phase ends and every 500 critic steps (`--save-every`); Ctrl-C writes one and prints
-the command that continues:  python algos/dialogue_cql_utterance.py --resume runs/<run_name>
+Long runs: checkpoints at the phase ends and every 500 critic steps (`--save-every`); Ctrl-C / SIGTERM writes one
+and prints the command that continues:  python algos/dialogue_cql_utterance.py --resume runs/<run_name>
 """
 
 import copy
@@ -148,7 +148,6 @@ BC_WARMUP_STEPS = 50  # linear learning-rate warmup of the BC LM (then cosine de
 LM_POSITIONS = 256  # GPT-2 context: 8 turns of 12-word (malformed) utterances + replies + a 13-token sample < 256
 SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
 RESUME_FREE_FIELDS = ("resume", "save_every", "runs_dir")  # may change on --resume; the rest is the run's
-SIGINT_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a job stopped by Ctrl-C
 
 
 @dataclass
@@ -177,8 +176,8 @@ class Args:
     """a run dir written by this script, for `--eval-only`"""
     save_every: int = 500
     """critic steps between checkpoints in RUN_DIR/checkpoints; with N > 0 the end of the BC and the candidate
-    phases writes one too (0 = none; Ctrl-C always writes one, at the end of the current phase or after the current
-    critic step): all that `--resume` needs to continue exactly; deleted when the run ends"""
+    phases writes one too (0 = none; Ctrl-C or SIGTERM always writes one, at the end of the current phase or after
+    the current critic step): all that `--resume` needs to continue exactly; deleted when the run ends"""
     resume: str | None = None
     """a run dir of this script with a checkpoint: continue that run there, with its own arguments"""
 
@@ -856,20 +855,41 @@ def check_writable_dir(path: Path, flag: str) -> None:
         raise SystemExit(f"error: {flag} {path} is not writable")
 
 
-def sigint_flag() -> dict:
-    """Ctrl-C sets flag["set"]: a checkpoint is written at the end of the current phase (BC, candidates) or after
-    the current critic step, then the run exits. A second Ctrl-C stops at once."""
-    flag = {"set": False}
+STOP_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C (a SIGTERM stop exits alike)
+
+
+def install_stop_handlers() -> dict:
+    """Ctrl-C (SIGINT) and SIGTERM (what torchrun's agent, job schedulers and `kill` send) set stop["signal"] to the
+    signal's name; training reads it at the end of its current step, writes a checkpoint and exits with
+    STOP_EXIT_CODE. A second Ctrl-C stops at once; a repeated SIGTERM changes nothing (a scheduler that stops waiting
+    sends SIGKILL). stop["previous"] keeps the handlers before, which restore_signal_handlers puts back."""
+    stop = {"signal": None, "previous": {}}
 
     def handler(signum, frame):
-        if flag["set"]:
+        if signum == signal.SIGINT and stop["signal"] is not None:
             raise KeyboardInterrupt
-        flag["set"] = True
-        print("Ctrl-C: writing a checkpoint at the end of this phase or critic step, then exiting (Ctrl-C again to "
-              "stop now)", flush=True)  # fmt: skip
+        if stop["signal"] is None:
+            stop["signal"] = signal.Signals(signum).name
+            # os.write, not print: a handler that prints while the loop prints raises "reentrant call"
+            os.write(2, f"\n{stop['signal']}: a checkpoint follows this step, then the run exits (Ctrl-C again to "
+                        "stop now)\n".encode())  # fmt: skip
 
-    signal.signal(signal.SIGINT, handler)
-    return flag
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        stop["previous"][sig] = signal.signal(sig, handler)
+    return stop
+
+
+def restore_signal_handlers(stop: dict) -> None:
+    """Training is over: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows)."""
+    for sig, previous in stop["previous"].items():
+        signal.signal(sig, previous)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
 
 
 def save_training_checkpoint(run_dir: Path, name: str, lm, arrays: dict, state: dict, critic_parts=None) -> Path:
@@ -909,17 +929,17 @@ def save_training_checkpoint(run_dir: Path, name: str, lm, arrays: dict, state: 
     return step_dir
 
 
-def checkpoint_or_exit(run_dir, phase, critic_step, lm, arrays, progress, interrupted, writer, critic_parts=None):
+def checkpoint_or_exit(run_dir, phase, critic_step, lm, arrays, progress, interrupt, writer, critic_parts=None):
     """Write the checkpoint <phase>_<critic step> (the phase that has ended, or "critic" after `critic_step` steps);
     after Ctrl-C, exit with the one-line command that continues the run."""
     state = progress | {"phase": phase, "critic_step": critic_step}
     step_dir = save_training_checkpoint(run_dir, f"{phase}_{critic_step}", lm, arrays, state, critic_parts)
     writer.flush()
-    if interrupted["set"]:
+    if interrupt["signal"]:
         writer.close()
         print(f"interrupted: checkpoint {step_dir}; continue with: python {sys.argv[0]} --resume {run_dir}",
               file=sys.stderr)  # fmt: skip
-        raise SystemExit(SIGINT_EXIT_CODE)
+        raise SystemExit(STOP_EXIT_CODE)
 
 
 def read_checkpoint_state(run_dir: Path) -> tuple[Path, dict]:
@@ -1046,7 +1066,7 @@ if __name__ == "__main__":
             writer.add_text(
                 "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
             )
-        interrupted = sigint_flag()  # (CHECKPOINTS block)
+        interrupt = install_stop_handlers()  # (CHECKPOINTS block)
         if phase is not None:  # CHECKPOINTS: the proposer (and the RNG states) as the phase `phase` left them
             arrays = load_proposer_checkpoint(resume_step_dir, resume_state, lm)
             lm.eval()
@@ -1063,8 +1083,8 @@ if __name__ == "__main__":
             timings = {"bc_s": time.time() - t0}
             print(f"[bc] trained in {timings['bc_s']:.0f}s", flush=True)
         progress = {"bc_nll": bc_nll, "timings": timings, "args": asdict(args)}  # (CHECKPOINTS: state.json)
-        if phase is None and (args.save_every or interrupted["set"]):
-            checkpoint_or_exit(run_dir, "bc", 0, lm, {}, progress, interrupted, writer)
+        if phase is None and (args.save_every or interrupt["signal"]):
+            checkpoint_or_exit(run_dir, "bc", 0, lm, {}, progress, interrupt, writer)
 
         # STEP 2: N candidate utterances per distinct history, sampled once, deduplicated
         if phase in (None, "bc"):
@@ -1095,8 +1115,8 @@ if __name__ == "__main__":
             for utterance in arrays["utterances"][len(table.tokens) :]:
                 table.add(str(utterance))
         candidate_arrays = {"cand": cand.numpy(), "utterances": np.array(list(table.ids), dtype=str)}
-        if phase in (None, "bc") and (args.save_every or interrupted["set"]):
-            checkpoint_or_exit(run_dir, "candidates", 0, lm, candidate_arrays, progress, interrupted, writer)
+        if phase in (None, "bc") and (args.save_every or interrupt["signal"]):
+            checkpoint_or_exit(run_dir, "candidates", 0, lm, candidate_arrays, progress, interrupt, writer)
         problem = {**timestep_stats(dialogues, tokenizer, lm, cand, tr), **bc_nll}  # Problem 21.4 + BC fit
 
         # STEP 3: the critic with twin Q heads, a Polyak target and the CQL penalty
@@ -1161,11 +1181,11 @@ if __name__ == "__main__":
                     flush=True,
                 )
             # checkpoint every --save-every critic steps, at the critic's end, and on Ctrl-C (CHECKPOINTS block)
-            if interrupted["set"] or (args.save_every and (step % args.save_every == 0 or step == args.critic_steps)):
+            if interrupt["signal"] or (args.save_every and (step % args.save_every == 0 or step == args.critic_steps)):
                 timings["critic_s"] = time.time() - t0
-                checkpoint_or_exit(run_dir, "critic", step, lm, candidate_arrays, progress, interrupted, writer,
+                checkpoint_or_exit(run_dir, "critic", step, lm, candidate_arrays, progress, interrupt, writer,
                                    critic_parts)  # fmt: skip
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # training is over: Ctrl-C stops at once
+        restore_signal_handlers(interrupt)  # training is over: Ctrl-C stops at once
         critic.eval()
         timings["critic_s"] = time.time() - t0
 
@@ -1227,8 +1247,7 @@ if __name__ == "__main__":
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
     if not args.eval_only:
         save_checkpoint(run_dir, lm, tokenizer, critic)
-    (run_dir / "summary.json.tmp").write_text(json.dumps(summary, indent=2))
-    os.replace(run_dir / "summary.json.tmp", run_dir / "summary.json")  # written last: it marks a finished run
+    write_json_atomic(run_dir / "summary.json", summary)  # written last: it marks a finished run
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a finished run is not resumed; the models are saved
     writer.close()
     print(f"done in {wall:.0f}s -> {run_dir / 'summary.json'}")

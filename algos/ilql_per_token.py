@@ -916,6 +916,7 @@ def read_json(path: Path):
 
 
 def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
     tmp = path.with_name(f".tmp_{path.name}")
     tmp.write_text(json.dumps(obj, indent=2))
     os.replace(tmp, path)
@@ -1015,17 +1016,34 @@ def numpy_rng_json() -> dict:
     return state
 
 
-def install_interrupt_handlers() -> dict:
-    """Ctrl-C (SIGINT) and SIGTERM (a preempted job) only set a flag; the training loop checks it at the end of each
-    step, writes a checkpoint and exits. Returns {"signal": name or None, "previous": the handlers to restore}."""
-    flag = {"signal": None, "previous": {}}
+STOP_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C (a SIGTERM stop exits alike)
+
+
+def install_stop_handlers() -> dict:
+    """Ctrl-C (SIGINT) and SIGTERM (what torchrun's agent, job schedulers and `kill` send) set stop["signal"] to the
+    signal's name; training reads it at the end of its current step, writes a checkpoint and exits with
+    STOP_EXIT_CODE. A second Ctrl-C stops at once; a repeated SIGTERM changes nothing (a scheduler that stops waiting
+    sends SIGKILL). stop["previous"] keeps the handlers before, which restore_signal_handlers puts back."""
+    stop = {"signal": None, "previous": {}}
 
     def handler(signum, frame):
-        flag["signal"] = signal.Signals(signum).name
+        if signum == signal.SIGINT and stop["signal"] is not None:
+            raise KeyboardInterrupt
+        if stop["signal"] is None:
+            stop["signal"] = signal.Signals(signum).name
+            # os.write, not print: a handler that prints while the loop prints raises "reentrant call"
+            os.write(2, f"\n{stop['signal']}: a checkpoint follows this step, then the run exits (Ctrl-C again to "
+                        "stop now)\n".encode())  # fmt: skip
 
     for sig in (signal.SIGINT, signal.SIGTERM):
-        flag["previous"][sig] = signal.signal(sig, handler)
-    return flag
+        stop["previous"][sig] = signal.signal(sig, handler)
+    return stop
+
+
+def restore_signal_handlers(stop: dict) -> None:
+    """Training is over: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows)."""
+    for sig, previous in stop["previous"].items():
+        signal.signal(sig, previous)
 
 
 if __name__ == "__main__":
@@ -1126,7 +1144,7 @@ if __name__ == "__main__":
             last_log, first_log = resume_state["last_log"], resume_state["first_log"]
             first_step = global_step + 1
             start, cpu_start = start - resume_state["train_time_s"], cpu_start - resume_state["train_cpu_time_s"]
-        interrupt = install_interrupt_handlers()
+        interrupt = install_stop_handlers()
         for global_step in range(first_step, args.num_steps + 1):
             if args.group_by_length:  # losses stay means over each minibatch's own action tokens
                 queue = queue or length_grouped_batches(data["lengths"], min(args.batch_size, n_data), batch_generator)
@@ -1194,22 +1212,20 @@ if __name__ == "__main__":
                     save_train_checkpoint(
                         run_dir, global_step, lm, heads, optimizer, scheduler, sampler, rank_rngs, state
                     )
+                    writer.flush()  # the scalars logged so far reach the disk with the checkpoint
                 if world_size > 1:
                     dist.barrier()  # no rank exits before rank 0 has saved (torchrun would stop it mid-write)
             if stop:
                 writer.close()
                 if world_size > 1:
                     dist.destroy_process_group()
-                launcher = f"torchrun --nproc_per_node {world_size} " if world_size > 1 else "python "
-                why = interrupt["signal"] or "interrupted on another rank"
-                raise SystemExit(
-                    f"{why}: checkpoint saved at step {global_step} of {args.num_steps}; continue with: "
-                    f"{launcher}{sys.argv[0]} --resume {run_dir}"
-                    if rank == 0
-                    else 1
-                )
-        for sig, previous in interrupt["previous"].items():  # Ctrl-C during evaluation stops at once
-            signal.signal(sig, previous)
+                if rank == 0:
+                    launcher = f"torchrun --nproc_per_node {world_size} " if world_size > 1 else "python "
+                    why = interrupt["signal"] or "interrupted on another rank"
+                    print(f"{why}: checkpoint saved at step {global_step} of {args.num_steps}; continue with: "
+                          f"{launcher}{sys.argv[0]} --resume {run_dir}", file=sys.stderr)  # fmt: skip
+                raise SystemExit(STOP_EXIT_CODE)
+        restore_signal_handlers(interrupt)  # training is over: Ctrl-C stops at once
     train_time, train_cpu = time.time() - start, time.process_time() - cpu_start
 
     # 4. evaluation: β sweep on validation episodes (choose β) and on test episodes (report)

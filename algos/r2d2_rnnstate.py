@@ -79,20 +79,20 @@ Implementation details:
  9. Observations: gymnasium's FlattenObservation (Discrete and each MultiDiscrete component one-hot, Box
     flattened, Tuple/Dict parts concatenated). Final evaluation episode i of seed s runs on env seed
     10 000 (s + 1) + i, the evaluations during training on 1e9 + 1e7 s + global_step + i: disjoint blocks.
-10. Long runs (the CHECKPOINTS block at the end; the algorithm does not depend on it): every `--save-every` env
-    steps and on Ctrl-C, at a step boundary, RUN_DIR/checkpoints/step_<global step>/ gets the online, target and
+10. Long runs (the CHECKPOINTS block at the end; the algorithm does not depend on it): every `--save-every` env steps
+    and on Ctrl-C / SIGTERM, at a step boundary, RUN_DIR/checkpoints/step_<global step>/ gets the online, target and
     kept networks (safetensors), Adam's state (torch.save, read back with weights_only=True), the replay's rows and
     prioritized sequence table (replay.npz), the actor's arrays (obs, flags, previous action and reward, LSTM state,
-    running returns, the curve so far) with torch's RNG state (loop.npz), and state.json (counters, best score,
-    args, python and numpy RNG states, file sizes); written into a temporary dir, os.replace'd into place, then
-    named by latest.json (temp file + os.replace), so a kill leaves the previous one; deleted when the run ends.
-    Gymnasium vector envs cannot be saved mid-episode: per env the loop records its np_random state just before
-    the reset that began its episode and the actions since (reading a state draws nothing), and `--resume` resets
-    it from that state and replays the actions (checked against the stored observation; exact for envs that draw
-    their randomness from np_random, as gymnasium's seeding contract asks). A resumed run therefore ends with the
-    same metrics, bit for bit on CPU, as the run uninterrupted (tests/test_resume_r2d2_rnnstate.py), and saving
-    draws no random number, so results do not depend on --save-every. A save of the full default replay (100k
-    rows, 57 MB) took 0.05-0.17 s here, 3 saves in a default run at the default --save-every of 25k steps.
+    running returns, the curve so far) with torch's RNG state (loop.npz), and state.json (counters, best score, args,
+    python and numpy RNG states, file sizes); written into a temporary dir, os.replace'd into place, then named by
+    latest.json (temp file + os.replace), so a kill leaves the previous one; deleted when the run ends. Gymnasium
+    vector envs cannot be saved mid-episode: per env the loop records its np_random state just before the reset that
+    began its episode and the actions since (reading a state draws nothing), and `--resume` resets it from that state
+    and replays the actions (checked against the stored observation; exact for envs that draw their randomness from
+    np_random, as gymnasium's seeding contract asks). A resumed run therefore ends with the same metrics, bit for bit
+    on CPU, as the run uninterrupted (tests/test_resume_r2d2_rnnstate.py), and saving draws no random number, so
+    results do not depend on --save-every. A save of the full default replay (100k rows, 57 MB) took 0.05-0.17 s here,
+    3 saves in a default run at the default --save-every of 25k steps.
 What was scaled down from the paper and why: one process instead of 256 actors + a learner (the vector env is
 the actors, the ring buffer the replay), 64 LSTM units on vector observations instead of a CNN + 512-unit LSTM;
 m = 30 trained steps with overlap 15 and burn-in 10 instead of 80 / 40 / 40 (the paper's burn-in is part of the
@@ -119,7 +119,8 @@ Reproduce (TMaze-20: success 1.00 on tuning seeds 111-130 at 150k; the run also 
         --total-timesteps 250000
     python algos/r2d2_rnnstate.py --env-id seqrl/MaskedCartPole-v0 --total-timesteps 150000 --eval-episodes 20
         (the benchmark adds --select-frequency 10000 --keep-best)
-Long runs: a checkpoint every 25k env steps (`--save-every`); Ctrl-C writes one and prints the command that continues:
+Long runs: a checkpoint every 25k env steps (`--save-every`); Ctrl-C / SIGTERM writes one and prints the command that
+continues:
     python algos/r2d2_rnnstate.py --resume runs/<run_name>
 """
 
@@ -158,7 +159,6 @@ MAX_EVAL_STEPS = 10_000  # guard for envs without a time limit: an evaluation ep
 ARCH_FIELDS = ("env_id", "env_kwargs", "hidden_size")  # read from a checkpoint's args.json for --eval-only
 SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
 RESUME_FREE_FIELDS = ("resume", "save_every", "threads", "runs_dir")  # may change on --resume; the rest is the run's
-SIGINT_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a job stopped by Ctrl-C
 
 
 @dataclass
@@ -182,8 +182,9 @@ class Args:
     checkpoint: str | None = None
     """run dir or model.safetensors to load with `--eval-only` (env and hidden size come from its args.json)"""
     save_every: int = 25_000
-    """environment steps between checkpoints in RUN_DIR/checkpoints (0 = none; Ctrl-C always writes one): networks,
-    optimizer, replay, RNG and env states, all that `--resume` needs to continue exactly; deleted when the run ends"""
+    """environment steps between checkpoints in RUN_DIR/checkpoints (0 = none; Ctrl-C / SIGTERM always writes one):
+    networks, optimizer, replay, RNG and env states, all that `--resume` needs to continue exactly; deleted when the
+    run ends"""
     resume: str | None = None
     """a run dir of this script with a checkpoint: continue that run there, with its own arguments"""
 
@@ -719,19 +720,41 @@ def restore_envs(vec_env, seed: int, obs: np.ndarray, final: np.ndarray, episode
     vec_env._autoreset_envs = final.copy()  # no public setter: these envs reset on the next step()
 
 
-def sigint_flag() -> dict:
-    """Ctrl-C sets flag["set"]: the training loop writes a checkpoint at the next step boundary and exits. A second
-    Ctrl-C stops at once."""
-    flag = {"set": False}
+STOP_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C (a SIGTERM stop exits alike)
+
+
+def install_stop_handlers() -> dict:
+    """Ctrl-C (SIGINT) and SIGTERM (what torchrun's agent, job schedulers and `kill` send) set stop["signal"] to the
+    signal's name; training reads it at the end of its current step, writes a checkpoint and exits with
+    STOP_EXIT_CODE. A second Ctrl-C stops at once; a repeated SIGTERM changes nothing (a scheduler that stops waiting
+    sends SIGKILL). stop["previous"] keeps the handlers before, which restore_signal_handlers puts back."""
+    stop = {"signal": None, "previous": {}}
 
     def handler(signum, frame):
-        if flag["set"]:
+        if signum == signal.SIGINT and stop["signal"] is not None:
             raise KeyboardInterrupt
-        flag["set"] = True
-        print("Ctrl-C: writing a checkpoint at the next step, then exiting (Ctrl-C again to stop now)", flush=True)
+        if stop["signal"] is None:
+            stop["signal"] = signal.Signals(signum).name
+            # os.write, not print: a handler that prints while the loop prints raises "reentrant call"
+            os.write(2, f"\n{stop['signal']}: a checkpoint follows this step, then the run exits (Ctrl-C again to "
+                        "stop now)\n".encode())  # fmt: skip
 
-    signal.signal(signal.SIGINT, handler)
-    return flag
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        stop["previous"][sig] = signal.signal(sig, handler)
+    return stop
+
+
+def restore_signal_handlers(stop: dict) -> None:
+    """Training is over: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows)."""
+    for sig, previous in stop["previous"].items():
+        signal.signal(sig, previous)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
 
 
 def save_training_checkpoint(run_dir: Path, global_step: int, nets: dict, optimizer, rb, rng, loop: dict, state: dict):
@@ -968,11 +991,11 @@ if __name__ == "__main__":
             start_time = time.time() - resume_state["elapsed_s"]
             restore_envs(vec_env, args.seed, obs, final, episodes)
             print(f"resumed {run_dir} at global_step={global_step} from {resume_step_dir}")
-        interrupted = sigint_flag()
+        interrupt = install_stop_handlers()
         for step in range(start_step, num_vector_steps):
             # checkpoint every --save-every env steps and on Ctrl-C, at a step boundary (CHECKPOINTS block)
             save_due = args.save_every and global_step // args.save_every != (global_step - E) // args.save_every
-            if interrupted["set"] or (save_due and step > start_step):
+            if interrupt["signal"] or (save_due and step > start_step):
                 nets = {"model": q_network.state_dict(), "target_model": target_network.state_dict()}
                 if best_state is not None:
                     nets["best_model"] = best_state
@@ -987,12 +1010,12 @@ if __name__ == "__main__":
                              args=asdict(args))  # fmt: skip
                 step_dir = save_training_checkpoint(run_dir, global_step, nets, optimizer, rb, rng, loop, state)
                 writer.flush()
-                if interrupted["set"]:
+                if interrupt["signal"]:
                     writer.close()
                     vec_env.close()
                     print(f"interrupted at global_step={global_step}: checkpoint {step_dir}; continue with: "
                           f"python {sys.argv[0]} --resume {run_dir}", file=sys.stderr)  # fmt: skip
-                    raise SystemExit(SIGINT_EXIT_CODE)
+                    raise SystemExit(STOP_EXIT_CODE)
 
             # 1. act: zero the state at episode starts, epsilon-greedy per env on Q(h_t, .)
             prev_action[first], prev_reward[first] = NO_ACTION, 0.0
@@ -1086,7 +1109,7 @@ if __name__ == "__main__":
                 recent = np.mean(ep_returns[-50:]) if ep_returns else float("nan")
                 print(f"global_step={global_step} updates={num_updates_done} return(last 50)={recent:.2f} "
                       f"loss={loss.item():.4f} dq={delta_q_log[-1] if delta_q_log else None} SPS={sps}")  # fmt: skip
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # training is over: Ctrl-C stops at once
+        restore_signal_handlers(interrupt)  # training is over: Ctrl-C stops at once
     vec_env.close()
     final_dq = {} if args.eval_only else final_delta_q(q_network, rb, rng, args.final_delta_q_sequences, device)
 
@@ -1125,8 +1148,7 @@ if __name__ == "__main__":
     }  # fmt: skip
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
     save_file(q_network.state_dict(), str(run_dir / "model.safetensors"))
-    (run_dir / "summary.json.tmp").write_text(json.dumps(summary, indent=2))
-    os.replace(run_dir / "summary.json.tmp", run_dir / "summary.json")  # written last: it marks a finished run
+    write_json_atomic(run_dir / "summary.json", summary)  # written last: it marks a finished run
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a finished run is not resumed; the model is saved
     writer.close()
     print(json.dumps(metrics, indent=2))

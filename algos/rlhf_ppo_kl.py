@@ -988,7 +988,7 @@ class NullWriter:
     def add_scalar(self, *args, **kwargs):
         pass
 
-    add_text = close = add_scalar
+    add_text = flush = close = add_scalar
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -998,8 +998,9 @@ RESUME_FREE_ARGS = ("resume", "save_every", "cuda", "runs_dir", "minibatch_size"
 
 
 def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
     tmp = path.with_name(f".tmp_{path.name}")
-    tmp.write_text(json.dumps(obj))
+    tmp.write_text(json.dumps(obj, indent=2))
     os.replace(tmp, path)
 
 
@@ -1020,7 +1021,8 @@ def save_phase_models(run_dir: Path, sft_lm, tokenizer, rm, rm_tokenizer) -> Non
 
 def save_checkpoint(run_dir: Path, update: int, policy, optimizer, generator, device, state: dict) -> None:
     """checkpoints/step_<update>/: policy + value head, Adam, RNG states (one file per rank), state.json (counters,
-    args, curve, ...); every rank sends its RNG states, rank 0 writes. Atomic (see details 11)."""
+    args, curve, ...); every rank sends its RNG states, rank 0 writes, and no rank returns before rank 0's checkpoint
+    is complete (a rank that exited early would make torchrun's agent stop rank 0 mid-write). Atomic (details 11)."""
     rng = {"torch": torch.get_rng_state()}
     if generator is not None:
         rng["generator"] = generator.get_state()
@@ -1031,8 +1033,14 @@ def save_checkpoint(run_dir: Path, update: int, policy, optimizer, generator, de
     if world > 1:
         rngs = [None] * world
         dist.all_gather_object(rngs, rng)
-    if rank != 0:
-        return
+    if rank == 0:
+        write_checkpoint(run_dir, update, policy, optimizer, rngs, state, world)
+    if world > 1:
+        dist.barrier()  # every rank waits for rank 0's write
+
+
+def write_checkpoint(run_dir: Path, update: int, policy, optimizer, rngs: list, state: dict, world: int) -> None:
+    """Rank 0's part of save_checkpoint: the files, renamed into place when complete, then latest.json."""
     ckpt = run_dir / "checkpoints"
     step_dir, tmp = ckpt / f"step_{update}", ckpt / f".tmp_step_{update}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -1123,18 +1131,34 @@ def load_checkpoint(step_dir: Path, policy, optimizer, generator, device) -> Non
     np.random.set_state(numpy_state)
 
 
-def install_interrupt_handler() -> dict:
-    """Ctrl-C (SIGINT) / SIGTERM set a flag that the PPO loop reads after each update; a second one stops at once."""
-    flag = {"set": False}
+STOP_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C (a SIGTERM stop exits alike)
+
+
+def install_stop_handlers() -> dict:
+    """Ctrl-C (SIGINT) and SIGTERM (what torchrun's agent, job schedulers and `kill` send) set stop["signal"] to the
+    signal's name; training reads it at the end of its current step, writes a checkpoint and exits with
+    STOP_EXIT_CODE. A second Ctrl-C stops at once; a repeated SIGTERM changes nothing (a scheduler that stops waiting
+    sends SIGKILL). stop["previous"] keeps the handlers before, which restore_signal_handlers puts back."""
+    stop = {"signal": None, "previous": {}}
 
     def handler(signum, frame):
-        flag["set"] = True
-        signal.signal(signum, signal.SIG_DFL)
-        print(f"\n{signal.Signals(signum).name}: a checkpoint is written after this update (again to stop now)")
+        if signum == signal.SIGINT and stop["signal"] is not None:
+            raise KeyboardInterrupt
+        if stop["signal"] is None:
+            stop["signal"] = signal.Signals(signum).name
+            # os.write, not print: a handler that prints while the loop prints raises "reentrant call"
+            os.write(2, f"\n{stop['signal']}: a checkpoint follows this step, then the run exits (Ctrl-C again to "
+                        "stop now)\n".encode())  # fmt: skip
 
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-    return flag
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        stop["previous"][sig] = signal.signal(sig, handler)
+    return stop
+
+
+def restore_signal_handlers(stop: dict) -> None:
+    """Training is over: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows)."""
+    for sig, previous in stop["previous"].items():
+        signal.signal(sig, previous)
 
 
 if __name__ == "__main__":
@@ -1318,7 +1342,7 @@ if __name__ == "__main__":
             if rank == 0:
                 save_phase_models(run_dir, sft_lm, tokenizer, rm, rm_tokenizer)
             checkpoint(0)
-    interrupted = install_interrupt_handler() if checkpointing else {"set": False}
+    interrupt = install_stop_handlers() if checkpointing else {"signal": None, "previous": {}}
     for update in range(first_update, num_updates + 1):
         # ---- STEP 4: PPO with a KL penalty ----
         # 4.1 sample a batch of completions with pi_theta (torchrun: this rank's shard of the global batch)
@@ -1419,15 +1443,22 @@ if __name__ == "__main__":
                 f"clipfrac {log['policy/clipfrac_avg']:.3f} approxkl {log['policy/approxkl_avg']:.4f}"
             )
         # 4.8 checkpoint every --save-every updates and on Ctrl-C / SIGTERM (decided together: details 10-11)
-        stop = checkpointing and any_rank(interrupted["set"], device)
+        stop = checkpointing and any_rank(interrupt["signal"] is not None, device)
         if checkpointing and (update % args.save_every == 0 or stop):
             checkpoint(update)
+            writer.flush()  # the scalars logged so far reach the disk with the checkpoint
         if stop:
+            writer.close()
+            if curve_file is not None:
+                curve_file.close()
             if rank == 0:
                 launcher = "python" if world_size == 1 else f"torchrun --nproc_per_node {world_size}"
                 print(f"interrupted after update {update}, checkpoint saved; continue with: "
                       f"{launcher} {sys.argv[0]} --resume {run_dir}", file=sys.stderr)  # fmt: skip
-            raise SystemExit(130)  # the shell's code for a run stopped by Ctrl-C
+            if world_size > 1:  # rank 0 has saved (save_checkpoint's barrier): every rank tears down, then exits
+                dist.destroy_process_group()
+            raise SystemExit(STOP_EXIT_CODE)
+    restore_signal_handlers(interrupt)  # training is over: Ctrl-C stops at once
     if curve_file is not None:
         curve_file.close()
 

@@ -69,7 +69,7 @@ Implementation details:
      a temporary name, renamed into place, then latest.json replaced, then older ones deleted; a kill mid-save leaves
      the previous one. `--resume RUN_DIR` takes the run's saved args, restores all of it at the same step boundary
      and continues bit-identically on the same machine (the same final metrics); tensorboard continues with
-     `purge_step`. Ctrl-C writes a checkpoint at the next step boundary and exits with the --resume command.
+     `purge_step`. Ctrl-C or SIGTERM writes a checkpoint at the next step boundary and exits with the --resume command.
      Refused with one line: a finished run, another script's run, a truncated file, an algorithm arg that differs.
      Under several nodes, --resume needs the run dir on a shared file system (every rank reads the checkpoint).
 
@@ -107,9 +107,8 @@ import re
 import shutil
 import signal
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -497,7 +496,7 @@ def supervised_fine_tune(lm, tokenizer, args, device, writer, rt=None) -> float:
             torch.nn.utils.clip_grad_norm_(lm.parameters(), args.max_grad_norm)
             optimizer.step()
             scheduler.step()
-            loss_value, stop = loss.item(), STOP.is_set()
+            loss_value, stop = loss.item(), rt.stop["signal"] is not None
             if rt.world_size > 1:  # the global minibatch's NLL; Ctrl-C on any rank stops every rank (details 8)
                 loss_value, n_stop = sum_over_ranks([loss_value / rt.world_size, float(stop)], device)
                 stop = n_stop > 0
@@ -625,6 +624,8 @@ class Runtime:
     resume: dict | None = None  # `load_checkpoint` of --resume
     start_time: float = 0.0  # time.time() at the run's start, moved back by the time before a resume
     total_updates: int = 0  # SFT + reward-model updates: the last one is always checkpointed
+    stop: dict = field(default_factory=lambda: {"signal": None, "previous": {}})  # install_stop_handlers' flag
+    writer: SummaryWriter | None = None  # rank 0's tensorboard writer, flushed with every checkpoint
 
 
 def shard(mb: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
@@ -662,7 +663,41 @@ def broadcast_params(model) -> None:
 # ------------------------------------------------------------------------------------------------------------
 # CHECKPOINTS (--save-every / --resume / Ctrl-C, details 9)
 # ------------------------------------------------------------------------------------------------------------
-STOP = threading.Event()  # set by Ctrl-C (SIGINT); the training loops check it at step boundaries
+STOP_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C (a SIGTERM stop exits alike)
+
+
+def install_stop_handlers() -> dict:
+    """Ctrl-C (SIGINT) and SIGTERM (what torchrun's agent, job schedulers and `kill` send) set stop["signal"] to the
+    signal's name; training reads it at the end of its current step, writes a checkpoint and exits with
+    STOP_EXIT_CODE. A second Ctrl-C stops at once; a repeated SIGTERM changes nothing (a scheduler that stops waiting
+    sends SIGKILL). stop["previous"] keeps the handlers before, which restore_signal_handlers puts back."""
+    stop = {"signal": None, "previous": {}}
+
+    def handler(signum, frame):
+        if signum == signal.SIGINT and stop["signal"] is not None:
+            raise KeyboardInterrupt
+        if stop["signal"] is None:
+            stop["signal"] = signal.Signals(signum).name
+            # os.write, not print: a handler that prints while the loop prints raises "reentrant call"
+            os.write(2, f"\n{stop['signal']}: a checkpoint follows this step, then the run exits (Ctrl-C again to "
+                        "stop now)\n".encode())  # fmt: skip
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        stop["previous"][sig] = signal.signal(sig, handler)
+    return stop
+
+
+def restore_signal_handlers(stop: dict) -> None:
+    """Training is over: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows)."""
+    for sig, previous in stop["previous"].items():
+        signal.signal(sig, previous)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, tensors: dict) -> Path:
@@ -762,13 +797,16 @@ def end_of_step(rt: Runtime, args, update: int, phase: str, model, optimizer, sc
         state = {**position, "phase": phase, "update": update, "args": asdict(args),
                  "elapsed_s": time.time() - rt.start_time}  # fmt: skip
         step_dir = save_checkpoint(rt.run_dir, update, model, optimizer, scheduler, state, tensors)
+        rt.writer.flush()  # the scalars logged so far reach the disk with the checkpoint
     if stop:
         if rt.world_size > 1:
             dist.barrier()  # no rank exits (torchrun would end the others) before rank 0's checkpoint is complete
+            dist.destroy_process_group()
         if rt.rank == 0:
+            rt.writer.close()
             launcher = "python" if rt.world_size == 1 else f"torchrun --nproc_per_node {rt.world_size}"
             print(f"interrupted: saved {step_dir}; continue with: {launcher} {sys.argv[0]} --resume {rt.run_dir}")
-        raise SystemExit(130)  # the shell's code for "ended by Ctrl-C"
+        raise SystemExit(STOP_EXIT_CODE)
 
 
 def resume_args(args: Args, saved: dict) -> Args:
@@ -881,9 +919,9 @@ if __name__ == "__main__":
         scale = float(getattr(model.config, "seqrl_reward_std", 1.0))
         metrics, report = evaluate(model, tokenizer, heldout, args, device, scale=scale)
     else:
-        signal.signal(signal.SIGINT, lambda signum, frame: STOP.set())  # Ctrl-C: checkpoint at the next step
         sft_updates = args.sft_epochs * ((args.sft_examples + args.sft_batch_size - 1) // args.sft_batch_size)
-        rt = Runtime(world_size, rank, run_dir, ckpt, start_time)  # every rank takes part in a checkpoint's timing
+        # every rank takes part in a checkpoint's timing; Ctrl-C / SIGTERM: checkpoint at the next step, then exit
+        rt = Runtime(world_size, rank, run_dir, ckpt, start_time, stop=install_stop_handlers(), writer=writer)
         rt.total_updates = sft_updates + args.epochs * ((n_examples + args.batch_size - 1) // args.batch_size)
         in_reward_phase = ckpt is not None and ckpt["state"]["phase"] == "reward"
         # 1. data: K SFT-like completions per training prompt, ranked by the simulated labeler
@@ -945,7 +983,7 @@ if __name__ == "__main__":
                 scheduler.step()
                 global_step += 1
                 n_seen += len(mb) * group
-                loss_value, stop = loss.item(), STOP.is_set()
+                loss_value, stop = loss.item(), rt.stop["signal"] is not None
                 acc = (rewards[:, 0] > rewards[:, 1]).float().mean().item()  # top-1 vs top-2 on the batch
                 if world_size > 1:  # global minibatch statistics; Ctrl-C on any rank stops every rank (details 8)
                     n_correct = float((rewards[:, 0] > rewards[:, 1]).sum())
@@ -963,7 +1001,7 @@ if __name__ == "__main__":
                             {"perm": perm}, stop)  # fmt: skip
             if rank == 0:
                 print(f"epoch {epoch + 1}/{args.epochs}: loss {loss_value:.4f}  ({time.time() - start_time:.0f}s)")
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C from here on: resume redoes the evaluation
+        restore_signal_handlers(rt.stop)  # Ctrl-C from here on stops at once: a resume redoes the evaluation
         if world_size > 1:  # no collective after training: rank 0 alone evaluates, normalizes and saves (details 8)
             dist.barrier()  # every rank tears down together (then each frees its gloo threads)
             dist.destroy_process_group()
@@ -1007,6 +1045,6 @@ if __name__ == "__main__":
         "wall_time_s": wall,
         "sps": n_seen / wall,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    write_json_atomic(run_dir / "summary.json", summary)  # last: its presence marks a finished run (--resume)
     writer.close()

@@ -12,6 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `import envs` from the tests
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n auto`: a worker per core, so one torch thread per worker
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # (read when torch is first imported, after this file)
 
 
 def pytest_configure(config):
@@ -52,6 +54,19 @@ def gloo_threads(grace_s: float = 2.0) -> list[str]:
         if not names or time.monotonic() > deadline:
             return names
         time.sleep(0.01)
+
+
+def scalar_steps(run_dir: Path, tag: str) -> list[int]:
+    """The steps at which `tag` was logged in RUN_DIR's tensorboard event files (all of them, in file order)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = []
+    for events in sorted(Path(run_dir).glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        if tag in acc.Tags().get("scalars", []):
+            steps += [e.step for e in acc.Scalars(tag)]
+    return steps
 
 
 def script_command(script: str, *args: str) -> list[str]:

@@ -83,7 +83,7 @@ def test_sigint_truncated_checkpoint_and_refusals(uninterrupted, tmp_path):
     proc = start_run(runs_dir, tmp_path / "log.txt")
     run_dir = wait_for_checkpoint(proc, runs_dir, ("bc", "candidates"))
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=TIMEOUT) == cql.SIGINT_EXIT_CODE
+    assert proc.wait(timeout=TIMEOUT) == cql.STOP_EXIT_CODE
     last_line = (tmp_path / "log.txt").read_text().strip().splitlines()[-1]
     assert last_line.startswith("interrupted: checkpoint ") and f"--resume {run_dir}" in last_line
     name = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step_dir"]
@@ -136,8 +136,8 @@ def test_checkpoint_round_trip_is_exact(tmp_path):
     parts = {"critic": critic, "target": target, "optimizer": optimizer, "rng": rng}
     arrays = {"cand": rng.integers(-1, 9, size=(5, 3)), "utterances": np.array(["is it red ?", "", "it is big ."])}
     progress = {"bc_nll": {"model/bc_nll_end": 1.25}, "timings": {"bc_s": 1.0}, "args": {}}
-    cql.checkpoint_or_exit(tmp_path, "bc", 0, lm, {}, progress, {"set": False}, _NullWriter())
-    cql.checkpoint_or_exit(tmp_path, "critic", 20, lm, arrays, progress, {"set": False}, _NullWriter(), parts)
+    cql.checkpoint_or_exit(tmp_path, "bc", 0, lm, {}, progress, {"signal": None}, _NullWriter())
+    cql.checkpoint_or_exit(tmp_path, "critic", 20, lm, arrays, progress, {"signal": None}, _NullWriter(), parts)
     assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["critic_20", "latest.json"]
     expected = (rng.random(), torch.rand(1), np.random.random())  # the draws after the save
 

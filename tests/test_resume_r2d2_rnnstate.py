@@ -88,7 +88,7 @@ def test_sigint_truncated_checkpoint_and_a_kill_during_a_save(uninterrupted, tmp
     proc = start_run(runs_dir, tmp_path / "log.txt")
     run_dir = wait_for_checkpoint(proc, runs_dir)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=TIMEOUT) == r2d2.SIGINT_EXIT_CODE
+    assert proc.wait(timeout=TIMEOUT) == r2d2.STOP_EXIT_CODE
     last_line = (tmp_path / "log.txt").read_text().strip().splitlines()[-1]
     assert last_line.startswith("interrupted at global_step=") and f"--resume {run_dir}" in last_line
     latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())

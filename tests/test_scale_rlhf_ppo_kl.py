@@ -20,11 +20,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, gloo_threads, load_script, run_script, subprocess_env
+from conftest import ROOT, gloo_threads, load_script, run_script, scalar_steps, subprocess_env
 
 M = load_script("rlhf_ppo_kl")
 SCRIPT = str(ROOT / "algos" / "rlhf_ppo_kl.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+SLOW_WRITE_S = 0.5  # rank 0's checkpoint write, slowed in the worker: rank 1 must wait for it
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-7  # float32: the shard and whole-batch forward passes sum in different orders
 TINY = (  # seconds: tiny data, tiny model; eval every update; batch 8 = 2 minibatches of 4 = 2 ranks x 2
     "--sft-examples", "128", "--sft-epochs", "1", "--pref-prompts", "8", "--rm-epochs", "1",
@@ -107,6 +108,14 @@ def gradient_worker(out_dir: str) -> None:
     mean, var = M.global_masked_mean_var(x[mine], mask[mine])
     whitened = M.masked_whiten(x[mine], mask[mine])
     gathered_whitened = M.gather_cat(whitened)
+    # issue 24: no rank leaves save_checkpoint before rank 0's checkpoint is complete (a rank that exits early makes
+    # torchrun's agent stop the others, rank 0 mid-write); rank 0's write is slowed so that an early return shows
+    write_checkpoint = M.write_checkpoint
+    M.write_checkpoint = lambda *a: (time.sleep(SLOW_WRITE_S), write_checkpoint(*a))
+    run_dir = Path(out_dir) / "run"
+    M.save_checkpoint(run_dir, 1, policy, torch.optim.Adam(policy.parameters()), None, torch.device("cpu"), {})
+    checkpoint_complete_on_return = (run_dir / "checkpoints" / "latest.json").is_file()
+    M.write_checkpoint = write_checkpoint
     dist.destroy_process_group()  # from here on the helpers see one process: the single-process reference values
     left = gloo_threads()
     assert not left, f"rank {rank}: the process group outlived destroy_process_group ({left} still run)"
@@ -119,6 +128,7 @@ def gradient_worker(out_dir: str) -> None:
         "var_diff": (var - M.masked_var(x, mask)).abs().item(),
         "whiten_max_abs_diff": (gathered_whitened - M.masked_whiten(x, mask)).abs().max().item(),
         "data_parallel_grad": data_parallel.tolist(),
+        "checkpoint_complete_on_return": checkpoint_complete_on_return,
     }
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
 
@@ -132,6 +142,7 @@ def test_allreduced_gradient_of_a_split_minibatch_equals_the_one_process_gradien
         assert r["grad_max_abs"] > 1e-3  # a gradient worth comparing
         assert r["unweighted_max_abs_diff"] > 100 * r["grad_max_abs_diff"]  # the token weighting is what makes it
         assert r["mean_diff"] < 1e-6 and r["var_diff"] < 1e-5 and r["whiten_max_abs_diff"] < 1e-5
+        assert r["checkpoint_complete_on_return"]  # rank 1 waited for rank 0's write
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -193,6 +204,8 @@ def test_sigkill_then_resume_ends_bit_identical_and_truncated_checkpoints(runs_d
     assert proc.returncode == -signal.SIGKILL
     ckpt = run_dir / "checkpoints"
     latest = json.loads((ckpt / "latest.json").read_text())
+    logged = scalar_steps(run_dir, "objective/kl")  # flushed with the checkpoint: none lost to the kill
+    assert set(range(1, latest["update"] + 1)) <= set(logged), (latest, logged)
     # a copy whose newest checkpoint was truncated half-way (e.g. the disk filled up): refused, naming the file
     broken = tmp_path / "broken"
     shutil.copytree(run_dir, broken)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import ROOT, gloo_threads, load_script, run_script, subprocess_env
+from conftest import ROOT, gloo_threads, load_script, run_script, scalar_steps, subprocess_env
 
 from envs import preference
 
@@ -205,14 +205,17 @@ def test_sigkill_then_resume_ends_with_the_uninterrupted_metrics(killed_run, uni
     assert summary["run_dir"] == str(run_dir)
 
 
-def test_ctrl_c_saves_a_checkpoint_and_resume_ends_with_the_uninterrupted_metrics(uninterrupted, tmp_path):
-    proc, run_dir, out = start_and_interrupt(tmp_path / "runs", signal.SIGINT, "reward")
+def test_sigterm_saves_a_checkpoint_and_resume_ends_with_the_uninterrupted_metrics(uninterrupted, tmp_path):
+    """SIGTERM (torchrun's agent, a job scheduler) stops exactly as Ctrl-C does (the same handler: see
+    test_stop_signals.py): a checkpoint at the next step, the tensorboard file closed, exit 130, the command."""
+    proc, run_dir, out = start_and_interrupt(tmp_path / "runs", signal.SIGTERM, "reward")
     assert proc.returncode == 130, out
     assert out.strip().splitlines()[-1].startswith("interrupted: saved ")  # one line, naming the command:
     assert out.strip().endswith(f"rlhf_reward_model.py --resume {run_dir}")
     latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
     assert latest["phase"] == "reward" and 80 < latest["step"] < 116, latest  # inside the reward-model phase
     assert not (run_dir / "summary.json").exists()
+    assert scalar_steps(run_dir, "losses/sft_nll") == list(range(10))  # on disk: the writer was closed
     done = resume(run_dir)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
