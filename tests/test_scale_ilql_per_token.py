@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, gloo_threads, load_script, run_script, scalar_steps, subprocess_env
+from conftest import ROOT, gloo_threads, load_script, run_script, subprocess_env
 from safetensors.torch import load_file, save_file
 from test_ilql_per_token import TINY, check_evaluation_bookkeeping
 
@@ -170,8 +170,6 @@ def test_sigkill_then_resume_ends_with_the_uninterrupted_metrics(uninterrupted, 
     proc.communicate(timeout=60)
     step = latest_step(run_dir)
     assert step < 120 and not (run_dir / "summary.json").exists()  # killed during training
-    logged = scalar_steps(run_dir, "losses/grad_norm")  # flushed with the checkpoint: none lost to the kill
-    assert set(range(10, step + 1, 10)) <= set(logged), (step, logged)
     ckpt = run_dir / "checkpoints"
     good_latest = (ckpt / "latest.json").read_text()
     bad = ckpt / f"step_{step + 1}"

@@ -222,6 +222,34 @@ def test_sigterm_saves_a_checkpoint_and_resume_ends_with_the_uninterrupted_metri
     assert summary["metrics"] == uninterrupted["metrics"]
 
 
+def test_end_of_step_flushes_tensorboard_with_each_checkpoint_and_closes_it_on_a_stop(tmp_path):
+    """Issue 24: scalars logged before a checkpoint are on disk when it is complete, and a stop closes the file."""
+
+    class Writer:
+        def __init__(self):
+            self.calls = []
+
+        def flush(self):
+            self.calls.append("flush")
+
+        def close(self):
+            self.calls.append("close")
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    rt = rm.Runtime(run_dir=tmp_path, total_updates=10, writer=Writer())
+    args = rm.Args(save_every=2)
+    parts = (model, optimizer, scheduler, {}, {})
+    rm.end_of_step(rt, args, 1, "sft", *parts, False)
+    rm.end_of_step(rt, args, 2, "sft", *parts, False)
+    with pytest.raises(SystemExit) as ended:
+        rm.end_of_step(rt, args, 3, "sft", *parts, True)
+    assert ended.value.code == rm.STOP_EXIT_CODE
+    assert rt.writer.calls == ["flush", "flush", "close"]  # update 2 (due), update 3 (the stop), then closed
+    assert json.loads((tmp_path / "checkpoints" / "latest.json").read_text())["step"] == 3
+
+
 def one_line_error(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode != 0, proc.stdout[-2000:]
     lines = proc.stderr.strip().splitlines()
