@@ -65,7 +65,8 @@ Implementation details:
     only those episodes are trained on (a mask in every loss), their returns are discounted sums of their own
     rewards, and nothing is bootstrapped, truncations included. Training on first episodes only keeps the sample
     unbiased (episodes cut by a rollout end would favour short ones); the price is idle envs while the longest
-    episode finishes.
+    episode finishes. `charts/episodic_return` and `charts/episodic_length` log those episodes only, so the training
+    curve shows what was trained on, as the evaluation does.
  9. Evaluation runs `--eval-episodes` envs in parallel and scores each env's first episode only (no bias to
     short episodes); it samples from the policy (the optimal memoryless policy is stochastic) and also reports
     the greedy (argmax) policy with the `eval/greedy_` prefix.
@@ -173,7 +174,8 @@ class Args:
 
     # PPO
     total_timesteps: int = 100_000
-    """total environment steps of training"""
+    """total environment steps of training (0: no training, the initial network is evaluated: `benchmark.sh
+    --untrained`)"""
     learning_rate: float = 1e-3
     """the learning rate of the optimizer"""
     anneal_lr: bool = True
@@ -533,7 +535,7 @@ if __name__ == "__main__":
     args.batch_size = args.num_envs * args.num_steps
     args.envs_per_minibatch = args.num_envs // args.num_minibatches
     args.num_iterations = 0 if args.eval_only else args.total_timesteps // args.batch_size
-    if not args.eval_only and args.num_iterations < 1:
+    if not args.eval_only and args.total_timesteps != 0 and args.num_iterations < 1:
         raise SystemExit(f"error: --total-timesteps {args.total_timesteps} < one rollout ({args.batch_size} steps)")
     check_runs_dir(args.runs_dir)
 
@@ -642,7 +644,9 @@ if __name__ == "__main__":
 
             ep_return += reward
             ep_length += 1
-            for i in np.flatnonzero(done):
+            # `--returns mc`: log only each env's first episode, the one trained on (later ones are not scored)
+            logged = done & ~ended if args.returns == "mc" else done
+            for i in np.flatnonzero(logged):
                 writer.add_scalar("charts/episodic_return", ep_return[i], global_step)
                 writer.add_scalar("charts/episodic_length", ep_length[i], global_step)
                 recent_returns.append(ep_return[i])

@@ -252,8 +252,32 @@ def test_monte_carlo_mode_trains_on_whole_first_episodes_and_never_bootstraps(ru
             mc = sum(0.9 ** (k - t) * (obs[k, b].item() + 1) for k in range(t, first_end[b] + 1))
             assert g["returns"][t, b].item() == pytest.approx(mc, rel=1e-5)
     assert torch.equal(rewards[:n], obs[:n] + 1)  # no truncation bootstrap was added
+    # the training curve logs the trained episodes only: one per env per rollout, the last rollout's as measured
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(g["run_dir"]), size_guidance={"scalars": 0})
+    acc.Reload()
+    lengths = [e.value for e in acc.Scalars("charts/episodic_length")]
+    assert len(lengths) == g["iteration"] * valid.shape[1] == len(acc.Scalars("charts/episodic_return"))
+    assert sorted(lengths[-valid.shape[1] :]) == sorted((first_end + 1).tolist())
     with pytest.raises(SystemExit, match="error: --returns mc: an episode ran past --num-steps 2"):
         run_main(monkeypatch, *args, "--total-timesteps", "256", "--num-envs", "4", "--num-steps", "2")
+
+
+def test_zero_timesteps_evaluates_the_initial_network(runs_dir, monkeypatch):
+    """`--total-timesteps 0` (benchmark.sh --untrained): no rollout, no update, the initial network is evaluated;
+    a positive budget below one rollout stays an error."""
+    g = run_main(monkeypatch, "--runs-dir", str(runs_dir), "--env-id", "seqrl/ThreeStateLine-v0", *TINY[2:],
+                 "--total-timesteps", "0")  # fmt: skip
+    assert g["global_step"] == 0 and g["iteration"] == 0
+    torch.manual_seed(1)  # the script's seed: the weights it started from
+    initial = ppo.Agent(g["obs_dim"], g["num_actions"], *g["arch"])
+    for key, value in initial.state_dict().items():
+        assert torch.equal(value, g["agent"].state_dict()[key]), key
+    summary = json.loads((g["run_dir"] / "summary.json").read_text())
+    assert 1 <= summary["metrics"]["eval/episodic_length"] <= 20 and summary["sps"] == 0.0
+    with pytest.raises(SystemExit, match="error: --total-timesteps 50 < one rollout"):
+        run_main(monkeypatch, "--runs-dir", str(runs_dir), *TINY[2:], "--total-timesteps", "50")
 
 
 def test_smoke_run_writes_summary_and_reloads(runs_dir):
