@@ -7,6 +7,8 @@
 #   bash benchmark.sh --only 'tmaze|tiger' --jobs 2 # --only: a regex over experiment ids
 #   bash benchmark.sh --aggregate results/<stamp>   # re-check and re-plot an earlier run's folder
 #   bash benchmark.sh --validate                    # parse every experiment line and check, run nothing
+#   bash benchmark.sh --quick --untrained           # control: the same runs with learning cut to nothing (UNTRAINED
+#                                                   # below); every positive claim must fail there
 #
 # Each run is `python algos/<script>.py --seed S --runs-dir <out>/runs/<id>/seed<S> <args>`; its summary.json is read
 # back. Output goes to a new folder results/<timestamp>/ (never overwriting earlier results):
@@ -14,8 +16,11 @@
 #               check and the verdict (holds k/N seeds, or FAILS); run status (finished or crashed) separately
 #   *.png       one figure per claim group (smoothed curves, mean and band over seeds, the prediction dashed)
 #   log.txt, logs/<id>_seed<S>.log, runs/<id>/seed<S>/...: the runs, their output and their run dirs
-# Exit status: 0 if every run finished and every checked claim holds, 1 otherwise (written after everything), 2 for
-# bad usage or a malformed experiment line.
+# --untrained writes results/<timestamp>-untrained/ (no figures): results.md opens with "positive claims failing
+# untrained: X of Y" and lists the positive claims that hold untrained (they cannot fail: a check to redesign), the
+# errors (a crashed run or a missing metric: nothing to judge), the negative controls and the rows left out (why).
+# Exit status: 0 if every run finished and every checked claim holds (--untrained: every positive claim fails), 1
+# otherwise (written after everything), 2 for bad usage or a malformed experiment line.
 set -uo pipefail
 cd "$(dirname "$0")"
 {  # the whole script is one block, parsed before it runs, so editing this file mid-run cannot change a run
@@ -25,6 +30,7 @@ SEEDS=""
 ONLY=""
 AGGREGATE=""
 VALIDATE=0
+UNTRAINED=0
 JOBS=$(nproc 2>/dev/null || echo 2)
 ARGV="$*"
 while [ $# -gt 0 ]; do
@@ -35,7 +41,8 @@ while [ $# -gt 0 ]; do
     --jobs) JOBS="${2:?--jobs needs a number}"; shift ;;
     --aggregate) AGGREGATE="${2:?--aggregate needs a results folder}"; shift ;;
     --validate) VALIDATE=1 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    --untrained) UNTRAINED=1 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "benchmark.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
   shift
@@ -47,11 +54,14 @@ for s in $SEEDS; do [[ "$s" =~ ^[0-9]+$ ]] || { echo "benchmark.sh: --seeds take
 # The experiments, one claim per line:
 #   mode: id | claim | script and arguments | metrics shown | prediction in words | check
 # `quick:` lines run in --quick mode too, `full:` lines only in full mode. Several lines may share an id (one run,
-# several claims). The check is evaluated by the aggregation on every seed: conditions separated by ` ; `, each a
-# comparison (chains allowed: 0.45 <= x <= 0.55) of arithmetic (+ - * and abs/min/max) over numbers and metric refs,
-# `metric/name` (this experiment's summary.json) or `other_id:metric/name` (another experiment, same seed). A condition
-# prefixed `mean:` is judged once, on the means over seeds (used for "A beats B on average" orderings). `info` instead
-# of a check marks an anchor row that is reported, not judged.
+# several claims; their commands must be the same: only the first line's runs). The check is evaluated by the
+# aggregation on every seed: conditions separated by ` ; `, each a comparison (chains allowed: 0.45 <= x <= 0.55) of
+# arithmetic (+ - * and abs/min/max) over numbers and metric refs, `metric/name` (this experiment's summary.json) or
+# `other_id:metric/name` (another experiment, same seed). A condition prefixed `mean:` is judged once, on the means over
+# seeds (used for "A beats B on average" orderings). `info` instead of a check marks an anchor or a fact of the data:
+# reported, not judged. A check prefixed `negative(<id>):` is a negative control: it predicts a failure (memoryless at
+# chance), so it holds untrained by nature and is left out of the --untrained count; <id> names the experiment of the
+# positive claim on the same task (same --env-id) that it pairs with.
 EXPERIMENTS=$(cat <<'EOF'
 quick: ppo_line_none | ThreeStateLine (Problem 21.1): the best memoryless policy is stochastic, p(right)=1/2, 2 steps | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn none --total-timesteps 30000 --eval-episodes 1000 | eval/p_right_first_step,eval/episodic_length | 0.5 and 2.0 | 0.42 <= eval/p_right_first_step <= 0.58 ; eval/episodic_length <= 2.3
 quick: ppo_line_none | ThreeStateLine: the greedy version of that policy is deterministic and fails half the episodes | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn none --total-timesteps 30000 --eval-episodes 1000 | eval/greedy_episodic_length | about 10.5 (half the episodes hit the 20-step limit) | eval/greedy_episodic_length >= 8
@@ -59,25 +69,25 @@ quick: ppo_line_gru | ThreeStateLine with memory (GRU): reverse after a wall bum
 quick: ppo_corridor_mc | ShortCorridor (Sutton & Barto 13.1): memoryless PPO with Monte Carlo returns finds the stochastic optimum | ppo_recurrent --env-id seqrl/ShortCorridor-v0 --rnn none --returns mc --num-steps 100 --total-timesteps 100000 --eval-episodes 1000 | eval/p_right_first_step,eval/episodic_return | p(right) = 2 - sqrt(2) = 0.586, return -11.66 | 0.50 <= eval/p_right_first_step <= 0.68 ; eval/episodic_return >= -13
 quick: ppo_corridor_td | ShortCorridor: the same PPO with a bootstrapped critic on o (one-step TD advantages) turns deterministic and stalls | ppo_recurrent --env-id seqrl/ShortCorridor-v0 --rnn none --gae-lambda 0 --total-timesteps 100000 --eval-episodes 1000 | eval/p_right_first_step,eval/episodic_return | p(right) -> 1, episodes run into the 100-step limit | eval/p_right_first_step >= 0.95 ; eval/episodic_return <= ppo_corridor_mc:eval/episodic_return - 30
 quick: ppo_tmaze_gru | TMaze (corridor 10) with a GRU (one torso for actor and critic: the value loss also trains the memory) | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn gru --shared-torso --total-timesteps 200000 --ent-coef 0.03 --eval-episodes 400 | eval/success_rate,eval/episodic_return | success ~1 (optimal return 3.0; tuning seeds 111-130: 0.99-1.00) | eval/success_rate >= 0.9
-quick: ppo_tmaze_none | TMaze (corridor 10), memoryless (same recipe) | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn none --shared-torso --total-timesteps 200000 --ent-coef 0.03 --eval-episodes 400 | eval/success_rate,eval/episodic_return | success 0.5 (chance at the junction; tuning seeds 111-130: 0.37-0.56 on 100 episodes) | 0.35 <= eval/success_rate <= 0.65
+quick: ppo_tmaze_none | TMaze (corridor 10), memoryless (same recipe) | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn none --shared-torso --total-timesteps 200000 --ent-coef 0.03 --eval-episodes 400 | eval/success_rate,eval/episodic_return | success 0.5 (chance at the junction; tuning seeds 111-130: 0.37-0.56 on 100 episodes) | negative(ppo_tmaze_gru): 0.35 <= eval/success_rate <= 0.65
 quick: ppo_cartpole_v1 | CartPole-v1 (fully observed), memoryless, CleanRL ppo.py's settings: as good as CleanRL ppo.py (mean 491.6 over its last 20 episodes, seeds 101-105 on this machine) | ppo_recurrent --env-id CartPole-v1 --rnn none --num-envs 4 --num-steps 128 --learning-rate 2.5e-4 --total-timesteps 500000 | eval/episodic_return | within 5% of CleanRL: >= 467 | eval/episodic_return >= 467
 quick: ppo_cartpole_gru | MaskedCartPole with a GRU (RL Zoo's RecurrentPPO recipe): memory recovers the velocities | ppo_recurrent --env-id seqrl/MaskedCartPole-v0 --rnn gru PPO_CARTPOLE_ARGS | eval/episodic_return,eval/greedy_episodic_return | far above memoryless (~43) on every seed: at least 3 times its return; 500 on about half the seeds (PPO's return swings between ~200 and 500 late in training here, so a run ends anywhere in that range: 24 runs of this recipe and variants ended at 164-500) | eval/episodic_return >= 120 ; eval/episodic_return >= 3 * ppo_cartpole_none:eval/episodic_return
-quick: ppo_cartpole_none | MaskedCartPole, memoryless (same recipe) | ppo_recurrent --env-id seqrl/MaskedCartPole-v0 --rnn none PPO_CARTPOLE_ARGS | eval/episodic_return | ~45 (the pole falls without velocities) | eval/episodic_return <= 100
+quick: ppo_cartpole_none | MaskedCartPole, memoryless (same recipe) | ppo_recurrent --env-id seqrl/MaskedCartPole-v0 --rnn none PPO_CARTPOLE_ARGS | eval/episodic_return | ~45 (the pole falls without velocities) | negative(ppo_cartpole_gru): eval/episodic_return <= 100
 quick: ppo_tiger_gru | Tiger with a GRU: listens before opening, positive return | ppo_recurrent --env-id seqrl/Tiger-v0 --rnn gru --no-bootstrap-truncated --total-timesteps 150000 --eval-episodes 1000 | eval/episodic_return,eval/listens_per_episode,eval/success_rate | > 0 (optimum 5.01), >= 2 listens | eval/episodic_return >= 2.5 ; eval/listens_per_episode >= 2
-quick: ppo_tiger_none | Tiger, memoryless | ppo_recurrent --env-id seqrl/Tiger-v0 --rnn none --no-bootstrap-truncated --total-timesteps 150000 --eval-episodes 1000 | eval/episodic_return,eval/listens_per_episode | < 0 (best memoryless -7.5) | eval/episodic_return <= -2
+quick: ppo_tiger_none | Tiger, memoryless | ppo_recurrent --env-id seqrl/Tiger-v0 --rnn none --no-bootstrap-truncated --total-timesteps 150000 --eval-episodes 1000 | eval/episodic_return,eval/listens_per_episode | < 0 (best memoryless -7.5) | negative(ppo_tiger_gru): eval/episodic_return <= -2
 quick: ssm_twodoors | TwoDoors (Problem 21.2): after a failed try the latent model predicts retry-same ~0, other ~1 | ssm_vae_q --env-id seqrl/TwoDoors-v0 | model/p_pass_retry_same_door,model/p_pass_other_door | 0 and 1 (tuning seeds: same <= 0.001, other 0.88-1.00) | model/p_pass_retry_same_door <= 0.1 ; model/p_pass_other_door >= 0.75
-quick: ssm_twodoors | TwoDoors (Problem 21.2): a Markovian model of p(o' given o, a) predicts the same for both doors | ssm_vae_q --env-id seqrl/TwoDoors-v0 | model/markov_p_pass_same_door,model/markov_p_pass_other_door | 0.5 and 0.5 | 0.4 <= model/markov_p_pass_same_door <= 0.6 ; 0.4 <= model/markov_p_pass_other_door <= 0.6
+quick: ssm_twodoors | TwoDoors (Problem 21.2): a Markovian model of p(o' given o, a) predicts the same for both doors | ssm_vae_q --env-id seqrl/TwoDoors-v0 | model/markov_p_pass_same_door,model/markov_p_pass_other_door | 0.5 and 0.5 | negative(ssm_twodoors): 0.4 <= model/markov_p_pass_same_door <= 0.6 ; 0.4 <= model/markov_p_pass_other_door <= 0.6
 quick: ssm_twodoors | TwoDoors: Q-learning on the latent belief beats the best memoryless policy | ssm_vae_q --env-id seqrl/TwoDoors-v0 | eval/episodic_return | 0.95 (memoryless best 0.90; tuning seeds 0.943-0.953) | eval/episodic_return >= 0.92
 quick: ssm_twodoors | Problem 21.2(b): p(pass within k = 5 tries of the same door) after a failed try: the Markovian count model predicts 1 - 0.5^5 = 0.97, the latent model about the truth 0.5 | ssm_vae_q --env-id seqrl/TwoDoors-v0 | model/markov_p_pass_within_5_tries,model/p_pass_within_5_tries,model/true_p_pass_within_5_tries | Markov ~0.97, latent near 0.5 (tuning seeds: Markov 0.968-0.972, latent 0.49-0.68) | model/markov_p_pass_within_5_tries >= 0.9 ; model/p_pass_within_5_tries <= model/markov_p_pass_within_5_tries - 0.15
 quick: ssm_tmaze5 | TMaze (corridor 5): Q-learning on the latent belief remembers the cue (network of the best evaluation during training kept) | ssm_vae_q --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 5}' --seq-len 16 --total-timesteps 30000 --select-frequency 3000 --keep-best | eval/success_rate,eval/last_network_success_rate,eval/one_step_obs_error | success ~1 (memoryless 0.5); last network reported | eval/success_rate >= 0.9
 quick: dqn_cartpole_k4 | MaskedCartPole: a 4-frame stack recovers the velocities (network of the best evaluation kept) | dqn_framestack --frame-stack 4 --select-frequency 10000 --keep-best | eval/episodic_return,eval/last_network_episodic_return | hundreds of steps against ~45 for k = 1; 500 on some seeds only (tuning seeds 101-105, kept: 249-499) | eval/episodic_return >= 150 ; eval/episodic_return >= dqn_cartpole_k1:eval/episodic_return + 100
-quick: dqn_cartpole_k1 | MaskedCartPole: Q-learning on single observations fails | dqn_framestack --frame-stack 1 --total-timesteps 40000 | eval/episodic_return | ~45 | eval/episodic_return <= 100
-quick: dqn_line_k1 | ThreeStateLine (Problem 21.1): the greedy Q policy on o is deterministic and fails half the episodes | dqn_framestack --env-id seqrl/ThreeStateLine-v0 --frame-stack 1 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/failure_rate,eval/episodic_return | failure 0.5 (stochastic optimum: 0, return -2) | 0.35 <= eval/failure_rate <= 0.65
+quick: dqn_cartpole_k1 | MaskedCartPole: Q-learning on single observations fails | dqn_framestack --frame-stack 1 --total-timesteps 40000 | eval/episodic_return | ~45 | negative(dqn_cartpole_k4): eval/episodic_return <= 100
+quick: dqn_line_k1 | ThreeStateLine (Problem 21.1): the greedy Q policy on o is deterministic and fails half the episodes | dqn_framestack --env-id seqrl/ThreeStateLine-v0 --frame-stack 1 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/failure_rate,eval/episodic_return | failure 0.5 (stochastic optimum: 0, return -2) | negative(ppo_line_gru): 0.35 <= eval/failure_rate <= 0.65
 quick: dqn_tmaze_k4_corridor_sweep1 | TMaze, 4-frame stack, corridor 1 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 1}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/success_rate | 1 (cue inside the window) | eval/success_rate >= 0.95
 quick: dqn_tmaze_k4_corridor_sweep2 | TMaze, 4-frame stack, corridor 2 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 2}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/success_rate | 1 (cue inside the window) | eval/success_rate >= 0.95
 quick: dqn_tmaze_k4_actions_corridor3 | TMaze corridor 3: with the previous actions in the stack a wall bump and a step east differ, and the cue stays in the window | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 3}' --frame-stack 4 --stack-actions --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/success_rate,eval/episodic_length | success 1, 4 steps (tuning seeds 101-105: 1.00, 4.0; frames alone 0.5 / 0.5 / 1.0) | eval/success_rate >= 0.95
-quick: dqn_tmaze_k4_corridor_sweep4 | TMaze, 4-frame stack, corridor 4 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 4}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/success_rate | 0.5 (cue out of the window) | 0.3 <= eval/success_rate <= 0.7
-quick: dqn_tmaze_k4_corridor_sweep8 | TMaze, 4-frame stack, corridor 8 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 8}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/success_rate | 0.5 (chance) | 0.3 <= eval/success_rate <= 0.7
+quick: dqn_tmaze_k4_corridor_sweep4 | TMaze, 4-frame stack, corridor 4 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 4}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/success_rate | 0.5 (cue out of the window) | negative(dqn_tmaze_k4_corridor_sweep2): 0.3 <= eval/success_rate <= 0.7
+quick: dqn_tmaze_k4_corridor_sweep8 | TMaze, 4-frame stack, corridor 8 | dqn_framestack --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 8}' --frame-stack 4 --total-timesteps 30000 DQN_SMALL_ARGS --gamma 0.99 | eval/success_rate | 0.5 (chance) | negative(dqn_tmaze_k4_corridor_sweep2): 0.3 <= eval/success_rate <= 0.7
 quick: r2d2_tmaze20 | TMaze (corridor 20): R2D2 with stored LSTM state + burn-in solves it (a 4-frame DQN is at chance) | r2d2_rnnstate --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' --buffer-size 30000 --total-timesteps 250000 | eval/success_rate,eval/episodic_return,replay/full_histories_ratio | success ~1 (optimal return 2.0; tuning seeds 111-130 learn the cue by 46k-124k steps, 250k is twice the latest; at 100k 18 of 20 solve it, at 150k 20 of 20) | eval/success_rate >= 0.95
 quick: r2d2_tmaze20 | R2D2 ablation on one network (the last): Q discrepancy at the last trained row of replayed sequences started from zeros > from the stored state > from the stored state + burn-in | r2d2_rnnstate --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' --buffer-size 30000 --total-timesteps 250000 | model/final_delta_q_last_zero,model/final_delta_q_last_stored,model/final_delta_q_last_stored_burn_in | zero > stored on every seed (tuning ratio >= 1.84); burn-in smaller still (10/10 tuning seeds, ratio >= 1.10: judged on the mean) | model/final_delta_q_last_zero > model/final_delta_q_last_stored ; mean: model/final_delta_q_last_stored_burn_in < model/final_delta_q_last_stored
 full: r2d2_tmaze20_stored_noburnin | R2D2 ablation run, stored state, no burn-in (trains its own network) | r2d2_rnnstate --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' --buffer-size 30000 --total-timesteps 250000 --burn-in 0 | model/delta_q_first,model/delta_q_last,eval/success_rate | solves it on most seeds | info
@@ -95,11 +105,12 @@ full: rlhf_kl_sweep0.01 | RLHF, beta=0.01 | rlhf_ppo_kl --kl-coef 0.01 | eval/go
 full: rlhf_kl_sweep0.03 | RLHF, beta=0.03 | rlhf_ppo_kl --kl-coef 0.03 | eval/gold_reward,eval/kl | between beta=0 and beta=0.1 | info
 full: rlhf_kl_sweep0.3 | RLHF, beta=0.3 | rlhf_ppo_kl --kl-coef 0.3 | eval/gold_reward,eval/kl | small KL, gold above SFT | info
 full: rlhf_bandit | RLHF, sequence-level (bandit) advantages instead of per-token GAE | rlhf_ppo_kl --advantage bandit | eval/gold_reward,eval/sft_gold_reward,eval/kl | about the same as GAE | info
-full: ilql | GuessTheImage: per-token ILQL beats BC and filtered BC, approaching the optimal questioner | ilql_per_token | eval/episodic_return,eval/success_rate,eval/episodic_length,eval/normalized_score | > filtered BC >= BC (about 0.41), toward 0.783 | eval/episodic_return >= ilql_filtered_bc:eval/episodic_return + 0.1 ; eval/episodic_return >= eval/bc_episodic_return + 0.1
+full: ilql | GuessTheImage: per-token ILQL beats BC (the beta = 0 head of the ILQL network, `eval/bc_episodic_return`) and filtered BC, approaching the optimal questioner | ilql_per_token | eval/episodic_return,eval/bc_episodic_return,eval/success_rate,eval/episodic_length,eval/normalized_score | > filtered BC >= BC (the beta = 0 head, about 0.41), toward 0.783 | eval/episodic_return >= ilql_filtered_bc:eval/episodic_return + 0.1 ; eval/episodic_return >= eval/bc_episodic_return + 0.1
 full: ilql | GuessTheImage: the behavior mixture and the optimal questioner (anchors) | ilql_per_token | dataset/mean_return,ref/optimal_episodic_return | 0.412 and 0.783 | info
-full: ilql | Problem 21.4: per token the RL horizon is several times longer and each step chooses among ~10^2 tokens; per utterance the horizon is the number of turns and the action space is astronomically large (the data's numbers, the same on every seed) | ilql_per_token | timestep/rl_steps_per_dialogue,timestep/action_space_log10 | per token ~28 steps of ~10^2 actions; per utterance ~5 steps of ~10^24 | timestep/rl_steps_per_dialogue >= cql_utterance:timestep/rl_steps_per_dialogue + 15 ; timestep/action_space_log10 <= cql_utterance:timestep/action_space_log10 - 10
+full: ilql | Problem 21.4: per token the RL horizon is several times longer and each step chooses among ~10^2 tokens; per utterance the horizon is the number of turns and the action space is astronomically large (the data's numbers, the same on every seed) | ilql_per_token | timestep/rl_steps_per_dialogue,timestep/action_space_log10 | per token ~28 steps of ~10^2 actions (per utterance: the cql_utterance row below) | info
 full: ilql_filtered_bc | GuessTheImage: filtered BC, top 20% of dialogues by return | ilql_per_token --bc-only --filter-top-frac 0.2 | eval/episodic_return,eval/success_rate | about 0.41 (premature lucky guesses dominate the top) | info
-full: cql_utterance | GuessTheImage: per-utterance CQL (CHAI-style) beats BC and filtered BC | dialogue_cql_utterance | eval/episodic_return,eval/success_rate,eval/episodic_length,eval/normalized_score,eval/bc_proposer_episodic_return | > filtered BC >= BC, toward 0.783 | eval/episodic_return >= ilql_filtered_bc:eval/episodic_return + 0.1 ; eval/episodic_return >= ilql:eval/bc_episodic_return + 0.1
+full: cql_utterance | GuessTheImage: per-utterance CQL (CHAI-style) beats BC (the beta = 0 head of the ILQL network, `ilql:eval/bc_episodic_return`) and filtered BC | dialogue_cql_utterance | eval/episodic_return,eval/success_rate,eval/episodic_length,eval/normalized_score,eval/bc_proposer_episodic_return | > filtered BC >= BC (the beta = 0 head of the ILQL network), toward 0.783 | eval/episodic_return >= ilql_filtered_bc:eval/episodic_return + 0.1 ; eval/episodic_return >= ilql:eval/bc_episodic_return + 0.1
+full: cql_utterance | Problem 21.4, per utterance: the horizon is the number of turns, each step chooses among every utterance the tokenizer can write (the data's numbers) | dialogue_cql_utterance | timestep/rl_steps_per_dialogue,timestep/action_space_log10,timestep/distinct_data_utterances | ~5 steps of ~10^24 actions (per token: the ilql row above) | info
 EOF
 )
 # Settings shared by the small discrete-observation DQN runs (TMaze, ThreeStateLine), substituted above.
@@ -109,6 +120,20 @@ PPO_CARTPOLE_ARGS="--num-envs 8 --num-steps 32 --num-minibatches 1 --update-epoc
 EXPERIMENTS="${EXPERIMENTS//PPO_CARTPOLE_ARGS/$PPO_CARTPOLE_ARGS}"
 DQN_SMALL_ARGS="--learning-rate 5e-4 --train-frequency 1 --gradient-steps 1 --batch-size 128 --exploration-fraction 0.5 --end-e 0.05 --hidden-size 128 --target-network-frequency 500"
 EXPERIMENTS="${EXPERIMENTS//DQN_SMALL_ARGS/$DQN_SMALL_ARGS}"
+
+# --untrained: per script, the arguments appended to each of its commands (the last value of a flag wins) that cut
+# its learning to nothing, the evaluation unchanged:  script | arguments | what is left
+UNTRAINED_TABLE=$(cat <<'EOF'
+ppo_recurrent | --total-timesteps 0 | no rollout, the initial network evaluated
+dqn_framestack | --total-timesteps 0 | no env step, the initial network evaluated; --keep-best keeps nothing
+ssm_vae_q | --total-timesteps 4000 --learning-starts 1000000000 | the 4000 random warm-up steps that a trained run fits its Markov count model to, no gradient step
+r2d2_rnnstate | --total-timesteps 30000 --learning-starts 1000000000 | 30000 steps acted by the initial network fill the replay that the replay and Delta-Q metrics read, no gradient step
+rlhf_reward_model | --sft-epochs 0 --epochs 1 --learning-rate 0 | a random backbone, one pass at learning rate 0 that leaves the weights as initialized (the script rejects --epochs 0)
+rlhf_ppo_kl | --sft-epochs 0 --rm-epochs 0 --num-updates 0 | random SFT policy and reward model (their 10 + 6 epochs cost ~1 min a run), no PPO update: the policy is the SFT policy
+ilql_per_token | --num-steps 0 | no gradient step, every beta head of the initial network evaluated
+dialogue_cql_utterance | --bc-epochs 0 --critic-steps 0 | the initial proposer and critic (its candidate generation and evaluation still take ~5 min)
+EOF
+)
 
 # The figures, one per claim group:  kind | file | title | series | y | reference
 #   curve    series `label=id, ...`; y a tensorboard tag, smoothed (rolling mean over SMOOTH_EPISODES episodes for
@@ -136,6 +161,7 @@ import ast
 import json
 import math
 import re
+import shlex
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -144,6 +170,8 @@ SMOOTH_EPISODES = 20  # smallest rolling-mean window (episodes) of the charts/ c
 SMOOTH_FRACTION = 100  # ... which grows to 1/100 of a run's episodes (thousands of short episodes need more)
 GRID_POINTS = 200  # curves of all seeds are interpolated onto this many env steps before the mean and band
 REF_RE = re.compile(r"(?:(?P<exp>[A-Za-z_][\w.\-]*):)?(?P<metric>[A-Za-z_]\w*/\w+)")
+NEGATIVE_RE = re.compile(r"negative\((?P<pair>[^)]*)\):(?P<check>.*)")  # `negative(<id>): <check>`
+ID_RE = re.compile(r"[A-Za-z_][\w.\-]*")
 FUNCS = {"abs": abs, "min": min, "max": max}
 ALLOWED = (ast.Expression, ast.Compare, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Load, ast.Call,
            ast.Add, ast.Sub, ast.Mult, ast.USub, ast.UAdd, ast.Lt, ast.LtE, ast.Gt, ast.GtE)  # fmt: skip
@@ -189,19 +217,36 @@ def parse_line(line: str, where: str) -> dict:
         raise CheckError(f"{where}: needs 6 '|'-separated fields (id | claim | command | metrics | prediction | "
                          f"check), got {len(fields)}")  # fmt: skip
     exp_id, claim, cmd, metrics, prediction, check = fields
-    if not re.fullmatch(r"[A-Za-z_][\w.\-]*", exp_id):
+    if not ID_RE.fullmatch(exp_id):
         raise CheckError(f"{where}: bad experiment id {exp_id!r}")
-    if not check:
+    negative, body = None, check
+    if match := NEGATIVE_RE.fullmatch(check):
+        negative, body = match.group("pair").strip(), match.group("check").strip()
+        if not ID_RE.fullmatch(negative):
+            raise CheckError(f"{where} (id {exp_id}): `negative(<id>):` must name the experiment of the positive "
+                             f"claim it pairs with, got {negative!r}")  # fmt: skip
+    if not body or (negative and body == "info"):
         raise CheckError(f"{where}: empty check (write a prediction the results can test, or `info`)")
     conditions = []
-    if check != "info":
-        for part in check.split(" ; "):
+    if body != "info":
+        for part in body.split(" ; "):
             try:
                 conditions.append(parse_condition(part))
             except CheckError as err:
                 raise CheckError(f"{where} (id {exp_id}): check {err}") from None
     return dict(id=exp_id, claim=claim, cmd=cmd, metrics=[m.strip() for m in metrics.split(",") if m.strip()],
-                prediction=prediction, check=check, conditions=conditions, where=where)  # fmt: skip
+                prediction=prediction, check=body, negative=negative, conditions=conditions, where=where)  # fmt: skip
+
+
+def env_of(cmd: str):
+    """The task a command runs: its `--env-id`, or the script's default env."""
+    words = shlex.split(cmd)
+    for i, word in enumerate(words):
+        if word == "--env-id" and i + 1 < len(words):
+            return words[i + 1]
+        if word.startswith("--env-id="):
+            return word.split("=", 1)[1]
+    return f"{words[0] if words else '?'}'s default env"
 
 
 def parse_experiments(lines: list[tuple[str, str]], strict: bool = True) -> list[dict]:
@@ -212,11 +257,30 @@ def parse_experiments(lines: list[tuple[str, str]], strict: bool = True) -> list
     if not strict:
         return experiments
     ids = {e["id"] for e in experiments}
+    first = {}  # id -> its first line: the one whose command runs
     for e in experiments:
+        f = first.setdefault(e["id"], e)
+        if e["cmd"] != f["cmd"]:
+            raise CheckError(
+                f"{e['where']} (id {e['id']}): same id as {f['where']} but another command (only the first line's "
+                "command runs: give the lines one command, or this line its own id)"
+            )
         for cond in e["conditions"]:
             for exp, _ in cond["refs"]:
                 if exp is not None and exp not in ids:
                     raise CheckError(f"{e['where']} (id {e['id']}): check refers to unknown experiment {exp!r}")
+    for e in experiments:  # a negative control pairs with a positive claim on the same task
+        if e["negative"] is None:
+            continue
+        positive = [x for x in experiments if x["id"] == e["negative"] and x["conditions"] and not x["negative"]]
+        if not positive:
+            raise CheckError(f"{e['where']} (id {e['id']}): negative control without a pair: no line with id "
+                             f"{e['negative']!r} states a positive claim (a check that is neither `info` nor "
+                             f"`negative(...)`)")  # fmt: skip
+        if env_of(e["cmd"]) != env_of(positive[0]["cmd"]):
+            raise CheckError(f"{e['where']} (id {e['id']}): negative control on {env_of(e['cmd'])}, its pair "
+                             f"{e['negative']!r} on {env_of(positive[0]['cmd'])}: pair it with a claim on the same "
+                             f"task")  # fmt: skip
     return experiments
 
 
@@ -233,15 +297,22 @@ def mean_std(values):
 
 
 def evaluate_claim(e: dict, metric_of, seeds: list[int], ran: set) -> dict:
-    """Verdict of one claim: per-seed conditions on every seed, `mean:` conditions on the means over seeds."""
+    """Verdict of one claim: per-seed conditions on every seed, `mean:` conditions on the means over seeds.
+
+    Also returned, for --untrained: `seed_ok` (seed -> the claim holds there: every per-seed condition on that seed
+    and every `mean:` condition), `absent` (the values a condition needed that no summary.json holds) and `held`
+    (the conditions that hold on every seed)."""
     missing = sorted({exp for c in e["conditions"] for exp, _ in c["refs"] if exp is not None and exp not in ran})
     if missing:
         return {"status": "not checked", "text": f"not checked: {', '.join(missing)} not run"}
-    per_seed, failures, mean_ok = {}, [], True
+    per_seed, failures, mean_ok, absent, held = {}, [], True, [], []
     for cond in e["conditions"]:
         def values(seed):
             return [metric_of(exp or e["id"], metric, seed) for exp, metric in cond["refs"]]
 
+        for seed in seeds:
+            absent += [f"seed {seed}: {(x + ':') if x else ''}{m}"
+                       for (x, m), v in zip(cond["refs"], values(seed), strict=True) if v is None]  # fmt: skip
         if cond["mean"]:
             columns = [values(s) for s in seeds]
             complete = [col for col in columns if None not in col]
@@ -252,17 +323,23 @@ def evaluate_claim(e: dict, metric_of, seeds: list[int], ran: set) -> dict:
             means = [sum(col[i] for col in complete) / len(complete) for i in range(len(cond["refs"]))]
             ok = bool(eval(cond["code"], {**FUNCS}, {f"_r{i}": v for i, v in enumerate(means)}))
             mean_ok &= ok
-            if not ok:
+            if ok:
+                held.append(cond["text"])
+            else:
                 shown = ", ".join(f"{m}={fmt(v)}" for (_, m), v in zip(cond["refs"], means))
                 failures.append(f"`{cond['text']}` false on the means ({shown})")
             continue
+        all_ok = True
         for seed in seeds:
             vals = values(seed)
             ok = None not in vals and bool(eval(cond["code"], {**FUNCS}, {f"_r{i}": v for i, v in enumerate(vals)}))
             per_seed[seed] = per_seed.get(seed, True) and ok
+            all_ok &= ok
             if not ok:
                 shown = ", ".join(f"{(x + ':') if x else ''}{m}={fmt(v)}" for (x, m), v in zip(cond["refs"], vals))
                 failures.append(f"seed {seed}: `{cond['text']}` false ({shown})")
+        if all_ok:
+            held.append(cond["text"])
     n_hold = sum(per_seed.values()) if per_seed else len(seeds)
     holds = mean_ok and n_hold == len(seeds)
     has_seed_conds = any(not c["mean"] for c in e["conditions"])
@@ -273,7 +350,34 @@ def evaluate_claim(e: dict, metric_of, seeds: list[int], ran: set) -> dict:
         text += f"; mean over {len(seeds)} seeds"
     if failures:
         text += ": " + "; ".join(failures)
-    return {"status": "holds" if holds else "fails", "text": text}
+    seed_ok = {seed: mean_ok and per_seed.get(seed, True) for seed in seeds}
+    return {"status": "holds" if holds else "fails", "text": text, "seed_ok": seed_ok,
+            "absent": list(dict.fromkeys(absent)), "held": held}  # fmt: skip
+
+
+def untrained_verdict(e: dict, verdict: dict | None, seeds: list[int], pair_status: dict) -> tuple[str, str]:
+    """--untrained: (kind, text) of one claim row. kind: `fails` (a positive claim that fails on every seed: its check
+    can fail), `holds` (a positive claim that holds on some seed: it cannot fail), `error` (a value to judge is
+    missing: a crashed run or a metric the script did not write), `negative` (a negative control, left out), `info`
+    and `not checked` (left out)."""
+    if verdict is None:
+        return "info", "left out: an anchor or a fact of the data (reported, not judged)"
+    if verdict["status"] == "not checked":
+        return "not checked", f"left out: {verdict['text']}"
+    if verdict["absent"]:
+        return "error", f"**ERROR** (nothing to judge: no value for {', '.join(verdict['absent'])})"
+    held_on = [seed for seed in seeds if verdict["seed_ok"][seed]]
+    on = f" on seed{'s' if len(held_on) > 1 else ''} {', '.join(map(str, held_on))}" if len(seeds) > 1 else ""
+    if e["negative"]:
+        pair = pair_status.get(e["negative"], "not run")
+        state = f"holds untrained{on} (by nature)" if held_on else "fails untrained (a prediction of failure)"
+        return "negative", f"negative control, left out (pairs with {e['negative']}: {pair}): {state}"
+    if held_on:
+        return "holds", f"**holds untrained{on}: cannot fail**"
+    text = "fails untrained (the check can fail)"
+    if verdict["held"]:
+        text += "; holding untrained anyway: " + " ; ".join(f"`{c}`" for c in verdict["held"])
+    return "fails", text
 
 
 def aggregate(out: Path) -> int:
@@ -281,6 +385,7 @@ def aggregate(out: Path) -> int:
              .splitlines(), start=1) if line.strip() and not line.startswith("#")]  # fmt: skip
     experiments = parse_experiments(lines, strict=False)
     meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").is_file() else {}
+    untrained = str(meta.get("untrained", "0")) == "1"
     summaries, crashed = defaultdict(dict), defaultdict(list)  # id -> seed -> summary; id -> seeds without one
     for exp_id in dict.fromkeys(e["id"] for e in experiments):
         for seed_dir in sorted((out / "runs" / exp_id).glob("seed*")):
@@ -299,7 +404,7 @@ def aggregate(out: Path) -> int:
         value = summaries.get(exp_id, {}).get(seed, {}).get("metrics", {}).get(metric)
         return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
-    claim_rows, verdicts = [], []
+    rows = []  # (n, experiment, measured cells, verdict or None)
     for n, e in enumerate(experiments, start=1):
         if e["id"] not in ran:
             continue
@@ -309,14 +414,33 @@ def aggregate(out: Path) -> int:
             got = [v for v in vals if v is not None]
             summary = f" (mean {fmt(mean_std(got)[0])} ± {fmt(mean_std(got)[1])})" if len(got) > 1 else ""
             cells.append(f"`{metric}`: {' / '.join(fmt(v) for v in vals)}{summary}")
-        if e["conditions"]:
-            verdict = evaluate_claim(e, metric_of, seeds, ran)
-            verdicts.append(verdict["status"])
-        else:
-            verdict = {"text": "reported (anchor, not a claim)"}
+        rows.append((n, e, cells, evaluate_claim(e, metric_of, seeds, ran) if e["conditions"] else None))
+    verdicts = [v["status"] for _, _, _, v in rows if v is not None]
+
+    # --untrained: judge each row as a control (see untrained_verdict); a negative control shows its pair's state
+    kinds = {}
+    for n, e, _, verdict in rows:
+        if not e["negative"]:
+            kinds[n] = untrained_verdict(e, verdict, seeds, {})
+    pair_status = {}
+    for n, e, _, _ in rows:
+        if n in kinds and kinds[n][0] in ("fails", "holds", "error"):
+            state = {"fails": "fails untrained", "holds": "HOLDS untrained", "error": "error untrained"}[kinds[n][0]]
+            if pair_status.get(e["id"], "fails untrained") == "fails untrained":
+                pair_status[e["id"]] = state
+    for n, e, _, verdict in rows:
+        if e["negative"]:
+            kinds[n] = untrained_verdict(e, verdict, seeds, pair_status)
+
+    claim_rows = []
+    for n, e, cells, verdict in rows:
         check = "—" if not e["conditions"] else "`" + e["check"].replace("|", "\\|") + "`"
+        if e["negative"]:
+            check = f"negative control (pairs with {e['negative']}): {check}"
+        text = verdict["text"] if verdict else "reported (anchor or fact of the data, not a claim)"
+        untrained_cell = f" {kinds[n][1]} |" if untrained else ""
         claim_rows.append(f"| {n} | {e['claim']} | {'<br>'.join(cells)} | {e['prediction']} | {check} | "
-                          f"{verdict['text']} |")  # fmt: skip
+                          f"{text} |{untrained_cell}")  # fmt: skip
 
     run_rows, n_runs, n_ok = [], 0, 0
     for exp_id in dict.fromkeys(e["id"] for e in experiments):
@@ -335,35 +459,78 @@ def aggregate(out: Path) -> int:
 
     n_hold, n_fail = verdicts.count("holds"), verdicts.count("fails")
     n_checked, n_unchecked = n_hold + n_fail, verdicts.count("not checked")
-    head = f"**claims holding: {n_hold} of {n_checked}**"
-    if n_unchecked:
-        head += f" ({n_unchecked} not checked: an experiment they compare with was not run)"
-    head += f" · runs finished: {n_ok} of {n_runs}"
     minutes = f"{meta['total_s'] / 60:.1f} min" if "total_s" in meta else "unknown"
-    doc = [
-        "# seqrl benchmark results", "", head, "",
+    about = [
         f"- seeds: {' '.join(map(str, seeds))}; command: `bash benchmark.sh {meta.get('argv', '')}`; "
         f"git: {meta.get('git', '?')}",
         f"- machine: {meta.get('cpu', '?')}, {meta.get('cores', '?')} cores; {meta.get('jobs', '?')} runs at a time, "
         "one torch thread each; total wall time " + minutes,
-        "- Single-seed numbers differ across CPUs (torch's CPU kernels round differently per instruction set); the "
-        "checks are set with margin so that they hold on other seeds and machines.", "",
-        "## Claims", "",
-        "Measured: per-seed values in seed order (mean ± sample std over seeds). Check: evaluated on every seed "
-        "(`mean:` conditions on the means over seeds).", "",
-        "| # | claim | measured | lecture predicts | check | verdict |", "|---|---|---|---|---|---|",
-        *claim_rows, "",
-        "## Runs", "", "| experiment | command (plus `--seed S`) | status | wall time per run (s) |", "|---|---|---|---|",
-        *run_rows,
     ]  # fmt: skip
+    table_head = "| # | claim | measured | lecture predicts | check | verdict |" + (" untrained control |" if untrained
+                                                                                 else "")  # fmt: skip
+    table = [table_head, "|---" * (7 if untrained else 6) + "|", *claim_rows]
+    runs = ["## Runs", "", "| experiment | command (plus `--seed S`) | status | wall time per run (s) |",
+            "|---|---|---|---|", *run_rows]  # fmt: skip
+    if not untrained:
+        head = f"**claims holding: {n_hold} of {n_checked}**"
+        if n_unchecked:
+            head += f" ({n_unchecked} not checked: an experiment they compare with was not run)"
+        head += f" · runs finished: {n_ok} of {n_runs}"
+        doc = [
+            "# seqrl benchmark results", "", head, "", *about,
+            "- Single-seed numbers differ across CPUs (torch's CPU kernels round differently per instruction set); the "
+            "checks are set with margin so that they hold on other seeds and machines.", "",
+            "## Claims", "",
+            "Measured: per-seed values in seed order (mean ± sample std over seeds). Check: evaluated on every seed "
+            "(`mean:` conditions on the means over seeds).", "",
+            *table, "", *runs,
+        ]  # fmt: skip
+        rc = 0 if n_fail == 0 and n_ok == n_runs else 1
+    else:
+        by_kind = defaultdict(list)
+        for n, e, _, _ in rows:
+            by_kind[kinds[n][0]].append(f"- #{n} {e['id']}: {e['claim']} — {kinds[n][1]}")
+        n_pos = len(by_kind["fails"]) + len(by_kind["holds"]) + len(by_kind["error"])
+        head = f"**positive claims failing untrained: {len(by_kind['fails'])} of {n_pos}**"
+        head += f" · holding untrained (cannot fail): {len(by_kind['holds'])}"
+        head += f" · errors (nothing to judge): {len(by_kind['error'])} · runs finished: {n_ok} of {n_runs}"
+        left_out = [f"{len(by_kind[k])} {label}" for k, label in [("negative", "negative controls"), ("info", "info "
+                    "rows"), ("not checked", "not checked")] if by_kind[k]]  # fmt: skip
+        if left_out:
+            head += f" · left out: {', '.join(left_out)}"
+        table_file = out / "untrained.txt"  # the UNTRAINED_TABLE rows of the scripts that ran
+        cut_rows = [[f.strip() for f in line.split("|")] for line in table_file.read_text().splitlines()
+                    if line.strip()] if table_file.is_file() else []  # fmt: skip
+        scripts = {e["cmd"].split()[0] for e in experiments if e["id"] in ran and e["cmd"].split()}
+        cut = [f"- `{r[0]}`: `{r[1]}`: {r[2]}" for r in cut_rows if len(r) == 3 and r[0] in scripts]
+        sections = [("holds", "Positive claims that hold untrained: they cannot fail (redesign the check)"),
+                    ("error", "Errors: no value to judge (a crashed run, see Runs, or a metric missing from "
+                     "summary.json)"),
+                    ("fails", "Positive claims that fail untrained (as they must)"),
+                    ("negative", "Negative controls (a prediction of failure holds untrained by nature: left out)"),
+                    ("info", "Info rows (anchors and facts of the data, not judged: left out)"),
+                    ("not checked", "Not checked (an experiment they compare with was not run: left out)")]  # fmt: skip
+        doc = [
+            "# seqrl benchmark results: untrained control", "", head, "", *about,
+            "- Every run's learning is cut to nothing (the arguments below are appended to its command), the "
+            "evaluation unchanged. A claim that something was learned must fail here; one that holds cannot fail.",
+            *cut, "", "## Untrained control", "",
+        ]  # fmt: skip
+        for kind, title in sections:
+            if by_kind[kind]:
+                doc += [f"### {title}", "", *by_kind[kind], ""]
+        doc += ["## Claims", "", "Measured untrained: per-seed values in seed order. Verdict: the check as in a "
+                "trained run.", "", *table, "", *runs]  # fmt: skip
+        rc = 0 if not by_kind["holds"] and not by_kind["error"] and n_ok == n_runs else 1
     (out / "results.md").write_text("\n".join(doc) + "\n")
     print("\n".join(doc))
-    try:
-        plot(out, summaries, seeds, metric_of)
-    except ImportError as err:  # matplotlib or tensorboard missing: the table is still complete
-        print(f"no figures: {err}")
+    if not untrained:  # the figures show learning: none in the untrained control
+        try:
+            plot(out, summaries, seeds, metric_of)
+        except ImportError as err:  # matplotlib or tensorboard missing: the table is still complete
+            print(f"no figures: {err}")
     print(f"\n{head.replace('**', '')}\nwrote {out / 'results.md'}")
-    return 0 if n_fail == 0 and n_ok == n_runs else 1
+    return rc
 
 
 def read_curve(run_dir: str, tag: str):
@@ -495,7 +662,20 @@ if __name__ == "__main__":
                 if line.strip() and (not colon or mode.strip() not in ("quick", "full")):
                     raise CheckError(f"experiment line {i}: starts with {mode.strip()!r}, not `quick:` or `full:`")
                 lines.append((spec, f"experiment line {i}"))
-            parse_experiments([(spec, where) for spec, where in lines if spec.strip()])
+            experiments = parse_experiments([(spec, where) for spec, where in lines if spec.strip()])
+            if len(sys.argv) > 3:  # the --untrained table: one row per script, each script of a line has one
+                cut = {}
+                for i, line in enumerate(Path(sys.argv[3]).read_text().splitlines(), start=1):
+                    row = [f.strip() for f in line.split("|")]
+                    if line.strip() and (len(row) != 3 or not row[1].startswith("--")):
+                        raise CheckError(f"UNTRAINED_TABLE line {i}: needs `script | --arguments | what is left`")
+                    if line.strip():
+                        cut[row[0]] = row[1]
+                for e in experiments:
+                    script = e["cmd"].split()[0] if e["cmd"].split() else ""
+                    if script not in cut:
+                        raise CheckError(f"{e['where']} (id {e['id']}): script {script!r} has no UNTRAINED_TABLE "
+                                         "row (the arguments that cut its learning to nothing)")  # fmt: skip
             sys.exit(0)
         sys.exit(aggregate(path))
     except CheckError as err:
@@ -507,24 +687,40 @@ PY
 # Validate every experiment line and check before anything runs (a typo must not cost an hour of runs).
 VALIDATE_FILE=$(mktemp)
 printf '%s\n' "$EXPERIMENTS" | grep -v '^\s*$' >"$VALIDATE_FILE"
-python3 -c "$AGG_PY" validate "$VALIDATE_FILE" || { rc=$?; rm -f "$VALIDATE_FILE"; exit $rc; }
-rm -f "$VALIDATE_FILE"
+printf '%s\n' "$UNTRAINED_TABLE" >"$VALIDATE_FILE.untrained"
+python3 -c "$AGG_PY" validate "$VALIDATE_FILE" "$VALIDATE_FILE.untrained" || {
+  rc=$?; rm -f "$VALIDATE_FILE" "$VALIDATE_FILE.untrained"; exit $rc; }
+rm -f "$VALIDATE_FILE" "$VALIDATE_FILE.untrained"
 if [ "$VALIDATE" = 1 ]; then echo "benchmark.sh: every experiment line and check parses"; exit 0; fi
 
 if [ -n "$AGGREGATE" ]; then
+  if [ "$UNTRAINED" = 1 ]; then
+    echo "benchmark.sh: --aggregate takes no --untrained (the folder's meta.json says how it was run)" >&2; exit 2
+  fi
   OUT="${AGGREGATE%/}"
   [ -f "$OUT/experiments.txt" ] || { echo "benchmark.sh: $OUT/experiments.txt not found" >&2; exit 2; }
   [ -f "$OUT/figures.txt" ] || printf '%s\n' "$FIGURES" >"$OUT/figures.txt"
 else
   OUT="results/$(date +%Y%m%d-%H%M%S)"
+  [ "$UNTRAINED" = 0 ] || OUT="$OUT-untrained"
   while ! mkdir -p "$(dirname "$OUT")" || ! mkdir "$OUT" 2>/dev/null; do OUT="${OUT%-r*}-r$RANDOM"; done
   mkdir -p "$OUT/runs" "$OUT/logs"
   echo "# id | claim | command | metrics | prediction | check" >"$OUT/experiments.txt"
+  declare -A UNTRAINED_ARGS=()  # script -> the arguments appended to its commands in --untrained mode
+  while IFS='|' read -r script extra _; do
+    [ -z "${script// /}" ] || UNTRAINED_ARGS[$(echo $script)]=$(echo $extra)
+  done <<<"$UNTRAINED_TABLE"
+  [ "$UNTRAINED" = 0 ] || printf '%s\n' "$UNTRAINED_TABLE" >"$OUT/untrained.txt"
   printf '%s\n' "$EXPERIMENTS" | grep -v '^\s*$' | while IFS= read -r line; do
     mode="${line%%:*}"; spec="${line#*:}"
     if [ "$mode" = full ] && [ "$QUICK" = 1 ]; then continue; fi
     id=$(echo "$spec" | cut -d'|' -f1 | xargs)
     if [ -n "$ONLY" ] && ! [[ "$id" =~ $ONLY ]]; then continue; fi
+    if [ "$UNTRAINED" = 1 ]; then  # the command as run: learning cut to nothing (the last value of a flag wins)
+      IFS='|' read -r f_id f_claim f_cmd f_rest <<<"$spec"
+      script=$(echo "$f_cmd" | awk '{print $1}')
+      spec="$f_id|$f_claim|${f_cmd%"${f_cmd##*[![:space:]]}"} ${UNTRAINED_ARGS[$script]} |$f_rest"
+    fi
     echo "$spec" >>"$OUT/experiments.txt"
   done
   printf '%s\n' "$FIGURES" >"$OUT/figures.txt"
@@ -535,8 +731,8 @@ else
   CPU=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)
   GIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
   [ -z "$(git status --porcelain 2>/dev/null)" ] || GIT="$GIT (with uncommitted changes)"
-  python3 -c 'import json,sys; print(json.dumps(dict(zip(["argv","seeds","jobs","cpu","cores","git"], sys.argv[1:]))))' \
-    "$ARGV" "$SEEDS" "$JOBS" "${CPU:-unknown}" "$(nproc --all)" "$GIT" >"$OUT/meta.json"
+  python3 -c 'import json,sys; print(json.dumps(dict(zip(["argv","seeds","jobs","cpu","cores","git","untrained"],
+    sys.argv[1:]))))' "$ARGV" "$SEEDS" "$JOBS" "${CPU:-unknown}" "$(nproc --all)" "$GIT" "$UNTRAINED" >"$OUT/meta.json"
   echo "benchmark: $N_EXP experiments x $N_SEEDS seed(s) = $TOTAL runs, $JOBS at a time -> $OUT"
   export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1
 

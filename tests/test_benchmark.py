@@ -12,12 +12,13 @@ from conftest import ROOT
 HEADER = "# id | claim | command | metrics | prediction | check"
 
 
-def make_folder(tmp_path: Path, lines: list[str], metrics: dict, seeds=(1, 2), crashed=()) -> Path:
+def make_folder(tmp_path: Path, lines: list[str], metrics: dict, seeds=(1, 2), crashed=(), untrained=False) -> Path:
     """A results folder as benchmark.sh writes it; metrics: {exp_id: {seed: {metric: value}}}."""
     out = tmp_path / "results"
     (out / "runs").mkdir(parents=True)
     (out / "experiments.txt").write_text("\n".join([HEADER, *lines]) + "\n")
-    (out / "meta.json").write_text(json.dumps({"seeds": " ".join(map(str, seeds)), "argv": "--quick"}))
+    meta = {"seeds": " ".join(map(str, seeds)), "argv": "--quick", "untrained": "1" if untrained else "0"}
+    (out / "meta.json").write_text(json.dumps(meta))
     for exp_id, per_seed in metrics.items():
         for seed, values in per_seed.items():
             run_dir = out / "runs" / exp_id / f"seed{seed}" / f"run_{seed}"
@@ -120,6 +121,170 @@ def test_unknown_experiment_is_an_error_before_a_run_and_not_checked_in_a_folder
     text = (tmp_path / "folder" / "results" / "results.md").read_text()
     assert proc.returncode == 0, proc.stderr
     assert "claims holding: 1 of 1** (1 not checked" in text and "not checked: nothere not run" in text
+
+
+AGG_PY = (ROOT / "benchmark.sh").read_text().split("AGG_PY=$(cat <<'PY'\n", 1)[1].split("\nPY\n)", 1)[0]
+
+
+def validate(tmp_path: Path, lines: list[str], untrained_table: str | None = None) -> subprocess.CompletedProcess:
+    """The validation benchmark.sh runs before anything: `quick:` lines (and the --untrained table if given)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    spec = tmp_path / "lines.txt"
+    spec.write_text("".join(f"quick: {line}\n" for line in lines))
+    extra = []
+    if untrained_table is not None:
+        (tmp_path / "untrained.txt").write_text(untrained_table)
+        extra = [str(tmp_path / "untrained.txt")]
+    cmd = [sys.executable, "-c", AGG_PY, "validate", str(spec), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def test_lines_sharing_an_id_must_share_the_command(tmp_path):
+    same = ["a | A | s --x 1 | eval/x | - | eval/x >= 0", "b | B | s --x 2 | eval/x | - | eval/x >= 0",
+            "a | A again | s --x 1 | eval/y | - | eval/y >= 0"]  # fmt: skip
+    assert validate(tmp_path / "same", same).returncode == 0
+    differ = [*same[:2], "a | A again | s --x 3 | eval/y | - | eval/y >= 0"]  # only line 1's command would run
+    proc = validate(tmp_path / "differ", differ)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "experiment line 3 (id a)" in proc.stderr and "experiment line 1" in proc.stderr
+    assert "another command" in proc.stderr
+
+
+def test_a_negative_control_must_pair_with_a_positive_claim_on_the_same_task(tmp_path):
+    gru = "gru | memory solves it | s --env-id T --rnn gru | eval/x | 1 | eval/x >= 0.9"
+    for n, (line, message) in enumerate([
+        ("none | memoryless at chance | s --env-id T | eval/x | 0.5 | negative(gru): eval/x <= 0.6", None),
+        ("none | at chance | s --env-id T | eval/x | 0.5 | negative(nothere): eval/x <= 0.6", "without a pair"),
+        ("none | at chance | s --env-id T | eval/x | 0.5 | negative(): eval/x <= 0.6", "must name the experiment"),
+        ("none | at chance | s --env-id U | eval/x | 0.5 | negative(gru): eval/x <= 0.6", "same task"),
+        ("none | at chance | s --env-id T | eval/x | 0.5 | negative(gru): info", "empty check"),
+        ("none | at chance | s --env-id T | eval/x | 0.5 | negative(gru):", "empty check"),
+    ]):  # fmt: skip
+        proc = validate(tmp_path / str(n), [gru, line])
+        if message is None:
+            assert proc.returncode == 0, proc.stderr
+        else:
+            assert proc.returncode == 2 and message in proc.stderr, (line, proc.stderr)
+            assert "experiment line 2" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    # its pair must be a positive claim: another negative control or an info row is no pair
+    for pair in ["gru | anchor | s --env-id T | eval/x | 1 | info",
+                 "gru | also at chance | s --env-id T | eval/x | 0.5 | negative(none): eval/x <= 0.6"]:  # fmt: skip
+        line = "none | at chance | s --env-id T | eval/x | 0.5 | negative(gru): eval/x <= 0.6"
+        proc = validate(tmp_path / "pair", [pair, line])
+        assert proc.returncode == 2 and "without a pair" in proc.stderr, proc.stderr
+
+
+def test_every_script_needs_an_untrained_row(tmp_path):
+    lines = ["a | A | s1 --x 1 | eval/x | - | eval/x >= 0", "b | B | s2 | eval/x | - | eval/x >= 0"]
+    assert validate(tmp_path / "ok", lines, "s1 | --steps 0 | nothing\ns2 | --epochs 0 | nothing\n").returncode == 0
+    proc = validate(tmp_path / "missing", lines, "s1 | --steps 0 | nothing\n")
+    assert proc.returncode == 2 and "script 's2' has no UNTRAINED_TABLE row" in proc.stderr
+    proc = validate(tmp_path / "bad", lines, "s1 | --steps 0\ns2 | --epochs 0 | nothing\n")
+    assert proc.returncode == 2 and "UNTRAINED_TABLE line 1" in proc.stderr
+
+
+UNTRAINED_LINES = [
+    "gru | GRU solves it | s --env-id T | eval/success_rate | 1 | eval/success_rate >= 0.9",
+    "none | memoryless at chance | s --env-id T | eval/success_rate | 0.5 | negative(gru): eval/success_rate <= 0.6",
+    "line | p(right) is 1/2 | s --env-id L | eval/p | 0.5 | 0.4 <= eval/p <= 0.6",
+    "cmp | A beats B by 2 | s --env-id L | eval/r | - | eval/r >= 2 + gru:eval/success_rate ; eval/r >= 0",
+    "mean | ordering on the means | s --env-id L | eval/q | - | eval/q >= 0 ; mean: eval/q > 1",
+    "anchor | the data's size | s | data/n | 7 | info",
+]
+
+
+def untrained_metrics(**override):
+    """Untrained values: GRU and memoryless both at chance, p(right) 1/2 (holds untrained), cmp fails on its first
+    condition but not its second, mean fails only on the means."""
+    metrics = {
+        "gru": {1: {"eval/success_rate": 0.5}, 2: {"eval/success_rate": 0.45}},
+        "none": {1: {"eval/success_rate": 0.5}, 2: {"eval/success_rate": 0.55}},
+        "line": {1: {"eval/p": 0.5}, 2: {"eval/p": 0.55}},
+        "cmp": {1: {"eval/r": 0.3}, 2: {"eval/r": 0.2}},
+        "mean": {1: {"eval/q": 0.5}, 2: {"eval/q": 1.0}},
+        "anchor": {1: {"data/n": 7.0}, 2: {"data/n": 7.0}},
+    }
+    for exp_id, per_seed in override.items():
+        metrics[exp_id] = per_seed
+    return metrics
+
+
+def rows_of(text: str, start: str) -> list[str]:
+    """The list items of the results.md section whose title starts with `start`."""
+    section = text.split(f"### {start}", 1)[1].split("\n#", 1)[0]
+    return [line for line in section.splitlines() if line.startswith("- #")]
+
+
+def test_untrained_counts_positive_claims_failing_and_lists_those_that_cannot_fail(tmp_path):
+    proc = aggregate(make_folder(tmp_path, UNTRAINED_LINES, untrained_metrics(), untrained=True))
+    text = (tmp_path / "results" / "results.md").read_text()
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # a positive claim holds untrained
+    # positive: gru, line, cmp, mean (the negative control and the info row are left out of Y)
+    head = text.splitlines()[2]
+    assert "positive claims failing untrained: 3 of 4" in head, head
+    assert "holding untrained (cannot fail): 1" in head and "errors (nothing to judge): 0" in head
+    assert "left out: 1 negative controls, 1 info rows" in head and "runs finished: 12 of 12" in head
+    assert "positive claims failing untrained: 3 of 4" in proc.stdout  # printed too
+    holds = rows_of(text, "Positive claims that hold untrained")
+    assert len(holds) == 1 and holds[0].startswith("- #3 line:") and "cannot fail" in holds[0]
+    fails = rows_of(text, "Positive claims that fail untrained")
+    assert [row.split(":")[0] for row in fails] == ["- #1 gru", "- #4 cmp", "- #5 mean"]
+    cmp_row = next(row for row in fails if row.startswith("- #4"))
+    assert "holding untrained anyway: `eval/r >= 0`" in cmp_row  # the condition that cannot fail, named
+    mean_row = next(row for row in fails if row.startswith("- #5"))
+    assert "holding untrained anyway: `eval/q >= 0`" in mean_row  # fails on the mean condition only
+    negative = rows_of(text, "Negative controls")
+    assert len(negative) == 1 and "pairs with gru: fails untrained" in negative[0] and "holds untrained" in negative[0]
+    assert "#6 anchor" in rows_of(text, "Info rows")[0]
+    # the normal claims table is still there, with the trained-run verdict and the untrained one per row
+    table_row = next(line for line in text.splitlines() if line.startswith("| 2 |"))
+    assert "negative control (pairs with gru)" in table_row and "holds 2/2 seeds" in table_row
+    assert not list((tmp_path / "results").glob("*.png"))  # no figures of learning
+
+
+def test_untrained_exits_zero_only_when_every_positive_claim_fails(tmp_path):
+    line_fails = {1: {"eval/p": 0.9}, 2: {"eval/p": 0.1}}
+    mean_fails_everywhere = {1: {"eval/q": -1.0}, 2: {"eval/q": 0.5}}
+    metrics = untrained_metrics(line=line_fails, mean=mean_fails_everywhere)
+    proc = aggregate(make_folder(tmp_path / "ok", UNTRAINED_LINES, metrics, untrained=True))
+    text = (tmp_path / "ok" / "results" / "results.md").read_text()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "positive claims failing untrained: 4 of 4" in text and "### Positive claims that hold" not in text
+    # holding on one seed of two is enough to be unable to fail
+    metrics = untrained_metrics(line={1: {"eval/p": 0.9}, 2: {"eval/p": 0.5}}, mean=mean_fails_everywhere)
+    proc = aggregate(make_folder(tmp_path / "one", UNTRAINED_LINES, metrics, untrained=True))
+    text = (tmp_path / "one" / "results" / "results.md").read_text()
+    assert proc.returncode == 1 and "positive claims failing untrained: 3 of 4" in text
+    assert "holds untrained on seed 2: cannot fail" in rows_of(text, "Positive claims that hold untrained")[0]
+
+
+def test_untrained_crash_or_missing_metric_is_an_error_not_a_failure(tmp_path):
+    # every run finished and every other positive claim fails, but one metric is missing: an error, exit 1
+    metrics = untrained_metrics(line={1: {"eval/p": 0.9}, 2: {"eval/p": 0.1}}, mean={1: {"eval/q": -1.0},
+                                                                                     2: {"eval/q": -1.0}})  # fmt: skip
+    metrics["cmp"][2] = {"eval/other": 1.0}
+    proc = aggregate(make_folder(tmp_path / "missing", UNTRAINED_LINES, metrics, untrained=True))
+    text = (tmp_path / "missing" / "results" / "results.md").read_text()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "positive claims failing untrained: 3 of 4" in text and "errors (nothing to judge): 1" in text
+    assert "runs finished: 12 of 12" in text and "seed 2: eval/r" in rows_of(text, "Errors")[0]
+    metrics = untrained_metrics(line={1: {"eval/p": 0.9}, 2: {"eval/p": 0.1}}, mean={1: {"eval/q": -1.0}})
+    metrics["cmp"] = {1: {"eval/other": 1.0}, 2: {"eval/other": 1.0}}  # the run did not write eval/r
+    out = make_folder(tmp_path, UNTRAINED_LINES, metrics, crashed=[("mean", 2)], untrained=True)
+    proc = aggregate(out)
+    text = (out / "results.md").read_text()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "positive claims failing untrained: 2 of 4" in text and "errors (nothing to judge): 2" in text
+    assert "runs finished: 11 of 12" in text
+    errors = rows_of(text, "Errors")
+    assert [row.split(":")[0] for row in errors] == ["- #4 cmp", "- #5 mean"]
+    assert "seed 1: eval/r" in errors[0] and "seed 2: eval/q" in errors[1] and "CRASHED" in text
+    # a crashed pair makes its negative control's pair state an error, not a failure
+    metrics = untrained_metrics(line={1: {"eval/p": 0.9}, 2: {"eval/p": 0.1}}, gru={1: {"eval/success_rate": 0.5}})
+    out = make_folder(tmp_path / "pair", UNTRAINED_LINES, metrics, crashed=[("gru", 2)], untrained=True)
+    proc = aggregate(out)
+    text = (out / "results.md").read_text()
+    assert proc.returncode == 1 and "pairs with gru: error untrained" in rows_of(text, "Negative controls")[0]
 
 
 def test_every_experiment_line_of_benchmark_sh_parses():
