@@ -533,6 +533,13 @@ def check_runs_dir(path_str: str) -> None:
         raise SystemExit(f"error: --runs-dir {path_str} is not writable")
 
 
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
     state_dict = None
@@ -722,7 +729,7 @@ if __name__ == "__main__":
         "wall_time_s": time.time() - start_time,
         "sps": sps,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json_atomic(run_dir / "summary.json", summary)
     writer.close()
     print(json.dumps(metrics))
     print(f"run dir: {run_dir}")

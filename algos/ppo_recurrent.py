@@ -516,6 +516,13 @@ def check_runs_dir(path_str: str) -> None:
         raise SystemExit(f"error: --runs-dir {path_str} is not writable")
 
 
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
     if args.eval_only:
@@ -747,7 +754,7 @@ if __name__ == "__main__":
         "metrics": metrics, "wall_time_s": time.time() - start_time,
         "sps": global_step / train_time if global_step else 0.0,
     }  # fmt: skip
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json_atomic(run_dir / "summary.json", summary)
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
     save_file(agent.state_dict(), str(run_dir / "model.safetensors"))
     writer.close()

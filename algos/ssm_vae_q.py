@@ -634,6 +634,13 @@ def check_runs_dir(path_str: str) -> None:
         raise SystemExit(f"error: --runs-dir {path_str} is not writable")
 
 
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
     if args.eval_only and args.checkpoint is not None:  # take the architecture from the saved run if present
@@ -880,7 +887,7 @@ if __name__ == "__main__":
         "wall_time_s": wall,
         "sps": global_step / wall if global_step else 0.0,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json_atomic(run_dir / "summary.json", summary)
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
     state = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}
     state.update({f"q.{k}": v.contiguous() for k, v in q_net.state_dict().items()})

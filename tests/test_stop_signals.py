@@ -4,6 +4,7 @@ stop the five checkpointing scripts alike, through one handler whose text is the
 cannot leave half a file. The end-to-end stops are in the resume tests (SIGINT: r2d2, dialogue CQL, ILQL, PPO-KL;
 SIGTERM: the reward model in one process and PPO-KL under torchrun)."""
 
+import inspect
 import json
 import os
 import signal
@@ -56,6 +57,11 @@ def test_summary_json_is_written_by_a_rename(name):
     text = (ROOT / "algos" / f"{name}.py").read_text()
     assert '"summary.json").write_text' not in text
     assert 'write_json_atomic(run_dir / "summary.json"' in text
+
+
+def test_write_json_atomic_is_the_same_text_in_every_script():
+    sources = {p.stem: inspect.getsource(load_script(p.stem).write_json_atomic) for p in (ROOT / "algos").glob("*.py")}
+    assert len(set(sources.values())) == 1, sorted(sources)
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "algos").glob("*.py")))
