@@ -171,6 +171,10 @@ class Args:
     """normalize observations by running mean/std (kept in the model's state dict, updated after each update)"""
     shared_torso: bool = False
     """one torso (encoder + RNN) for policy and value (CleanRL ppo_atari_lstm.py); default: one each (ppo.py)"""
+    init_action_bias: tuple[float, ...] = ()
+    """the policy head's bias at initialization, one logit per action (default: zeros, a near-uniform policy). A
+    biased start, e.g. `--init-action-bias 0 2` (p(right) = 0.88 with two actions), makes a memoryless agent on
+    ThreeStateLine or ShortCorridor LEARN the stochastic optimum instead of starting next to it"""
 
     # PPO
     total_timesteps: int = 100_000
@@ -559,6 +563,12 @@ if __name__ == "__main__":
     obs_dim, num_actions = envs.single_observation_space.shape[0], int(envs.single_action_space.n)
     arch = (args.rnn, args.hidden_size, args.prev_action, args.prev_reward, args.norm_obs, args.shared_torso)
     agent = Agent(obs_dim, num_actions, *arch).to(device)
+    if args.init_action_bias:  # a biased initial policy (Args.init_action_bias); draws no random number
+        if len(args.init_action_bias) != num_actions:
+            raise SystemExit(f"error: --init-action-bias takes {num_actions} numbers (one per action), "
+                             f"got {len(args.init_action_bias)}")  # fmt: skip
+        with torch.no_grad():
+            agent.actor.bias.copy_(torch.tensor(args.init_action_bias))
     if args.eval_only:
         try:
             agent.load_state_dict(ckpt_state)

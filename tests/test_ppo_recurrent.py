@@ -280,6 +280,18 @@ def test_zero_timesteps_evaluates_the_initial_network(runs_dir, monkeypatch):
         run_main(monkeypatch, "--runs-dir", str(runs_dir), *TINY[2:], "--total-timesteps", "50")
 
 
+def test_init_action_bias_sets_the_initial_policy(runs_dir, monkeypatch):
+    """`--init-action-bias 0 3`: the untrained memoryless policy goes right with p = sigmoid(3) = 0.953 (the biased
+    start of benchmark.sh's ThreeStateLine and ShortCorridor lines); a bias per action or a one-line error."""
+    line = ("--runs-dir", str(runs_dir), "--env-id", "seqrl/ThreeStateLine-v0", "--rnn", "none", *TINY[2:])
+    g = run_main(monkeypatch, *line, "--total-timesteps", "0", "--eval-episodes", "400", "--init-action-bias", "0", "3")
+    assert g["agent"].actor.bias.tolist() == [0.0, 3.0]
+    summary = json.loads((g["run_dir"] / "summary.json").read_text())
+    assert summary["metrics"]["eval/p_right_first_step"] == pytest.approx(0.953, abs=0.04)  # 400 episodes
+    with pytest.raises(SystemExit, match="error: --init-action-bias takes 2 numbers"):
+        run_main(monkeypatch, *line, "--init-action-bias", "1")
+
+
 def test_smoke_run_writes_summary_and_reloads(runs_dir):
     summary = run_script(
         "ppo_recurrent",
