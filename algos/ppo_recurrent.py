@@ -79,7 +79,8 @@ its details. [4] S. Huang et al., "The 37 Implementation Details of PPO", ICLR b
 "Reinforcement Learning: An Introduction", 2nd ed., Example 13.1 (short corridor). [7] A. Raffin et al., RL Baselines3
 Zoo, hyperparameters of RecurrentPPO (ppo_lstm) on CartPoleNoVel-v1.
 Reproduce (seed 1; the same command with `--rnn none` gives the memoryless baseline):
-   python algos/ppo_recurrent.py --env-id seqrl/ThreeStateLine-v0 --rnn gru --total-timesteps 30000
+   python algos/ppo_recurrent.py --env-id seqrl/ThreeStateLine-v0 --rnn gru --total-timesteps 30000  (memoryless:
+        `--rnn none --init-action-bias 0 3`, from p(right) = 0.95 to ~0.5)
    python algos/ppo_recurrent.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 10}' --rnn gru
         --shared-torso --ent-coef 0.03 --total-timesteps 200000
    python algos/ppo_recurrent.py --env-id seqrl/Tiger-v0 --rnn gru --no-bootstrap-truncated --total-timesteps 150000
@@ -91,7 +92,8 @@ Reproduce (seed 1; the same command with `--rnn none` gives the memoryless basel
    python algos/ppo_recurrent.py --env-id CartPole-v1 --rnn none --num-envs 4 --num-steps 128 --learning-rate 2.5e-4
         --total-timesteps 500000  (CleanRL ppo.py's settings)
    python algos/ppo_recurrent.py --env-id seqrl/ShortCorridor-v0 --rnn none --returns mc --num-steps 100
-        --total-timesteps 100000 --eval-episodes 1000  (and `--gae-lambda 0` instead of `--returns mc`)
+        --init-action-bias 0 -2 --total-timesteps 100000 --eval-episodes 1000  (from p(right) = 0.12 to ~0.59;
+        `--gae-lambda 0` instead of `--returns mc`: to ~1)
 """
 
 import json
