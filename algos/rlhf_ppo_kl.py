@@ -109,11 +109,12 @@ References:
       masked whitening, metric names); vwxyzjn/lm-human-preference-details `train_policy_accelerate.py`
       (temperature-scaled logits, reward normalization, left padding + position ids, GAE, adaptive KL);
       vwxyzjn/cleanrl `ppo.py` (clipped surrogate and clipped value loss, script layout).
-Reproduce (tuning seed 101, one thread, ~2-3 CPU minutes each; the over-optimization figure is the curve.jsonl files):
-  python algos/rlhf_ppo_kl.py --seed 101 --kl-coef 0.0 --num-updates 200
-      # gold: SFT -0.31 -> peak 0.90 -> -1.24 at KL 47 while the proxy rises from -0.24 to 0.49
-  python algos/rlhf_ppo_kl.py --seed 101 --kl-coef 0.1
-      # gold 0.93 at KL 1.38 (peak 0.95); best-of-10 from SFT at the same KL: 0.79
+Reproduce (one thread, ~2-3 CPU minutes each; the per-seed numbers are in the README, part 2; the over-optimization
+figure is drawn from the runs' curve.jsonl files):
+  python algos/rlhf_ppo_kl.py --seed 1 --kl-coef 0.0 --num-updates 200
+      # no KL penalty: the proxy reward rises while the gold reward peaks and ends below SFT
+  python algos/rlhf_ppo_kl.py --seed 1 --kl-coef 0.1
+      # gold well above SFT at a KL below 3; best-of-n from SFT at the same KL about as good
 Scale out and resume (details 10-11):
   torchrun --standalone --nproc_per_node 2 algos/rlhf_ppo_kl.py --seed 101      # gloo on CPU, nccl with --cuda
   python algos/rlhf_ppo_kl.py --resume runs/<run_name>                         # after a kill or Ctrl-C
