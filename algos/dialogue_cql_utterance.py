@@ -921,8 +921,7 @@ def save_training_checkpoint(run_dir: Path, name: str, lm, arrays: dict, state: 
                          "files": {path.name: path.stat().st_size for path in sorted(tmp.iterdir())}}  # fmt: skip
         (tmp / "state.json").write_text(json.dumps(state))
         os.replace(tmp, step_dir)
-    (root / ".latest.json.tmp").write_text(json.dumps({"step_dir": name}))
-    os.replace(root / ".latest.json.tmp", root / "latest.json")
+    write_json_atomic(root / "latest.json", {"step_dir": name})
     for old in root.iterdir():
         if old.is_dir() and not old.name.startswith(".") and old != step_dir:
             shutil.rmtree(old)

@@ -785,8 +785,7 @@ def save_training_checkpoint(run_dir: Path, global_step: int, nets: dict, optimi
         }  # fmt: skip
         (tmp / "state.json").write_text(json.dumps(state))
         os.replace(tmp, step_dir)
-    (root / ".latest.json.tmp").write_text(json.dumps({"step_dir": step_dir.name, "global_step": global_step}))
-    os.replace(root / ".latest.json.tmp", root / "latest.json")
+    write_json_atomic(root / "latest.json", {"step_dir": step_dir.name, "global_step": global_step})
     for old in root.glob("step_*"):
         if old != step_dir:
             shutil.rmtree(old)

@@ -727,8 +727,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state
     if final.exists():  # complete, but latest.json never named it (the run was killed right after the rename)
         shutil.rmtree(final)
     os.replace(tmp, final)
-    (root / "latest.json.tmp").write_text(json.dumps({"step": step, "dir": final.name, "phase": state["phase"]}))
-    os.replace(root / "latest.json.tmp", root / "latest.json")
+    write_json_atomic(root / "latest.json", {"step": step, "dir": final.name, "phase": state["phase"]})
     for old in root.glob("step_*"):  # the previous checkpoint goes only now that the new one is complete
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
