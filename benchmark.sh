@@ -61,12 +61,15 @@ for s in $SEEDS; do [[ "$s" =~ ^[0-9]+$ ]] || { echo "benchmark.sh: --seeds take
 # seeds (used for "A beats B on average" orderings). `info` instead of a check marks an anchor or a fact of the data:
 # reported, not judged. A check prefixed `negative(<id>):` is a negative control: it predicts a failure (memoryless at
 # chance), so it holds untrained by nature and is left out of the --untrained count; <id> names the experiment of the
-# positive claim on the same task (same --env-id) that it pairs with.
+# positive claim on the same task (same --env-id) that it pairs with. A check prefixed `consistency:` compares a run's
+# training curve with its own evaluation (the figure agrees with the claim): it is judged in a trained run like any
+# claim, and left out of the --untrained count (an untrained run has no training curve to compare), reason stated.
 EXPERIMENTS=$(cat <<'EOF'
 quick: ppo_line_none | ThreeStateLine (Problem 21.1): the best memoryless policy is stochastic; started at p(right) = 0.95 (10.5 steps), memoryless PPO learns p(right) = 1/2, 2 steps | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn none --init-action-bias 0 3 --total-timesteps 30000 --eval-episodes 1000 | eval/p_right_first_step,eval/episodic_length | 0.5 and 2.0 (tuning seeds 101-105: 0.48-0.49) | 0.42 <= eval/p_right_first_step <= 0.58 ; eval/episodic_length <= 2.3
 quick: ppo_line_none | ThreeStateLine: the greedy version of that policy is deterministic and fails half the episodes | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn none --init-action-bias 0 3 --total-timesteps 30000 --eval-episodes 1000 | eval/greedy_episodic_length | about 10.5 (half the episodes hit the 20-step limit) | negative(ppo_line_none): eval/greedy_episodic_length >= 8
 quick: ppo_line_gru | ThreeStateLine with memory (GRU): reverse after a wall bump, 1.5 steps | ppo_recurrent --env-id seqrl/ThreeStateLine-v0 --rnn gru --total-timesteps 30000 --eval-episodes 1000 | eval/episodic_length,eval/p_reverse_second_step | 1.5 and 1.0 | eval/episodic_length <= 1.6 ; eval/p_reverse_second_step >= 0.95
-quick: ppo_corridor_mc | ShortCorridor (Sutton & Barto 13.1): started at p(right) = 0.12 (return -35.6), memoryless PPO with Monte Carlo returns learns the stochastic optimum | ppo_recurrent --env-id seqrl/ShortCorridor-v0 --rnn none --returns mc --num-steps 100 --init-action-bias 0 -2 --total-timesteps 100000 --eval-episodes 1000 | eval/p_right_first_step,eval/episodic_return | p(right) = 2 - sqrt(2) = 0.586, return -11.66 (tuning seeds 101-105: 0.59-0.60) | 0.50 <= eval/p_right_first_step <= 0.68 ; eval/episodic_return >= -13
+quick: ppo_corridor_mc | ShortCorridor (Sutton & Barto 13.1): started at p(right) = 0.12 (return -35.6), memoryless PPO with Monte Carlo returns learns the stochastic optimum | ppo_recurrent --env-id seqrl/ShortCorridor-v0 --rnn none --returns mc --num-steps 100 --init-action-bias 0 -2 --total-timesteps 1000000 --eval-episodes 10000 | eval/p_right_first_step,eval/episodic_return | p(right) = 2 - sqrt(2) = 0.586, return -11.66 (tuning seeds 101-108: 0.57-0.60) | 0.50 <= eval/p_right_first_step <= 0.68 ; eval/episodic_return >= -13
+quick: ppo_corridor_mc | ShortCorridor, Monte Carlo: the training curve (the first episodes of each rollout, the ones trained on) agrees with the evaluation | ppo_recurrent --env-id seqrl/ShortCorridor-v0 --rnn none --returns mc --num-steps 100 --init-action-bias 0 -2 --total-timesteps 1000000 --eval-episodes 10000 | charts/late_episodic_return,eval/episodic_return | mean training return over the last 20% of the steps within 0.5 of the evaluation's (10000 episodes; tuning seeds 101-108 at 1M steps: differences -0.22 to +0.21; at 100k steps -0.89 to +0.33) | consistency: abs(charts/late_episodic_return - eval/episodic_return) <= 0.5
 quick: ppo_corridor_td | ShortCorridor: the same PPO from the same start with a bootstrapped critic on o (one-step TD advantages) overshoots to a deterministic policy and stalls | ppo_recurrent --env-id seqrl/ShortCorridor-v0 --rnn none --gae-lambda 0 --init-action-bias 0 -2 --total-timesteps 100000 --eval-episodes 1000 | eval/p_right_first_step,eval/episodic_return | p(right) -> 1, episodes run into the 100-step limit (tuning seeds 101-105: p 0.99-1.00) | eval/p_right_first_step >= 0.95 ; eval/episodic_return <= ppo_corridor_mc:eval/episodic_return - 30
 quick: ppo_tmaze_gru | TMaze (corridor 10) with a GRU (one torso for actor and critic: the value loss also trains the memory) | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn gru --shared-torso --total-timesteps 200000 --ent-coef 0.03 --eval-episodes 400 | eval/success_rate,eval/episodic_return | success ~1 (optimal return 3.0; tuning seeds 111-130: 0.99-1.00) | eval/success_rate >= 0.9
 quick: ppo_tmaze_none | TMaze (corridor 10), memoryless (same recipe) | ppo_recurrent --env-id seqrl/TMaze-v0 --rnn none --shared-torso --total-timesteps 200000 --ent-coef 0.03 --eval-episodes 400 | eval/success_rate,eval/episodic_return | success 0.5 (chance at the junction; tuning seeds 111-130: 0.37-0.56 on 100 episodes) | negative(ppo_tmaze_gru): 0.35 <= eval/success_rate <= 0.65
@@ -170,6 +173,7 @@ SMOOTH_EPISODES = 20  # smallest rolling-mean window (episodes) of the charts/ c
 SMOOTH_FRACTION = 100  # ... which grows to 1/100 of a run's episodes (thousands of short episodes need more)
 GRID_POINTS = 200  # curves of all seeds are interpolated onto this many env steps before the mean and band
 REF_RE = re.compile(r"(?:(?P<exp>[A-Za-z_][\w.\-]*):)?(?P<metric>[A-Za-z_]\w*/\w+)")
+CONSISTENCY_PREFIX = "consistency:"  # a figure-vs-evaluation check: judged when trained, left out untrained
 NEGATIVE_RE = re.compile(r"negative\((?P<pair>[^)]*)\):(?P<check>.*)")  # `negative(<id>): <check>`
 ID_RE = re.compile(r"[A-Za-z_][\w.\-]*")
 FUNCS = {"abs": abs, "min": min, "max": max}
@@ -219,13 +223,15 @@ def parse_line(line: str, where: str) -> dict:
     exp_id, claim, cmd, metrics, prediction, check = fields
     if not ID_RE.fullmatch(exp_id):
         raise CheckError(f"{where}: bad experiment id {exp_id!r}")
-    negative, body = None, check
+    negative, body, consistency = None, check, check.startswith(CONSISTENCY_PREFIX)
+    if consistency:
+        body = check[len(CONSISTENCY_PREFIX) :].strip()
     if match := NEGATIVE_RE.fullmatch(check):
         negative, body = match.group("pair").strip(), match.group("check").strip()
         if not ID_RE.fullmatch(negative):
             raise CheckError(f"{where} (id {exp_id}): `negative(<id>):` must name the experiment of the positive "
                              f"claim it pairs with, got {negative!r}")  # fmt: skip
-    if not body or (negative and body == "info"):
+    if not body or ((negative or consistency) and body == "info"):
         raise CheckError(f"{where}: empty check (write a prediction the results can test, or `info`)")
     conditions = []
     if body != "info":
@@ -235,7 +241,8 @@ def parse_line(line: str, where: str) -> dict:
             except CheckError as err:
                 raise CheckError(f"{where} (id {exp_id}): check {err}") from None
     return dict(id=exp_id, claim=claim, cmd=cmd, metrics=[m.strip() for m in metrics.split(",") if m.strip()],
-                prediction=prediction, check=body, negative=negative, conditions=conditions, where=where)  # fmt: skip
+                prediction=prediction, check=body, negative=negative, consistency=consistency, conditions=conditions,
+                where=where)  # fmt: skip
 
 
 def env_of(cmd: str):
@@ -358,12 +365,15 @@ def evaluate_claim(e: dict, metric_of, seeds: list[int], ran: set) -> dict:
 def untrained_verdict(e: dict, verdict: dict | None, seeds: list[int], pair_status: dict) -> tuple[str, str]:
     """--untrained: (kind, text) of one claim row. kind: `fails` (a positive claim that fails on every seed: its check
     can fail), `holds` (a positive claim that holds on some seed: it cannot fail), `error` (a value to judge is
-    missing: a crashed run or a metric the script did not write), `negative` (a negative control, left out), `info`
+    missing: a crashed run or a metric the script did not write), `negative` (a negative control, left out), `consistency` (left out), `info`
     and `not checked` (left out)."""
     if verdict is None:
         return "info", "left out: an anchor or a fact of the data (reported, not judged)"
     if verdict["status"] == "not checked":
         return "not checked", f"left out: {verdict['text']}"
+    if e["consistency"]:
+        return "consistency", ("left out: a consistency check (the training curve against the run's own evaluation), "
+                               "not a learning claim; an untrained run has no training curve")  # fmt: skip
     if verdict["absent"]:
         return "error", f"**ERROR** (nothing to judge: no value for {', '.join(verdict['absent'])})"
     held_on = [seed for seed in seeds if verdict["seed_ok"][seed]]
@@ -495,7 +505,7 @@ def aggregate(out: Path) -> int:
         head += f" · holding untrained (cannot fail): {len(by_kind['holds'])}"
         head += f" · errors (nothing to judge): {len(by_kind['error'])} · runs finished: {n_ok} of {n_runs}"
         left_out = [f"{len(by_kind[k])} {label}" for k, label in [("negative", "negative controls"), ("info", "info "
-                    "rows"), ("not checked", "not checked")] if by_kind[k]]  # fmt: skip
+                    "rows"), ("consistency", "consistency checks"), ("not checked", "not checked")] if by_kind[k]]  # fmt: skip
         if left_out:
             head += f" · left out: {', '.join(left_out)}"
         table_file = out / "untrained.txt"  # the UNTRAINED_TABLE rows of the scripts that ran
@@ -509,6 +519,8 @@ def aggregate(out: Path) -> int:
                     ("fails", "Positive claims that fail untrained (as they must)"),
                     ("negative", "Negative controls (a prediction of failure holds untrained by nature: left out)"),
                     ("info", "Info rows (anchors and facts of the data, not judged: left out)"),
+                    ("consistency", "Consistency checks (a training curve against its own evaluation: an untrained run "
+                     "has none, left out)"),
                     ("not checked", "Not checked (an experiment they compare with was not run: left out)")]  # fmt: skip
         doc = [
             "# seqrl benchmark results: untrained control", "", head, "", *about,

@@ -297,3 +297,25 @@ def test_bad_usage_is_a_one_line_error():
     for args in (["--seeds", "one"], ["--jobs", "0"], ["--nonsense"]):
         proc = subprocess.run(["bash", str(ROOT / "benchmark.sh"), *args], capture_output=True, text=True)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)
+
+
+def test_a_consistency_check_is_judged_when_trained_and_left_out_untrained(tmp_path):
+    line = "curve | the training curve agrees with the evaluation | s --env-id T | eval/r | close | consistency: abs(charts/late - eval/r) <= 0.5"  # noqa: E501
+    agree, apart = {1: {"charts/late": 1.2, "eval/r": 1.0}}, {1: {"charts/late": 2.0, "eval/r": 1.0}}
+    proc = aggregate(make_folder(tmp_path / "agree", [line], {"curve": agree}, seeds=(1,)))
+    assert proc.returncode == 0 and "claims holding: 1 of 1" in proc.stdout, proc.stdout + proc.stderr
+    proc = aggregate(make_folder(tmp_path / "apart", [line], {"curve": apart}, seeds=(1,)))
+    assert proc.returncode == 1 and "claims holding: 0 of 1" in proc.stdout, proc.stdout + proc.stderr
+    # untrained: no training curve, so nothing to judge; left out with its reason, neither an error nor a claim
+    lines = [*UNTRAINED_LINES, line]
+    metrics = untrained_metrics(line={1: {"eval/p": 0.9}, 2: {"eval/p": 0.1}}, mean={1: {"eval/q": -1.0},
+                                                                                     2: {"eval/q": 0.5}})  # fmt: skip
+    metrics["curve"] = {1: {"eval/r": 1.0}, 2: {"eval/r": 1.0}}
+    proc = aggregate(make_folder(tmp_path / "untrained", lines, metrics, untrained=True))
+    text = (tmp_path / "untrained" / "results" / "results.md").read_text()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "positive claims failing untrained: 4 of 4" in text and "errors (nothing to judge): 0" in text
+    assert "1 consistency checks" in text.splitlines()[2]
+    assert "no training curve" in rows_of(text, "Consistency checks")[0]
+    proc = validate(tmp_path, [line.replace("consistency: abs(charts/late - eval/r) <= 0.5", "consistency: info")])
+    assert proc.returncode == 2 and "empty check" in proc.stdout + proc.stderr

@@ -6,6 +6,7 @@ import os
 import runpy
 import shutil
 import sys
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -260,6 +261,12 @@ def test_monte_carlo_mode_trains_on_whole_first_episodes_and_never_bootstraps(ru
     lengths = [e.value for e in acc.Scalars("charts/episodic_length")]
     assert len(lengths) == g["iteration"] * valid.shape[1] == len(acc.Scalars("charts/episodic_return"))
     assert sorted(lengths[-valid.shape[1] :]) == sorted((first_end + 1).tolist())
+    # charts/late_episodic_return (summary.json): the mean of the curve over the last 20% of the steps
+    late_start = (1 - ppo.LATE_TRAINING_FRACTION) * g["budget"]
+    late = [e.value for e in acc.Scalars("charts/episodic_return") if e.step > late_start]
+    summary = json.loads((Path(g["run_dir"]) / "summary.json").read_text())
+    assert 0 < len(late) < len(lengths) and summary["metrics"]["charts/late_episodic_return"] == pytest.approx(
+        np.mean(late), rel=1e-6)  # fmt: skip
     with pytest.raises(SystemExit, match="error: --returns mc: an episode ran past --num-steps 2"):
         run_main(monkeypatch, *args, "--total-timesteps", "256", "--num-envs", "4", "--num-steps", "2")
 
