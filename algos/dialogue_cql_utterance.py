@@ -21,9 +21,9 @@ Implementation details:
      trained by next-token cross-entropy given the history <bos> a1 <sep> r1 <sep> ... (`G.tokenize_dialogue`
      layout) on every token, the answerer's replies included (`--bc-all-tokens`, as ILQL's LM head: predicting the
      replies is a world-model auxiliary that teaches the model to read the answers; it only ever samples agent
-     tokens). Agent tokens only (`--no-bc-all-tokens`) gave a much weaker proposer and policy (seed 1, 5 epochs:
-     CQL 0.080, proposer -0.190 vs 0.277 / -0.157). Identical dialogues are merged and weighted by their count
-     (20k -> ~11k distinct, the same loss); AdamW, warmup then cosine decay.
+     tokens). Agent tokens only (`--no-bc-all-tokens`) scored CQL 0.080 vs 0.277 (seed 1, 5 epochs). Identical
+     dialogues are merged and weighted by their count (20k -> ~11k distinct, the same loss); AdamW, warmup then
+     cosine decay.
   2. Candidates: for every distinct history of the dataset (20k dialogues have ~22k distinct non-final histories,
      many repeat) N utterances are sampled ONCE after BC training, normalised (`G.normalize_utterance`) and
      deduplicated. The dataset utterance is added to the set for the CQL logsumexp of its own state; the Bellman
@@ -46,7 +46,9 @@ Implementation details:
      `--act-temperatures`; the one with the best return on 180 validation episodes (another secret order) is the
      headline, as `ilql_per_token.py` chooses beta. A cooler proposer puts fewer malformed or premature utterances
      into the set and the critic picks among supported ones. Training candidates are sampled at `--temperature`
-     0.7: still a diverse set for the max and the CQL logsumexp, with fewer malformed ones (see Measured).
+     0.7: still a diverse set for the max and the CQL logsumexp, with fewer malformed ones (seed 3: 0.611 vs 0.351
+     at 1.0). Choosing the acting temperature on validation beat a fixed 0.5 (seeds 1 / 2: 0.592 / 0.617 vs
+     0.583 / 0.606).
   8. Real checkpoints (`--model-name-or-path`: a save_pretrained dir or a hub id, e.g. gpt2, EleutherAI/pythia-70m,
      a TinyLlama): the task speaks words, the model's tokenizer speaks tokens. The proposer is the checkpoint with
      its own tokenizer and pretrained weights; the dialogue is framed with its BOS / EOS, and "<sep>" (turn
@@ -57,19 +59,9 @@ Implementation details:
      dialogue: the RL horizon, 4.85 on average, at most 8), `timestep/action_space_log10` (every sequence of up to
      12 tokens of the 111 writable ones: 10^24.5 utterances), `timestep/distinct_data_utterances` (26 in the data)
      and `timestep/actions_per_step` (the deduplicated candidate set the Bellman max runs over: ~6.5 of N = 16).
- 10. Long runs (the CHECKPOINTS block at the end; the algorithm does not depend on it): RUN_DIR/checkpoints gets a
-     checkpoint at the end of the BC phase, at the end of the candidate phase and every `--save-every` critic steps
-     (and at the critic's end), and Ctrl-C or SIGTERM writes one at the next of these points: the proposer's weights
-     (safetensors), the candidate sets and the utterance table they index (arrays.npz, with torch's RNG state),
-     from the critic phase on the critic, its target (safetensors), Adam (torch.save, read back with
-     weights_only=True) and the minibatch rng, and state.json (phase, critic step, BC fit, timings, args, python
-     and numpy RNG states, file sizes). Written into a temporary dir, os.replace'd into place, then named by
-     latest.json (temp file + os.replace): a kill leaves the previous one; all deleted when the run ends.
-     `--resume RUN_DIR` rebuilds the data (deterministic), skips the phases done, and ends with the same metrics,
-     bit for bit on CPU, as the run uninterrupted (tests/test_resume_dialogue_cql_utterance.py). The BC phase
-     itself is not checkpointed inside (a kill during BC restarts it). Tensorboard: the BC and critic curves share
-     the step axis, so `purge_step` (which would cut the BC curve) is not used: critic points a killed run logged
-     after its last checkpoint appear twice.
+ 10. Long runs: checkpoints at the ends of the BC and candidate phases and every `--save-every` critic steps,
+     Ctrl-C / SIGTERM, and `--resume RUN_DIR`, which ends with the same metrics, bit for bit on CPU, as the run
+     uninterrupted (all in RUN MANAGEMENT at the end of the file; the algorithm does not depend on it).
 
 What is taken from CHAI [1] and from Snell's re-implementation [3], and what differs:
   - CHAI: per-utterance Q(s, a) trained offline with a CQL penalty; max over actions approximated by sampling
@@ -87,19 +79,15 @@ What is taken from CHAI [1] and from Snell's re-implementation [3], and what dif
 
 What was scaled down and why: a 2-layer 64-dim GPT-2 and 64-dim GRUs instead of GPT-2 / GPT-3 sized models, a
 closed word vocabulary, N = 16 candidates, a synthetic answerer, so that a run alone on the 2-core box takes ~7
-minutes (409 s for seed 1 with torch's 2 threads: BC 160 s, candidate sampling 105 s; it scored 0.640, since the
-thread count changes floating-point reductions) and ~12 minutes with one thread each, two side by side (727-736 s).
+minutes (BC 160 s, candidate sampling 105 s).
 Measured (`benchmark.sh --only '^cql_utterance$' --seeds "1 2 3"`, results/20261203-040951; 500 test episodes):
   per-utterance CQL (acting temperature 0.3 / 0.3 / 0.7, chosen on validation)
       mean return 0.592 / 0.617 / 0.611, success 0.82 / 0.85 / 0.86, length 5.5 / 5.7 / 6.0, normalized 74 / 78 / 77
   its BC proposer alone (1 sample at 0.7)   0.036 / 0.171 / 0.051
   dataset mixture 0.412 | BC on all data (ilql_per_token's beta = 0 head) 0.293 / 0.244 / 0.260 | filtered BC
   (ilql_per_token --bc-only --filter-top-frac 0.2) 0.365 / 0.393 / 0.401 | ILQL 0.638 / 0.650 / 0.642 | optimal 0.783
-What made it work (each measured): the proposer's belief auxiliary with 10 BC epochs (seeds 1 / 2, acting at 1.0:
-0.444 / 0.366 vs 0.277 / 0.103 with 5 epochs and no auxiliary); the acting temperature chosen on validation (same
-checkpoints, 0.583 / 0.606 at 0.5); training candidates at 0.7 instead of 1.0 (seed 3: 0.611 vs 0.351; seeds 1 / 2
-about the same, 0.592 / 0.617 vs 0.583 / 0.610). The proposer alone stays weak (success 24-38%): the critic does the
-work, choosing among 16 samples. It still asks more than the optimal questioner (5.5-6.0 turns vs 5.33).
+The proposer alone stays weak (success 24-38%): the critic does the work, choosing among 16 samples. It still asks
+more than the optimal questioner (5.5-6.0 turns vs 5.33).
 
 References:
   [1] Verma, Fu, Yang, Levine 2022, CHAI: A CHatbot AI for Task-Oriented Dialogue with Offline Reinforcement
@@ -146,8 +134,6 @@ MASKED_Q = -1e9  # value given to padded candidate slots before a max / logsumex
 BC_SORT_BLOCK = 32  # BC minibatches are formed from length-sorted blocks of 32 minibatches (less padding)
 BC_WARMUP_STEPS = 50  # linear learning-rate warmup of the BC LM (then cosine decay to 0)
 LM_POSITIONS = 256  # GPT-2 context: 8 turns of 12-word (malformed) utterances + replies + a 13-token sample < 256
-SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
-RESUME_FREE_FIELDS = ("resume", "save_every", "runs_dir")  # may change on --resume; the rest is the run's
 
 
 @dataclass
@@ -212,9 +198,8 @@ class Args:
     belief_coef: float = 1.0
     """weight of the BC LM's belief auxiliary: a linear head on the last hidden state predicts the logged secret
     object from every prefix (cross-entropy; its minimizer is the posterior over the 18 objects, the belief state).
-    The secret is read from the offline logs during training only. With 5 BC epochs it barely left the belief
-    plateau (seed 1: CQL 0.221 vs 0.277 without); with 10 epochs (belief NLL ~1.9 vs 2.89 at chance) CQL reached
-    0.444 / 0.366 at acting temperature 1 (seeds 1 / 2) vs 0.277 / 0.103 with 5 epochs and no auxiliary. 0 = off"""
+    The secret is read from the offline logs during training only. With 10 BC epochs CQL reached 0.444 / 0.366
+    (seeds 1 / 2, acting at 1.0) vs 0.277 / 0.103 with 5 epochs and no auxiliary. 0 = off"""
 
     # STEP 2: candidates
     n_candidates: int = 16
@@ -500,10 +485,11 @@ def belief_loss(belief_logits: torch.Tensor, secret: torch.Tensor, real: torch.T
     return (nll * mask).sum() / mask.sum()
 
 
-def train_bc(lm, tokenized: list[dict], secrets, args, device, writer, pad_id: int):
+def train_bc(lm, tokenized: list[dict], secrets, args, device, log, pad_id: int):
     """STEP 1: next-token cross-entropy on every token (or the agent tokens) of every dialogue, plus the belief
     auxiliary. Identical dialogues are merged with their counts as weights; AdamW with linear warmup, cosine decay.
-    Returns the trained LM and its BC NLL over the first and the last 10% of the steps."""
+    `log(step, metrics)` records the curves. Returns the trained LM and its BC NLL over the first and the last 10%
+    of the steps."""
     tokenized, counts, secrets = dedupe_dialogues(tokenized, secrets)
     n = len(tokenized)
     n_batches = math.ceil(n / args.bc_batch_size)
@@ -547,10 +533,8 @@ def train_bc(lm, tokenized: list[dict], secrets, args, device, writer, pad_id: i
             step += 1
             nll_curve.append(loss_bc.item())
             if step % 50 == 0:
-                writer.add_scalar("losses/bc_nll", loss_bc.item(), step)
-                if use_belief:
-                    writer.add_scalar("losses/belief_nll", loss_belief.item(), step)
-                writer.add_scalar("charts/bc_learning_rate", scheduler.get_last_lr()[0], step)
+                curves = {"losses/bc_nll": loss_bc.item(), "charts/bc_learning_rate": scheduler.get_last_lr()[0]}
+                log(step, curves | ({"losses/belief_nll": loss_belief.item()} if use_belief else {}))
         belief_text = f" belief nll {loss_belief.item():.3f}" if args.belief_coef > 0 else ""
         print(f"[bc] epoch {epoch} nll {loss_bc.item():.3f}{belief_text}", flush=True)
     window = max(1, len(nll_curve) // 10)  # the first and the last 10% of the steps
@@ -775,40 +759,216 @@ def timestep_stats(dialogues, tokenizer, lm, cand: torch.Tensor, tr: dict) -> di
     }
 
 
-def save_checkpoint(run_dir: Path, lm, tokenizer, critic) -> None:
-    """The one place the models are saved: the proposer and its tokenizer with save_pretrained (bc_lm/), the critic
-    as safetensors; `load_checkpoint` reads them back (with the critic's sizes from args.json)."""
-    lm.save_pretrained(run_dir / "bc_lm")
-    tokenizer.save_pretrained(run_dir / "bc_lm")
-    save_file({k: v.contiguous() for k, v in critic.state_dict().items()}, run_dir / "critic.safetensors")
+# ---------------------------------------------------------------------------------------------------------------
+# Training: STEP 0-3 in main(); STEP 4, the evaluation, follows it
+# ---------------------------------------------------------------------------------------------------------------
+def main():
+    args = parse_args()  # tyro + validation; --resume: the run's own arguments
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    start_time = time.time()
+    dialogues = load_dialogues(args)
+    data_stats = G.dataset_stats(dialogues)
+    if args.eval_only:  # STEP 4 alone, on the proposer, tokenizer and critic of a finished run (--checkpoint)
+        run = start_run(args)
+        lm, tokenizer, critic = run.load_models()
+        t0 = time.time()
+        metrics = evaluate_agents(lm, critic, tokenizer, args, run.device, data_stats)
+        run.finish(metrics, {"eval_s": time.time() - t0}, start_time)
+        return
+
+    # STEP 0: the proposer to train and its tokenizer (built-in, or the checkpoint's own + <sep>/<pad>, detail 8);
+    # the distinct histories (states), one transition per turn and the utterance table (the data utterances first)
+    lm, tokenizer = build_lm(args)
+    table = UtteranceTable(tokenizer)
+    states, prompts, tr = build_transitions(dialogues, tokenizer, table)
+    args.n_states, args.n_transitions = len(states), len(tr["s"])
+    run = start_run(args)  # device, run dir (new, or the resumed one), tensorboard, Ctrl-C / SIGTERM handlers
+    device = run.device
+    lm = lm.to(device)
+    print(f"run dir {run.run_dir}; dataset: {data_stats['n']} dialogues, mean return {data_stats['mean_return']:.3f}")
+    # `state` is what a checkpoint holds: the last phase done, the proposer, the utterance table and what the phases
+    # made. --resume: as its checkpoint left it (the proposer's weights, the table and the RNG states restored)
+    state = run.restore_phases({"phase": None, "lm": lm, "table": table})
+
+    # STEP 1: the BC utterance model
+    if state["phase"] is None:
+        t0 = time.time()
+        secrets = [d["secret_id"] for d in dialogues] if args.belief_coef > 0 else None
+        tokenized = G.tokenize_dialogues(dialogues, tokenizer)
+        lm, bc_nll = train_bc(lm, tokenized, secrets, args, device, run.log, tokenizer.pad_token_id)
+        state.update(phase="bc", bc_nll=bc_nll, timings={"bc_s": time.time() - t0})
+        print(f"[bc] trained in {state['timings']['bc_s']:.0f}s", flush=True)
+        run.end_step(0, state)  # a checkpoint with --save-every > 0, and one after Ctrl-C / SIGTERM (then exit)
+    lm.eval()  # frozen from here on
+    timings = state["timings"]  # wall time of each phase (summary.json)
+
+    # STEP 2: N candidate utterances per distinct history, sampled once, deduplicated
+    if state["phase"] == "bc":
+        t0 = time.time()
+        generator = torch.Generator().manual_seed(args.seed)
+        samples = sample_utterances(
+            lm, tokenizer, prompts, args.n_candidates, args.temperature, device, generator, args.gen_batch_size
+        )
+        cand = torch.full((len(states), args.n_candidates), -1, dtype=torch.long)  # (S, N) sampled set C(s)
+        for i, s in enumerate(samples):
+            cs = dedupe_utterances(s)
+            cand[i, : len(cs)] = torch.tensor([table.add(c) for c in cs])
+        coverage = (cand[tr["s"]] == tr["a"][:, None]).any(dim=1).float().mean().item()
+        set_size = (cand >= 0).sum(dim=1).float().mean().item()
+        timings["candidates_s"] = time.time() - t0
+        print(
+            f"[candidates] {len(states)} histories x {args.n_candidates} samples in {timings['candidates_s']:.0f}s;"
+            f" mean set size {set_size:.2f}; data utterance sampled for {coverage:.1%} of transitions; "
+            f"{len(table.tokens)} distinct utterances",
+            flush=True,
+        )
+        run.log(0, {"charts/candidate_set_size": set_size, "charts/data_utterance_coverage": coverage})
+        state.update(phase="candidates", cand=cand)
+        run.end_step(0, state)  # a checkpoint with --save-every > 0, and one after Ctrl-C / SIGTERM (then exit)
+    cand = state["cand"]
+    problem = {**timestep_stats(dialogues, tokenizer, lm, cand, tr), **state["bc_nll"]}  # Problem 21.4 + BC fit
+
+    # STEP 3: the critic with twin Q heads, a Polyak target and the CQL penalty
+    critic = UtteranceCritic(len(tokenizer), args.critic_dim, args.critic_hidden, tokenizer.pad_token_id).to(device)
+    target = copy.deepcopy(critic)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    optimizer = torch.optim.Adam(critic.parameters(), lr=args.critic_lr)
+    turns = UtteranceTable(tokenizer)  # every distinct (utterance, reply) turn of the dataset, a few hundred
+    turn_idx_all, n_turns_all = history_turn_ids(states, turns)  # (S, max turns), (S,)
+    t_ids, t_len = turns.tensors(device)
+    u_ids, u_len = table.tensors(device)
+    cql_cands = with_data_first(cand[tr["s"]], tr["a"])  # (T, N + 1): C(s) u {a}, data first
+    rng = np.random.default_rng(args.seed)  # the critic's minibatches
+    state.update(phase="critic", critic=critic, target=target, optimizer=optimizer, rng=rng)
+    first_step = run.restore(state)  # 1; --resume after critic step k: k + 1 (critic, target, Adam, rng restored)
+    t0 = time.time() - timings.get("critic_s", 0.0)
+    for step in range(first_step, args.critic_steps + 1):
+        b = torch.from_numpy(rng.integers(0, len(tr["s"]), size=args.batch_size))  # (B,)
+        s, s2 = tr["s"][b], tr["s2"][b]
+        ns, ns2 = n_turns_all[s], n_turns_all[s2]  # (B,)
+        hs = turn_idx_all[s, : max(1, int(ns.max()))].to(device)  # (B, T) turn ids
+        hs2 = turn_idx_all[s2, : max(1, int(ns2.max()))].to(device)
+        cq = cql_cands[b].to(device)  # (B, N + 1)
+        nc = cand[s2].to(device)  # (B, N) sampled next candidates (no data utterance)
+        # encode only the utterances this minibatch uses (the sampled table can hold thousands of strings)
+        used, inverse = torch.unique(torch.cat([cq.flatten(), nc.flatten()]).clamp(min=0), return_inverse=True)
+        cq_u, nc_u = inverse[: cq.numel()].view_as(cq), inverse[cq.numel() :].view_as(nc)  # ids into `used`
+        # ALGO LOGIC: target y = r + gamma (1 - done) max over sampled next candidates of min target Q
+        with torch.no_grad():
+            q_next = target.q_values(
+                target.encode_histories(target.encode_turns(t_ids, t_len), hs2, ns2),
+                target.encode_utterances(u_ids[used], u_len[used])[nc_u],
+            )  # (B, N, 2)
+            y = td_target(tr["r"][b].to(device), tr["done"][b].to(device), q_next, nc >= 0, args.gamma)
+        q = critic.q_values(
+            critic.encode_histories(critic.encode_turns(t_ids, t_len), hs, ns),
+            critic.encode_utterances(u_ids[used], u_len[used])[cq_u],
+        )  # (B, N + 1, 2)
+        q_data = q[:, 0]  # (B, 2): Q of the dataset utterance
+        q_loss = ((q_data - y[:, None]) ** 2).mean(0).sum()
+        cql = sum(cql_penalty(q[..., j], cq >= 0, q_data[:, j]).mean() for j in range(2))
+        loss = q_loss + args.cql_alpha * cql
+        optimizer.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+        optimizer.step()
+        polyak_update(target, critic, args.tau)
+        timings["critic_s"] = time.time() - t0  # (a checkpoint keeps it)
+        if step % args.log_every == 0 or step == args.critic_steps:
+            sps = step * args.batch_size / (time.time() - t0)
+            logged = {"losses/q_loss": q_loss.item(), "losses/cql_loss": cql.item()}
+            logged |= {"losses/q_data": q_data.mean().item(), "losses/q_candidates": q[..., 0][cq >= 0].mean().item()}
+            run.log(step, logged | {"charts/learning_rate": args.critic_lr, "charts/SPS": sps})
+            print(
+                f"[critic] step {step} q_loss {q_loss.item():.4f} cql {cql.item():.3f} "
+                f"Q(data) {q_data.mean().item():.3f} SPS {sps:.0f}",
+                flush=True,
+            )
+        run.end_step(step, state)  # a checkpoint every --save-every steps and at the last; after Ctrl-C, then exit
+    run.end_training()  # Ctrl-C and SIGTERM stop the run at once again
+    critic.eval()
+    timings["critic_s"] = time.time() - t0
+
+    # STEP 4: online evaluation of the BC proposer alone and of BC proposals + critic argmax
+    t0 = time.time()
+    metrics = {**evaluate_agents(lm, critic, tokenizer, args, device, data_stats), **problem}
+    timings["eval_s"] = time.time() - t0
+    run.finish(metrics, timings, start_time, models=(lm, tokenizer, critic))
 
 
-def load_checkpoint(ckpt: Path, device):
-    """(proposer, its tokenizer, critic) of a run dir written by `save_checkpoint`; a one-line error otherwise."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def evaluate_agents(lm, critic, tokenizer, args, device, data_stats: dict) -> dict:
+    """STEP 4: the BC proposer alone (1 sample) and BC proposals + critic argmax (N samples) against the scripted
+    answerer; the acting temperature is chosen on validation episodes (as ilql_per_token.py chooses beta) and
+    reported on test episodes. Returns the metrics (the tensorboard tags)."""
+    t0 = time.time()
+    gen_seed = args.seed + 1  # sampling noise of the evaluation (distinct from the candidate generation)
+    bc_policy = CriticPolicy(lm, None, tokenizer, 1, args.temperature, device, gen_seed, args.gen_batch_size)
+    bc = evaluate(bc_policy, args.eval_episodes, args.eval_seed)
+    metrics, val, test = {}, {}, {}
+    for temp in args.act_temperatures:
+        # a fresh sampling generator for each of validation and test: test noise does not depend on validation
+        val_agent, test_agent = (
+            CriticPolicy(lm, critic, tokenizer, args.n_candidates, temp, device, gen_seed, args.gen_batch_size)
+            for _ in range(2)
+        )
+        val[temp] = evaluate(val_agent, args.val_episodes, args.val_seed)
+        test[temp] = evaluate(test_agent, args.eval_episodes, args.eval_seed)
+        for name, res in (("val_", val[temp]), ("", test[temp])):
+            metrics[f"eval/{name}act_temperature_{temp:g}_episodic_return"] = float(res["episodic_return"])
+        print(
+            f"[eval] act temperature {temp:g}: val return {val[temp]['episodic_return']:.3f}, test return "
+            f"{test[temp]['episodic_return']:.3f} success {test[temp]['success_rate']:.3f}",
+            flush=True,
+        )
+    best_temp = max(args.act_temperatures, key=lambda t: (val[t]["episodic_return"], t))  # ties -> the hotter one
+    cql_res = test[best_temp]
+    print(
+        f"[eval] {time.time() - t0:.0f}s; BC proposer: return {bc['episodic_return']:.3f} success "
+        f"{bc['success_rate']:.3f}; per-utterance CQL (act temperature {best_temp:g}, chosen on validation): return "
+        f"{cql_res['episodic_return']:.3f} success {cql_res['success_rate']:.3f} length "
+        f"{cql_res['episodic_length']:.2f} (optimal {G.OPTIMAL_MEAN_RETURN:.3f}, "
+        f"dataset {data_stats['mean_return']:.3f})",
+        flush=True,
+    )
+    metrics.update({f"eval/{k}": float(v) for k, v in cql_res.items()})
+    metrics["eval/act_temperature"] = float(best_temp)
+    metrics.update({f"eval/bc_proposer_{k}": float(v) for k, v in bc.items()})
+    metrics["dataset/mean_return"] = float(data_stats["mean_return"])
+    metrics["dataset/success_rate"] = float(data_stats["success_rate"])
+    return metrics
 
-    try:
-        saved = json.loads((ckpt / "args.json").read_text())
-        tokenizer = AutoTokenizer.from_pretrained(ckpt / "bc_lm")
-        lm = AutoModelForCausalLM.from_pretrained(ckpt / "bc_lm").to(device)
-        critic = UtteranceCritic(len(tokenizer), saved["critic_dim"], saved["critic_hidden"], tokenizer.pad_token_id)
-        critic.load_state_dict(load_file(ckpt / "critic.safetensors"))
-    except (OSError, ValueError, KeyError, RuntimeError, json.JSONDecodeError) as e:
-        raise SystemExit(f"error: could not load checkpoint '{ckpt}': {str(e).splitlines()[0]}") from None
-    return lm, tokenizer, critic.to(device)
+
+# === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+# Long runs: RUN_DIR/checkpoints gets a checkpoint at the end of the BC phase, at the end of the candidate phase and
+# every `--save-every` critic steps (and at the critic's end), and Ctrl-C or SIGTERM writes one at the next of these
+# points, then the run exits: the proposer's weights (safetensors), the candidate sets and the utterance table they
+# index (arrays.npz, with torch's RNG state), from the critic phase on the critic, its target (safetensors), Adam
+# (torch.save, read back with weights_only=True) and the minibatch rng, and state.json (phase, critic step, BC fit,
+# timings, args, python and numpy RNG states, file sizes). Written into a temporary dir, os.replace'd into place,
+# then named by latest.json (temp file + os.replace): a kill leaves the previous one; all deleted when the run ends.
+# `--resume RUN_DIR` rebuilds the data (deterministic), skips the phases done, and ends with the same metrics, bit
+# for bit on CPU, as the run uninterrupted (tests/test_resume_dialogue_cql_utterance.py). The BC phase itself is not
+# checkpointed inside (a kill during BC restarts it). Tensorboard: the BC and critic curves share the step axis, so
+# `purge_step` (which would cut the BC curve) is not used: critic points a killed run logged after its last
+# checkpoint appear twice.
+SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
+RESUME_FREE_FIELDS = ("resume", "save_every", "runs_dir")  # may change on --resume; the rest is the run's
 
 
-def make_run_dir(args):
-    run_name = f"{TASK_ID.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir, suffix = Path(args.runs_dir) / run_name, 0
-    while True:  # never overwrite a run: mkdir is atomic, so runs started in the same second get -1, -2, ...
-        try:
-            run_dir.mkdir(parents=True, exist_ok=False)
-            break
-        except FileExistsError:
-            suffix += 1
-            run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
-    return run_dir.name, run_dir
+def parse_args() -> Args:
+    """The command line (tyro), validated; with --resume, the run's own arguments (plus RESUME_FREE_FIELDS)."""
+    args = tyro.cli(Args)
+    if args.resume is not None:
+        if args.eval_only:
+            raise SystemExit("error: --resume continues a training run; it does not go with --eval-only")
+        args = resume_args(args)[0]
+    validate(args)
+    check_writable_dir(Path(args.resume or args.runs_dir), "--resume" if args.resume else "--runs-dir")
+    return args
 
 
 def validate(args):
@@ -840,9 +1000,137 @@ def validate(args):
             )
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# CHECKPOINTS: --save-every, --resume and Ctrl-C (a reader of the algorithm can skip this block)
-# ---------------------------------------------------------------------------------------------------------------
+def start_run(args: Args) -> "Run":
+    """The run: device, run dir (a new one, or the --resume one), tensorboard, Ctrl-C / SIGTERM handlers."""
+    return Run(args)
+
+
+class Run:
+    """What main() uses of run management. `state` (a dict, main() builds it): "phase" (the last phase done: "bc",
+    "candidates" or "critic"), "lm", "table", "bc_nll", "timings", from the candidate phase on "cand", from the
+    critic phase on "critic", "target", "optimizer" and "rng" (the critic's minibatches)."""
+
+    CRITIC_PARTS = ("critic", "target", "optimizer", "rng")
+
+    def __init__(self, args: Args):
+        self.args = args
+        self.device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+        self.checkpoint = None  # --resume: (its checkpoint dir, state.json)
+        if args.resume is not None:
+            self.run_dir = Path(args.resume)
+            self.checkpoint = read_checkpoint_state(self.run_dir)
+            self.writer = SummaryWriter(str(self.run_dir))  # (no purge_step: see the comment at the marker)
+        else:
+            self.run_dir = new_run_dir(args.runs_dir, TASK_ID, args.exp_name, args.seed)
+            self.writer = open_writer(self.run_dir, args)
+        self.stop = None if args.eval_only else install_stop_handlers()
+
+    def load_models(self):
+        """--eval-only: the proposer, its tokenizer and the critic of the finished run `--checkpoint`."""
+        return load_checkpoint(Path(self.args.checkpoint), self.device)
+
+    def restore_phases(self, state: dict) -> dict:
+        """`state` as the --resume checkpoint left it: its phase, the BC fit, the timings and (after the candidate
+        phase) the candidate sets; the proposer's weights are loaded into state["lm"], the sampled utterances added
+        to state["table"] (after the data's, which must be the same), the python, numpy and torch RNG states set.
+        A fresh run: `state` as given."""
+        if self.checkpoint is None:
+            return state
+        step_dir, saved = self.checkpoint
+        arrays = load_proposer_checkpoint(step_dir, saved, state["lm"])
+        state = state | {"phase": saved["phase"], "bc_nll": saved["bc_nll"], "timings": saved["timings"]}
+        if saved["phase"] != "bc":  # the sampled sets and the utterance table they index (data utterances first)
+            table = state["table"]
+            if arrays["utterances"][: len(table.tokens)].tolist() != list(table.ids):
+                raise SystemExit(f"error: the dataset's utterances differ from those in {step_dir}")
+            state["cand"] = torch.from_numpy(arrays["cand"])
+            for utterance in arrays["utterances"][len(table.tokens) :]:
+                table.add(str(utterance))
+        print(f"resumed {self.run_dir} after the {saved['phase']} phase from {step_dir}", flush=True)
+        return state
+
+    def restore(self, state: dict) -> int:
+        """The first critic step: 1, or after a --resume checkpoint of the critic phase the step after it, with the
+        critic, its target, Adam and the minibatch rng of `state` loaded from it."""
+        if self.checkpoint is None or self.checkpoint[1]["phase"] != "critic":
+            return 1
+        step_dir, saved = self.checkpoint
+        load_critic_checkpoint(step_dir, saved, {key: state[key] for key in self.CRITIC_PARTS})
+        return saved["critic_step"] + 1
+
+    def log(self, step: int, metrics: dict) -> None:
+        for tag, value in metrics.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def end_step(self, step: int, state: dict) -> None:
+        """At the end of the BC or the candidate phase (step 0) or of critic step `step`: checkpoint `state` when
+        --save-every > 0 (every phase end, every --save-every critic steps and the last one) or a stop signal
+        arrived; after a stop signal, exit with STOP_EXIT_CODE and the command that continues the run."""
+        every, phase = self.args.save_every, state["phase"]
+        due = every and (phase != "critic" or step % every == 0 or step == self.args.critic_steps)
+        if not (due or self.stop["signal"]):
+            return
+        arrays = {}
+        if phase != "bc":
+            arrays = {"cand": state["cand"].numpy(), "utterances": np.array(list(state["table"].ids), dtype=str)}
+        progress = {"bc_nll": state["bc_nll"], "timings": state["timings"], "args": asdict(self.args)}
+        parts = {key: state[key] for key in self.CRITIC_PARTS} if phase == "critic" else None
+        checkpoint_or_exit(self.run_dir, phase, step, state["lm"], arrays, progress, self.stop, self.writer, parts)
+
+    def end_training(self) -> None:
+        restore_signal_handlers(self.stop)  # training is over: Ctrl-C stops at once (a resume would redo the rest)
+
+    def finish(self, metrics: dict, time_s: dict, start_time: float, models=None) -> None:
+        """tensorboard gets the metrics at step 0; args.json, the models (bc_lm/, critic.safetensors; none with
+        --eval-only) and summary.json (written last: it marks a finished run); the checkpoints are deleted."""
+        args, run_dir = self.args, self.run_dir
+        self.log(0, metrics)
+        self.log(0, {"charts/episodic_return": metrics["eval/episodic_return"],
+                     "charts/episodic_length": metrics["eval/episodic_length"]})  # fmt: skip
+        wall = time.time() - start_time
+        steps_done = 0 if args.eval_only else args.critic_steps * args.batch_size
+        summary = {
+            "script": SCRIPT,
+            "run_name": run_dir.name,
+            "run_dir": str(run_dir),
+            "args": asdict(args),
+            "metrics": metrics,
+            "wall_time_s": wall,
+            "sps": steps_done / wall,
+            "time_s": time_s,  # BC, candidates, critic, eval
+        }
+        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+        if models is not None:
+            save_checkpoint(run_dir, *models)
+        write_json_atomic(run_dir / "summary.json", summary)  # written last: it marks a finished run
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a finished run is not resumed
+        self.writer.close()
+        print(f"done in {wall:.0f}s -> {run_dir / 'summary.json'}")
+
+
+def save_checkpoint(run_dir: Path, lm, tokenizer, critic) -> None:
+    """The one place the models are saved: the proposer and its tokenizer with save_pretrained (bc_lm/), the critic
+    as safetensors; `load_checkpoint` reads them back (with the critic's sizes from args.json)."""
+    lm.save_pretrained(run_dir / "bc_lm")
+    tokenizer.save_pretrained(run_dir / "bc_lm")
+    save_file({k: v.contiguous() for k, v in critic.state_dict().items()}, run_dir / "critic.safetensors")
+
+
+def load_checkpoint(ckpt: Path, device):
+    """(proposer, its tokenizer, critic) of a run dir written by `save_checkpoint`; a one-line error otherwise."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        saved = json.loads((ckpt / "args.json").read_text())
+        tokenizer = AutoTokenizer.from_pretrained(ckpt / "bc_lm")
+        lm = AutoModelForCausalLM.from_pretrained(ckpt / "bc_lm").to(device)
+        critic = UtteranceCritic(len(tokenizer), saved["critic_dim"], saved["critic_hidden"], tokenizer.pad_token_id)
+        critic.load_state_dict(load_file(ckpt / "critic.safetensors"))
+    except (OSError, ValueError, KeyError, RuntimeError, json.JSONDecodeError) as e:
+        raise SystemExit(f"error: could not load checkpoint '{ckpt}': {str(e).splitlines()[0]}") from None
+    return lm, tokenizer, critic.to(device)
+
+
 def check_writable_dir(path: Path, flag: str) -> None:
     """A one-line error, before any work, if `path` is a file, cannot be created, or is not writable."""
     if path.exists() and not path.is_dir():
@@ -853,6 +1141,37 @@ def check_writable_dir(path: Path, flag: str) -> None:
         raise SystemExit(f"error: cannot create {flag} {path}: {err.strerror}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise SystemExit(f"error: {flag} {path} is not writable")
+
+
+def new_run_dir(runs_dir: str, task: str, exp_name: str, seed: int) -> Path:
+    """Create and return runs_dir/{task}__{exp_name}__{seed}__{unix time}; never an existing directory: mkdir is
+    atomic, so runs started in the same second get -1, -2, ..."""
+    run_name = f"{task.replace('/', '-').replace(':', '-')}__{exp_name}__{seed}__{int(time.time())}"
+    run_dir, suffix = Path(runs_dir) / run_name, 0
+    while True:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            return run_dir
+        except FileExistsError:
+            suffix += 1
+            run_dir = Path(runs_dir) / f"{run_name}-{suffix}"
+
+
+def open_writer(run_dir: Path, args, purge_step: int | None = None) -> SummaryWriter:
+    """tensorboard in the run dir with the hyperparameters as a markdown table (CleanRL). On a resume, purge_step (the
+    checkpoint's step + 1) drops what the killed run logged after its checkpoint, and the table is already there."""
+    writer = SummaryWriter(str(run_dir), purge_step=purge_step)
+    if purge_step is None:
+        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
 
 
 STOP_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C (a SIGTERM stop exits alike)
@@ -883,13 +1202,6 @@ def restore_signal_handlers(stop: dict) -> None:
     """Training is over: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows)."""
     for sig, previous in stop["previous"].items():
         signal.signal(sig, previous)
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
-    tmp = path.with_name(f".tmp_{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
 
 
 def save_training_checkpoint(run_dir: Path, name: str, lm, arrays: dict, state: dict, critic_parts=None) -> Path:
@@ -1026,227 +1338,4 @@ def load_critic_checkpoint(step_dir: Path, state: dict, critic_parts: dict) -> N
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    resume_dir = phase = None  # --resume: the run dir, and the phase its checkpoint ended (CHECKPOINTS block)
-    if args.resume is not None:
-        if args.eval_only:
-            raise SystemExit("error: --resume continues a training run; it does not go with --eval-only")
-        args, resume_dir, resume_step_dir, resume_state = resume_args(args)
-        phase = resume_state["phase"]  # "bc", "candidates" or "critic": done up to there
-    validate(args)
-    check_writable_dir(resume_dir or Path(args.runs_dir), "--resume" if resume_dir else "--runs-dir")
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    start_time = time.time()
-
-    if args.eval_only:  # reload the proposer (with its tokenizer) and the critic of a finished run
-        lm, tokenizer, critic = load_checkpoint(Path(args.checkpoint), device)
-    else:  # the proposer to train in STEP 1 and its tokenizer (built-in, or the checkpoint's own + <sep>/<pad>)
-        lm, tokenizer = build_lm(args)
-        lm = lm.to(device)
-    dialogues = load_dialogues(args)
-    data_stats = G.dataset_stats(dialogues)
-    if resume_dir is None:
-        run_name, run_dir = make_run_dir(args)
-    else:  # (no purge_step: the BC and critic curves share the step axis; see detail 10)
-        run_name, run_dir = resume_dir.name, resume_dir
-    writer = SummaryWriter(str(run_dir))
-    print(f"run dir {run_dir}; dataset: {data_stats['n']} dialogues, mean return {data_stats['mean_return']:.3f}")
-
-    if not args.eval_only:
-        # STEP 0: histories (states), transitions and the utterance table
-        table = UtteranceTable(tokenizer)
-        states, prompts, tr = build_transitions(dialogues, tokenizer, table)
-        args.n_states, args.n_transitions = len(states), len(tr["s"])
-        if resume_dir is None:
-            writer.add_text(
-                "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-            )
-        interrupt = install_stop_handlers()  # (CHECKPOINTS block)
-        if phase is not None:  # CHECKPOINTS: the proposer (and the RNG states) as the phase `phase` left them
-            arrays = load_proposer_checkpoint(resume_step_dir, resume_state, lm)
-            lm.eval()
-            bc_nll, timings = resume_state["bc_nll"], resume_state["timings"]
-            print(f"resumed {run_dir} after the {phase} phase from {resume_step_dir}", flush=True)
-
-        # STEP 1: the BC utterance model
-        if phase is None:
-            t0 = time.time()
-            secrets = [d["secret_id"] for d in dialogues] if args.belief_coef > 0 else None
-            tokenized = G.tokenize_dialogues(dialogues, tokenizer)
-            lm, bc_nll = train_bc(lm, tokenized, secrets, args, device, writer, tokenizer.pad_token_id)
-            lm.eval()
-            timings = {"bc_s": time.time() - t0}
-            print(f"[bc] trained in {timings['bc_s']:.0f}s", flush=True)
-        progress = {"bc_nll": bc_nll, "timings": timings, "args": asdict(args)}  # (CHECKPOINTS: state.json)
-        if phase is None and (args.save_every or interrupt["signal"]):
-            checkpoint_or_exit(run_dir, "bc", 0, lm, {}, progress, interrupt, writer)
-
-        # STEP 2: N candidate utterances per distinct history, sampled once, deduplicated
-        if phase in (None, "bc"):
-            t0 = time.time()
-            generator = torch.Generator().manual_seed(args.seed)
-            samples = sample_utterances(
-                lm, tokenizer, prompts, args.n_candidates, args.temperature, device, generator, args.gen_batch_size
-            )
-            cand = torch.full((len(states), args.n_candidates), -1, dtype=torch.long)  # (S, N) sampled set C(s)
-            for i, s in enumerate(samples):
-                cs = dedupe_utterances(s)
-                cand[i, : len(cs)] = torch.tensor([table.add(c) for c in cs])
-            coverage = (cand[tr["s"]] == tr["a"][:, None]).any(dim=1).float().mean().item()
-            set_size = (cand >= 0).sum(dim=1).float().mean().item()
-            timings["candidates_s"] = time.time() - t0
-            print(
-                f"[candidates] {len(states)} histories x {args.n_candidates} samples in {timings['candidates_s']:.0f}s;"
-                f" mean set size {set_size:.2f}; data utterance sampled for {coverage:.1%} of transitions; "
-                f"{len(table.tokens)} distinct utterances",
-                flush=True,
-            )
-            writer.add_scalar("charts/candidate_set_size", set_size, 0)
-            writer.add_scalar("charts/data_utterance_coverage", coverage, 0)
-        else:  # CHECKPOINTS: the sampled sets and the utterance table they index (the data utterances come first)
-            if arrays["utterances"][: len(table.tokens)].tolist() != list(table.ids):
-                raise SystemExit(f"error: the dataset's utterances differ from those in {resume_step_dir}")
-            cand = torch.from_numpy(arrays["cand"])
-            for utterance in arrays["utterances"][len(table.tokens) :]:
-                table.add(str(utterance))
-        candidate_arrays = {"cand": cand.numpy(), "utterances": np.array(list(table.ids), dtype=str)}
-        if phase in (None, "bc") and (args.save_every or interrupt["signal"]):
-            checkpoint_or_exit(run_dir, "candidates", 0, lm, candidate_arrays, progress, interrupt, writer)
-        problem = {**timestep_stats(dialogues, tokenizer, lm, cand, tr), **bc_nll}  # Problem 21.4 + BC fit
-
-        # STEP 3: the critic with twin Q heads, a Polyak target and the CQL penalty
-        critic = UtteranceCritic(len(tokenizer), args.critic_dim, args.critic_hidden, tokenizer.pad_token_id).to(device)
-        target = copy.deepcopy(critic)
-        for p in target.parameters():
-            p.requires_grad_(False)
-        optimizer = torch.optim.Adam(critic.parameters(), lr=args.critic_lr)
-        turns = UtteranceTable(tokenizer)  # every distinct (utterance, reply) turn of the dataset, a few hundred
-        turn_idx_all, n_turns_all = history_turn_ids(states, turns)  # (S, max turns), (S,)
-        t_ids, t_len = turns.tensors(device)
-        u_ids, u_len = table.tensors(device)
-        cql_cands = with_data_first(cand[tr["s"]], tr["a"])  # (T, N + 1): C(s) u {a}, data first
-        rng = np.random.default_rng(args.seed)
-        critic_parts, first_step = {"critic": critic, "target": target, "optimizer": optimizer, "rng": rng}, 1
-        if phase == "critic":  # CHECKPOINTS: continue after the checkpoint's critic step
-            load_critic_checkpoint(resume_step_dir, resume_state, critic_parts)
-            first_step = resume_state["critic_step"] + 1
-        t0 = time.time() - timings.get("critic_s", 0.0)
-        for step in range(first_step, args.critic_steps + 1):
-            b = torch.from_numpy(rng.integers(0, len(tr["s"]), size=args.batch_size))  # (B,)
-            s, s2 = tr["s"][b], tr["s2"][b]
-            ns, ns2 = n_turns_all[s], n_turns_all[s2]  # (B,)
-            hs = turn_idx_all[s, : max(1, int(ns.max()))].to(device)  # (B, T) turn ids
-            hs2 = turn_idx_all[s2, : max(1, int(ns2.max()))].to(device)
-            cq = cql_cands[b].to(device)  # (B, N + 1)
-            nc = cand[s2].to(device)  # (B, N) sampled next candidates (no data utterance)
-            # encode only the utterances this minibatch uses (the sampled table can hold thousands of strings)
-            used, inverse = torch.unique(torch.cat([cq.flatten(), nc.flatten()]).clamp(min=0), return_inverse=True)
-            cq_u, nc_u = inverse[: cq.numel()].view_as(cq), inverse[cq.numel() :].view_as(nc)  # ids into `used`
-            # ALGO LOGIC: target y = r + gamma (1 - done) max over sampled next candidates of min target Q
-            with torch.no_grad():
-                q_next = target.q_values(
-                    target.encode_histories(target.encode_turns(t_ids, t_len), hs2, ns2),
-                    target.encode_utterances(u_ids[used], u_len[used])[nc_u],
-                )  # (B, N, 2)
-                y = td_target(tr["r"][b].to(device), tr["done"][b].to(device), q_next, nc >= 0, args.gamma)
-            q = critic.q_values(
-                critic.encode_histories(critic.encode_turns(t_ids, t_len), hs, ns),
-                critic.encode_utterances(u_ids[used], u_len[used])[cq_u],
-            )  # (B, N + 1, 2)
-            q_data = q[:, 0]  # (B, 2): Q of the dataset utterance
-            q_loss = ((q_data - y[:, None]) ** 2).mean(0).sum()
-            cql = sum(cql_penalty(q[..., j], cq >= 0, q_data[:, j]).mean() for j in range(2))
-            loss = q_loss + args.cql_alpha * cql
-            optimizer.zero_grad()
-            loss.backward()
-            nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-            optimizer.step()
-            polyak_update(target, critic, args.tau)
-            if step % args.log_every == 0 or step == args.critic_steps:
-                sps = step * args.batch_size / (time.time() - t0)
-                writer.add_scalar("losses/q_loss", q_loss.item(), step)
-                writer.add_scalar("losses/cql_loss", cql.item(), step)
-                writer.add_scalar("losses/q_data", q_data.mean().item(), step)
-                writer.add_scalar("losses/q_candidates", q[..., 0][cq >= 0].mean().item(), step)
-                writer.add_scalar("charts/learning_rate", args.critic_lr, step)
-                writer.add_scalar("charts/SPS", sps, step)
-                print(
-                    f"[critic] step {step} q_loss {q_loss.item():.4f} cql {cql.item():.3f} "
-                    f"Q(data) {q_data.mean().item():.3f} SPS {sps:.0f}",
-                    flush=True,
-                )
-            # checkpoint every --save-every critic steps, at the critic's end, and on Ctrl-C (CHECKPOINTS block)
-            if interrupt["signal"] or (args.save_every and (step % args.save_every == 0 or step == args.critic_steps)):
-                timings["critic_s"] = time.time() - t0
-                checkpoint_or_exit(run_dir, "critic", step, lm, candidate_arrays, progress, interrupt, writer,
-                                   critic_parts)  # fmt: skip
-        restore_signal_handlers(interrupt)  # training is over: Ctrl-C stops at once
-        critic.eval()
-        timings["critic_s"] = time.time() - t0
-
-    # STEP 4: online evaluation: BC proposer alone (1 sample) and BC proposals + critic argmax (N samples), the
-    # acting temperature chosen on validation episodes (as ilql_per_token.py chooses beta), reported on test episodes
-    t0 = time.time()
-    gen_seed = args.seed + 1  # sampling noise of the evaluation (distinct from the candidate generation)
-    bc_policy = CriticPolicy(lm, None, tokenizer, 1, args.temperature, device, gen_seed, args.gen_batch_size)
-    bc = evaluate(bc_policy, args.eval_episodes, args.eval_seed)
-    metrics, val, test = {}, {}, {}
-    for temp in args.act_temperatures:
-        # a fresh sampling generator for each of validation and test: test noise does not depend on validation
-        val_agent, test_agent = (
-            CriticPolicy(lm, critic, tokenizer, args.n_candidates, temp, device, gen_seed, args.gen_batch_size)
-            for _ in range(2)
-        )
-        val[temp] = evaluate(val_agent, args.val_episodes, args.val_seed)
-        test[temp] = evaluate(test_agent, args.eval_episodes, args.eval_seed)
-        for name, res in (("val_", val[temp]), ("", test[temp])):
-            metrics[f"eval/{name}act_temperature_{temp:g}_episodic_return"] = float(res["episodic_return"])
-        print(
-            f"[eval] act temperature {temp:g}: val return {val[temp]['episodic_return']:.3f}, test return "
-            f"{test[temp]['episodic_return']:.3f} success {test[temp]['success_rate']:.3f}",
-            flush=True,
-        )
-    best_temp = max(args.act_temperatures, key=lambda t: (val[t]["episodic_return"], t))  # ties -> the hotter one
-    cql_res = test[best_temp]
-    print(
-        f"[eval] {time.time() - t0:.0f}s; BC proposer: return {bc['episodic_return']:.3f} success "
-        f"{bc['success_rate']:.3f}; per-utterance CQL (act temperature {best_temp:g}, chosen on validation): return "
-        f"{cql_res['episodic_return']:.3f} success {cql_res['success_rate']:.3f} length "
-        f"{cql_res['episodic_length']:.2f} (optimal {G.OPTIMAL_MEAN_RETURN:.3f}, "
-        f"dataset {data_stats['mean_return']:.3f})",
-        flush=True,
-    )
-    eval_time = time.time() - t0
-    metrics.update({f"eval/{k}": float(v) for k, v in cql_res.items()})
-    metrics["eval/act_temperature"] = float(best_temp)
-    metrics.update({f"eval/bc_proposer_{k}": float(v) for k, v in bc.items()})
-    metrics["dataset/mean_return"] = float(data_stats["mean_return"])
-    metrics["dataset/success_rate"] = float(data_stats["success_rate"])
-    metrics.update({} if args.eval_only else problem)
-    for k, v in metrics.items():
-        writer.add_scalar(k, v, 0)
-    writer.add_scalar("charts/episodic_return", metrics["eval/episodic_return"], 0)
-    writer.add_scalar("charts/episodic_length", metrics["eval/episodic_length"], 0)
-    wall = time.time() - start_time
-    steps_done = 0 if args.eval_only else args.critic_steps * args.batch_size
-    summary = {
-        "script": Path(__file__).stem,
-        "run_name": run_name,
-        "run_dir": str(run_dir),
-        "args": asdict(args),
-        "metrics": metrics,
-        "wall_time_s": wall,
-        "sps": steps_done / wall,
-        "time_s": {**({} if args.eval_only else timings), "eval_s": eval_time},  # BC, candidates, critic, eval
-    }
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-    if not args.eval_only:
-        save_checkpoint(run_dir, lm, tokenizer, critic)
-    write_json_atomic(run_dir / "summary.json", summary)  # written last: it marks a finished run
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a finished run is not resumed; the models are saved
-    writer.close()
-    print(f"done in {wall:.0f}s -> {run_dir / 'summary.json'}")
+    main()

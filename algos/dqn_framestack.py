@@ -58,28 +58,13 @@ References:
     epsilon schedule, target network copies, `train_frequency`; dqn_atari's FrameStack(4) is done here by index.
 [3] H. van Hasselt, A. Guez, D. Silver, "Deep Reinforcement Learning with Double Q-learning", AAAI 2016.
 [4] B. Bakker, "Reinforcement Learning with Long Short-Term Memory", NeurIPS 2001 (the T-maze).
-[5] rl-baselines3-zoo `hyperparams/dqn.yml` (CartPole-v1 entry), A. Raffin et al.: the defaults here, except a
-    learning rate of 5e-4 instead of 2.3e-3, double Q, scaled inputs, and the three stability changes below.
-    Measured on MaskedCartPole k = 4, seed 1, 100k steps, batch 64, target copy every 256 steps, gamma 0.99: zoo
-    settings 292; + scaling + double Q 315; lr 1e-3 348; lr 5e-4 500 (Huber instead of MSE: 104).
-    Those settings were seed-sensitive: seeds 1 / 2 / 3 gave 499.8 / 131.7 / 500.0. Seed 2 keeps the pole up but
-    lets the cart drift off the track (x = -2.4 after ~130 steps, every episode). A failure that far ahead is
-    discounted away at gamma = 0.99 (horizon ~100 steps) and learned only from noisy targets, so the defaults now
-    use gamma 0.995 (horizon ~200 steps), minibatches of 128 and a target copy every 2048 env steps (every 1024
-    gradient steps instead of 128; Nature DQN [1] keeps its target for 10k updates). Exploration runs, seed 2, one
-    change at a time: batch 256 394; target 1024 332; gamma 0.995 178; gradient-norm clipping at 10 132. Pairs and
-    triples (seeds 1 / 2 / 3): batch 128 + target 1024 492 / 500 / 198; + gamma 0.995 256 / 500 / 500; batch 128 +
-    target 2048 (seed 3) 454; batch 128 + target 2048 + gamma 0.995 (the defaults) 500 / 500 / 499, all three
-    >= 489 from 50k steps on in greedy checks every 5k steps (10 episodes), no collapse. benchmark.sh with the
-    defaults (results/20261202-194503): k = 4 500.0 / 500.0 / 499.0 (seeds 1 / 2 / 3, 146-173 s a run on a shared
-    2-core CPU); k = 1 (40k steps) 44.8 / 44.4 / 45.0.
-    Those settings were chosen on the very seeds they were reported on, and they do not carry over: on another CPU
-    seeds 1-5 gave 500 / 344 / 295 / 165 / 500, and on the tuning seeds 101-105 here (`--select-frequency 10000
-    --keep-best`, ~3 min a run) the kept / last network scored 249 / 231, 447 / 354, 480 / 457, 400 / 392,
-    499 / 499. Seed 101 never evaluated above 256 (the cart drifts off the track); a target copy every 512 env
-    steps (4x more copies, Q-values rising 2x faster) did not help it (kept 331, last 198). What holds on every
-    seed is the contrast the lecture makes: with k = 4 the pole stays up for hundreds of steps (>= 231 on every
-    tuning seed, last network), with k = 1 for ~45; 500 within 100k steps is seed-dependent.
+[5] rl-baselines3-zoo `hyperparams/dqn.yml` (CartPole-v1 entry), A. Raffin et al.: the defaults here, except (all
+    measured on MaskedCartPole, k = 4, 100k steps) double Q with scaled inputs (seed 1: 315, zoo's settings 292), a
+    learning rate of 5e-4 instead of 2.3e-3 (seed 1: 500), MSE instead of Huber (Huber: 104), and, against a cart
+    that drifts off the track ~130 steps ahead (discounted away at gamma 0.99), gamma 0.995, minibatches of 128 and
+    a target copy every 2048 env steps (seeds 1 / 2 / 3: 500 / 500 / 499; before: 499.8 / 131.7 / 500.0). Tuned on
+    those seeds, 500 does not carry over (tuning seeds 101-105, kept network: 249-499); what holds on every seed is
+    the lecture's contrast: k = 4 keeps the pole up for hundreds of steps (>= 231), k = 1 for ~45.
 Reproduce: python algos/dqn_framestack.py --seed 1   (MaskedCartPole, k = 4, the defaults)
 """
 
@@ -102,13 +87,11 @@ from safetensors.torch import load_file, save_file
 from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
-import envs  # noqa: E402, F401  (registers the seqrl/ environments)
+import envs as seqrl_envs  # noqa: E402, F401  (registers the seqrl/ environments)
 
 EVAL_SEED_STRIDE = 10_000  # eval env i of training seed s gets seed 10_000 (s + 1) + i: disjoint sets per seed
 SELECT_SEED_BASE = 10**9  # evaluations during training: env seeds 1e9 + 1e7 s + global_step + i, disjoint from
 SELECT_SEED_STRIDE = 10**7  # the final evaluation's and across training seeds (global_step + i < 1e7)
-# Args that `--eval-only` takes from the checkpoint's args.json: they fix the env, the network and its inputs
-ARCH_FIELDS = ("env_id", "env_kwargs", "frame_stack", "stack_actions", "scale_obs", "hidden_size")
 FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
 LOG_EVERY_UPDATES = 100  # write losses/SPS to tensorboard every 100 gradient steps
 
@@ -203,17 +186,6 @@ class Args:
     """size of one flattened observation"""
 
 
-def parse_env_kwargs(text: str) -> dict:
-    """Parse the `--env-kwargs` JSON string into a dict, with a one-line error otherwise."""
-    try:
-        kwargs = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"error: --env-kwargs is not valid JSON ({e}): {text!r}") from None
-    if not isinstance(kwargs, dict):
-        raise SystemExit(f"error: --env-kwargs must be a JSON object like '{{\"corridor_length\": 4}}', got {text!r}")
-    return kwargs
-
-
 def observation_scale(space: gym.spaces.Box) -> np.ndarray:
     """Per-dimension factor 1 / max(|low|, |high|) of a flat Box; 1 where a bound is infinite or both are 0.
 
@@ -257,16 +229,6 @@ def make_env(env_id: str, env_kwargs: dict, scale_obs: bool = False):
         return env
 
     return thunk
-
-
-def check_env(env_id: str, env_kwargs: dict) -> None:
-    """Build one env early so that a wrong id / kwargs / space ends in one clear line, not a deep traceback."""
-    try:
-        make_env(env_id, env_kwargs)().close()
-    except (gym.error.Error, ImportError, AttributeError) as e:  # unknown id, or a `module:EnvId` that fails
-        raise SystemExit(f"error: cannot make env {env_id!r}: {e}") from None
-    except (TypeError, ValueError) as e:
-        raise SystemExit(f"error: bad --env-kwargs {env_kwargs} for {env_id!r}: {e}") from None
 
 
 def eval_env_seed(seed: int) -> int:
@@ -442,6 +404,138 @@ class QNetwork(nn.Module):
         return self.network(x)
 
 
+def main():
+    args = parse_args()  # tyro + validation (`--eval-only`: env and architecture from the checkpoint's args.json)
+    env_kwargs = json.loads(args.env_kwargs)  # a JSON object (parse_args checked)
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    rng = np.random.default_rng(args.seed)
+
+    # env setup: NEXT_STEP autoreset (gymnasium's default), see implementation detail 2
+    envs = gym.vector.SyncVectorEnv(
+        [make_env(args.env_id, env_kwargs, args.scale_obs) for _ in range(args.num_envs)],
+        autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
+    )
+    args.obs_dim = int(np.prod(envs.single_observation_space.shape))
+    num_actions = int(envs.single_action_space.n)
+    frame_dim = args.obs_dim + (num_actions if args.stack_actions else 0)  # one frame: o (and onehot(a_prev))
+    q_network = QNetwork(args.frame_stack * frame_dim, num_actions, args.hidden_size)
+    run = start_run(args, q_network)  # device, run dir, tensorboard; `--eval-only`: the checkpoint's weights
+    device = run.device
+    q_network.to(device)
+    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
+    target_network = QNetwork(args.frame_stack * frame_dim, num_actions, args.hidden_size).to(device)
+    target_network.load_state_dict(q_network.state_dict())
+    rb = FrameStackReplay(
+        args.buffer_size // args.num_envs, args.num_envs, args.obs_dim, args.frame_stack,
+        num_actions if args.stack_actions else 0,
+    )  # fmt: skip
+    num_iterations = 0 if args.eval_only else args.total_timesteps // args.num_envs  # `--eval-only`: no training
+
+    start_time, global_step = time.time(), 0
+    obs, _ = envs.reset(seed=args.seed)
+    rb.reset(obs)
+    autoreset = np.zeros(args.num_envs, dtype=bool)  # True where the previous step ended an episode
+    ep_return, ep_length = np.zeros(args.num_envs), np.zeros(args.num_envs, dtype=np.int64)
+    num_updates = 0
+    best_return, best_step, best_state = -float("inf"), 0, None  # --keep-best
+    for iteration in range(num_iterations):
+        # 1. act epsilon-greedily on the k-frame stacks built from the replay's newest slots
+        epsilon = linear_schedule(
+            args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step
+        )
+        with torch.no_grad():
+            q_values = q_network(torch.as_tensor(rb.current_stacks(), device=device))  # (N, A)
+        actions = q_values.argmax(dim=1).cpu().numpy()
+        explore = rng.random(args.num_envs) < epsilon
+        actions = np.where(explore, rng.integers(0, num_actions, size=args.num_envs), actions)
+
+        # 2. step the envs; in NEXT_STEP mode envs with autoreset=True ignore the action and return a reset obs
+        next_obs, rewards, terminated, truncated, infos = envs.step(actions)
+        global_step += args.num_envs
+
+        # 3. store: CRUCIAL step easy to overlook, the autoreset step is not a transition (valid = False)
+        rb.add(actions, rewards, terminated, next_obs, autoreset)
+
+        # 4. episode statistics (the autoreset step's reward is 0 and belongs to no episode)
+        ep_return += np.where(autoreset, 0.0, rewards)
+        ep_length += ~autoreset
+        done = terminated | truncated
+        for i in np.flatnonzero(done):
+            run.log(global_step, {"charts/episodic_return": ep_return[i], "charts/episodic_length": ep_length[i]})
+            if "success" in infos and infos["_success"][i]:
+                run.log(global_step, {"charts/success": float(infos["success"][i])})
+        if done.any():
+            run.log(global_step, {"charts/epsilon": epsilon})
+        ep_return[done], ep_length[done] = 0.0, 0
+        autoreset = done
+
+        # 5. training: one gradient step on a minibatch of stacked transitions
+        if global_step > args.learning_starts and iteration % args.train_frequency == 0:
+            if args.anneal_lr:
+                optimizer.param_groups[0]["lr"] = args.learning_rate * (1.0 - iteration / num_iterations)
+            for _ in range(args.gradient_steps):
+                batch = rb.sample(args.batch_size, rng)
+                batch = {key: torch.as_tensor(value, device=device) for key, value in batch.items()}
+                with torch.no_grad():
+                    next_q_target = target_network(batch["next_obs"])  # (B, A)
+                    next_q_online = q_network(batch["next_obs"]) if args.double_q else None  # (B, A)
+                    y = td_target(batch["rewards"], batch["terminated"], next_q_target, args.gamma, next_q_online)
+                q_taken = q_network(batch["obs"]).gather(1, batch["actions"][:, None]).squeeze(1)  # (B,)
+                loss = td_loss(q_taken, y, args.loss)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                num_updates += 1
+                if num_updates % LOG_EVERY_UPDATES == 0:
+                    sps = int(global_step / (time.time() - start_time))
+                    run.log(global_step, {
+                        "losses/td_loss": loss.item(), "losses/q_values": q_taken.mean().item(),
+                        "charts/learning_rate": optimizer.param_groups[0]["lr"], "charts/SPS": sps,
+                    })  # fmt: skip
+                    print(f"global_step={global_step} epsilon={epsilon:.3f} td_loss={loss.item():.4f} SPS={sps}")
+
+        # 6. target network: hard copy (tau = 1) or Polyak average every target_network_frequency env steps
+        if (
+            global_step // args.target_network_frequency
+            != (global_step - args.num_envs) // args.target_network_frequency
+        ):
+            for target_param, param in zip(target_network.parameters(), q_network.parameters(), strict=True):
+                target_param.data.copy_(args.tau * param.data + (1.0 - args.tau) * target_param.data)
+
+        # 7. evaluation during training (--select-frequency), and the kept network (--keep-best)
+        if (
+            args.select_frequency
+            and global_step // args.select_frequency != (global_step - args.num_envs) // args.select_frequency
+        ):
+            sel_seed = SELECT_SEED_BASE + SELECT_SEED_STRIDE * args.seed + global_step
+            sel = evaluate(q_network, args, env_kwargs, device, args.select_episodes, sel_seed)
+            sel_return = sel["eval/episodic_return"]
+            run.log(global_step, {"select/episodic_return": sel_return})
+            print(f"SELECT global_step={global_step} return={sel_return:.1f}")
+            if sel_return >= best_return:
+                best_return, best_step = sel_return, global_step
+                best_state = {key: value.clone() for key, value in q_network.state_dict().items()}
+    envs.close()
+    train_time = time.time() - start_time
+
+    # 8. evaluation of the greedy policy (epsilon = eval_epsilon); --keep-best: the last network is evaluated on the
+    #    same episodes, then the kept one replaces it (and is the one saved)
+    kept = {}
+    if args.keep_best and best_state is not None:
+        last = evaluate(q_network, args, env_kwargs, device)
+        kept = {f"eval/last_network_{key[len('eval/') :]}": value for key, value in last.items()}
+        kept |= {"select/best_episodic_return": best_return, "select/best_global_step": float(best_step)}
+        q_network.load_state_dict(best_state)
+    metrics = kept | evaluate(q_network, args, env_kwargs, device)
+    run.log(global_step, metrics)
+    run.finish(metrics, q_network, sps=global_step / train_time if global_step else 0.0)
+
+
 def evaluate(q_network, args: Args, env_kwargs: dict, device, episodes: int = 0, seed: int = -1) -> dict[str, float]:
     """Run `episodes` (default `eval_episodes`) episodes, one per env so short episodes are not over-counted, on env
     seeds seed + i (default `eval_env_seed`), epsilon-greedy (epsilon = `eval_epsilon`) on rolling k-frame stacks.
@@ -488,63 +582,17 @@ def evaluate(q_network, args: Args, env_kwargs: dict, device, episodes: int = 0,
     return metrics
 
 
-def load_checkpoint(path: str | None) -> tuple[dict[str, torch.Tensor], dict]:
-    """(state_dict, the run's saved args or {}) from a run directory or a model.safetensors file."""
-    if path is None:
-        raise SystemExit("error: --eval-only needs --checkpoint (a run directory or a model.safetensors file)")
-    file = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
-    if not file.is_file():
-        raise SystemExit(f"error: checkpoint {file} does not exist")
-    try:
-        state_dict = load_file(str(file))
-    except Exception as e:  # safetensors raises its own error types on corrupt files
-        raise SystemExit(f"error: cannot read checkpoint {file}: {e}") from None
-    args_path = file.parent / "args.json"
-    try:
-        saved = json.loads(args_path.read_text()) if args_path.is_file() else {}
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"error: cannot read {args_path}: {e}") from None
-    return state_dict, saved
+# === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+# Args that `--eval-only` takes from the checkpoint's args.json: they fix the env, the network and its inputs
+ARCH_FIELDS = ("env_id", "env_kwargs", "frame_stack", "stack_actions", "scale_obs", "hidden_size")
 
 
-def make_run_dir(args: Args) -> tuple[str, Path]:
-    run_name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir, suffix = Path(args.runs_dir) / run_name, 0
-    while True:  # never overwrite a run: mkdir is atomic, so runs started in the same second get -1, -2, ...
-        try:
-            run_dir.mkdir(parents=True, exist_ok=False)
-            break
-        except FileExistsError:
-            suffix += 1
-            run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
-    return run_dir.name, run_dir
-
-
-def check_runs_dir(path_str: str) -> None:
-    """Fail before any work if `--runs-dir` is a file or cannot be written (not after minutes of training)."""
-    path = Path(path_str)
-    if path.exists() and not path.is_dir():
-        raise SystemExit(f"error: --runs-dir {path_str} is a file, not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise SystemExit(f"error: cannot create --runs-dir {path_str}: {err.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SystemExit(f"error: --runs-dir {path_str} is not writable")
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
-    tmp = path.with_name(f".tmp_{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
-
-
-if __name__ == "__main__":
+def parse_args() -> Args:
+    """tyro.cli(Args) and every check (one-line `error:` exits), the env's included; with `--eval-only`, the env and
+    the architecture come from the checkpoint's args.json (ARCH_FIELDS)."""
     args = tyro.cli(Args)
-    state_dict = None
     if args.eval_only:  # rebuild the env and the network the checkpoint was trained with
-        state_dict, saved_args = load_checkpoint(args.checkpoint)
+        _, saved_args = load_checkpoint(args.checkpoint)
         for field in ARCH_FIELDS:
             setattr(args, field, saved_args.get(field, getattr(args, field)))
     env_kwargs = parse_env_kwargs(args.env_kwargs)
@@ -568,168 +616,143 @@ if __name__ == "__main__":
     if args.keep_best and args.select_frequency < 1:
         raise SystemExit("error: --keep-best needs --select-frequency > 0")
     check_env(args.env_id, env_kwargs)
-    check_runs_dir(args.runs_dir)
+    check_writable_dir(Path(args.runs_dir), "--runs-dir")
+    return args
 
-    # TRY NOT TO MODIFY: seeding
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    rng = np.random.default_rng(args.seed)
+
+def parse_env_kwargs(text: str) -> dict:
+    """Parse the `--env-kwargs` JSON string into a dict, with a one-line error otherwise."""
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: --env-kwargs is not valid JSON ({e}): {text!r}") from None
+    if not isinstance(kwargs, dict):
+        raise SystemExit(f"error: --env-kwargs must be a JSON object like '{{\"corridor_length\": 4}}', got {text!r}")
+    return kwargs
+
+
+def check_env(env_id: str, env_kwargs: dict) -> None:
+    """Build one env early so that a wrong id / kwargs / space ends in one clear line, not a deep traceback."""
+    try:
+        make_env(env_id, env_kwargs)().close()
+    except (gym.error.Error, ImportError, AttributeError) as e:  # unknown id, or a `module:EnvId` that fails
+        raise SystemExit(f"error: cannot make env {env_id!r}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"error: bad --env-kwargs {env_kwargs} for {env_id!r}: {e}") from None
+
+
+def load_checkpoint(path: str | None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(state_dict, the run's saved args or {}) from a run directory or a model.safetensors file."""
+    if path is None:
+        raise SystemExit("error: --eval-only needs --checkpoint (a run directory or a model.safetensors file)")
+    file = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise SystemExit(f"error: checkpoint {file} does not exist")
+    try:
+        state_dict = load_file(str(file))
+    except Exception as e:  # safetensors raises its own error types on corrupt files
+        raise SystemExit(f"error: cannot read checkpoint {file}: {e}") from None
+    args_path = file.parent / "args.json"
+    try:
+        saved = json.loads(args_path.read_text()) if args_path.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: cannot read {args_path}: {e}") from None
+    return state_dict, saved
+
+
+class Run:
+    """What main() uses of run management: the device, the run dir and its tensorboard writer, log() and finish()."""
+
+    def __init__(self, args: Args, device: torch.device, run_dir: Path, writer: SummaryWriter):
+        self.args, self.device, self.run_dir, self.writer = args, device, run_dir, writer
+        self.start_time = time.time()
+
+    def log(self, step: int, metrics: dict) -> None:
+        """tensorboard scalars, tag -> number, at env step `step`."""
+        for tag, value in metrics.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def finish(self, metrics: dict, q_network: nn.Module, sps: float) -> None:
+        """model.safetensors (not with `--eval-only`: the model is the checkpoint), summary.json; close tensorboard."""
+        args, run_dir = self.args, self.run_dir
+        if not args.eval_only:
+            save_file(q_network.state_dict(), str(run_dir / "model.safetensors"))
+        summary = {
+            "script": Path(__file__).stem,
+            "run_name": run_dir.name,
+            "run_dir": str(run_dir),
+            "args": asdict(args),
+            "metrics": metrics,
+            "wall_time_s": time.time() - self.start_time,
+            "sps": sps,
+        }
+        write_json_atomic(run_dir / "summary.json", summary)
+        self.writer.close()
+        print(json.dumps(metrics))
+        print(f"run dir: {run_dir}")
+
+
+def start_run(args: Args, q_network: nn.Module) -> Run:
+    """The device; with `--eval-only`, the checkpoint's weights loaded into `q_network` (a one-line error if they do
+    not fit); then a new run dir with its tensorboard writer and args.json."""
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-
-    # env setup: NEXT_STEP autoreset (gymnasium's default), see implementation detail 2
-    envs = gym.vector.SyncVectorEnv(
-        [make_env(args.env_id, env_kwargs, args.scale_obs) for _ in range(args.num_envs)],
-        autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
-    )
-    args.obs_dim = int(np.prod(envs.single_observation_space.shape))
-    num_actions = int(envs.single_action_space.n)
-    frame_dim = args.obs_dim + (num_actions if args.stack_actions else 0)  # one frame: o (and onehot(a_prev))
-    q_network = QNetwork(args.frame_stack * frame_dim, num_actions, args.hidden_size).to(device)
-
-    run_name, run_dir = make_run_dir(args)
-    writer = SummaryWriter(str(run_dir))
-    writer.add_text(
-        "hyperparameters",
-        "|param|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()),
-    )
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-    start_time, global_step = time.time(), 0
-
     if args.eval_only:
         try:
-            q_network.load_state_dict(state_dict)
+            q_network.load_state_dict(load_checkpoint(args.checkpoint)[0])
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0]
             raise SystemExit(
                 f"error: checkpoint does not fit this architecture (same --env-id/--frame-stack/--hidden-size?): "
                 f"{first}"
             ) from None
-    else:
-        optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
-        target_network = QNetwork(args.frame_stack * frame_dim, num_actions, args.hidden_size).to(device)
-        target_network.load_state_dict(q_network.state_dict())
-        rb = FrameStackReplay(
-            args.buffer_size // args.num_envs,
-            args.num_envs,
-            args.obs_dim,
-            args.frame_stack,
-            num_actions if args.stack_actions else 0,
-        )
-        num_iterations = args.total_timesteps // args.num_envs
+    run_dir = new_run_dir(args.runs_dir, args.env_id, args.exp_name, args.seed)
+    writer = open_writer(run_dir, args)
+    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    return Run(args, device, run_dir, writer)
 
-        obs, _ = envs.reset(seed=args.seed)
-        rb.reset(obs)
-        autoreset = np.zeros(args.num_envs, dtype=bool)  # True where the previous step ended an episode
-        ep_return, ep_length = np.zeros(args.num_envs), np.zeros(args.num_envs, dtype=np.int64)
-        num_updates = 0
-        best_return, best_step, best_state = -float("inf"), 0, None  # --keep-best
-        for iteration in range(num_iterations):
-            # 1. act epsilon-greedily on the k-frame stacks built from the replay's newest slots
-            epsilon = linear_schedule(
-                args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step
-            )
-            with torch.no_grad():
-                q_values = q_network(torch.as_tensor(rb.current_stacks(), device=device))  # (N, A)
-            actions = q_values.argmax(dim=1).cpu().numpy()
-            explore = rng.random(args.num_envs) < epsilon
-            actions = np.where(explore, rng.integers(0, num_actions, size=args.num_envs), actions)
 
-            # 2. step the envs; in NEXT_STEP mode envs with autoreset=True ignore the action and return a reset obs
-            next_obs, rewards, terminated, truncated, infos = envs.step(actions)
-            global_step += args.num_envs
+def check_writable_dir(path: Path, flag: str) -> None:
+    """A one-line error, before any work, if `path` is a file, cannot be created, or is not writable."""
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"error: {flag} {path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"error: cannot create {flag} {path}: {err.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: {flag} {path} is not writable")
 
-            # 3. store: CRUCIAL step easy to overlook, the autoreset step is not a transition (valid = False)
-            rb.add(actions, rewards, terminated, next_obs, autoreset)
 
-            # 4. episode statistics (the autoreset step's reward is 0 and belongs to no episode)
-            ep_return += np.where(autoreset, 0.0, rewards)
-            ep_length += ~autoreset
-            done = terminated | truncated
-            for i in np.flatnonzero(done):
-                writer.add_scalar("charts/episodic_return", ep_return[i], global_step)
-                writer.add_scalar("charts/episodic_length", ep_length[i], global_step)
-                if "success" in infos and infos["_success"][i]:
-                    writer.add_scalar("charts/success", float(infos["success"][i]), global_step)
-            if done.any():
-                writer.add_scalar("charts/epsilon", epsilon, global_step)
-            ep_return[done], ep_length[done] = 0.0, 0
-            autoreset = done
+def new_run_dir(runs_dir: str, task: str, exp_name: str, seed: int) -> Path:
+    """Create and return runs_dir/{task}__{exp_name}__{seed}__{unix time}; never an existing directory: mkdir is
+    atomic, so runs started in the same second get -1, -2, ..."""
+    run_name = f"{task.replace('/', '-').replace(':', '-')}__{exp_name}__{seed}__{int(time.time())}"
+    run_dir, suffix = Path(runs_dir) / run_name, 0
+    while True:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            return run_dir
+        except FileExistsError:
+            suffix += 1
+            run_dir = Path(runs_dir) / f"{run_name}-{suffix}"
 
-            # 5. training: one gradient step on a minibatch of stacked transitions
-            if global_step > args.learning_starts and iteration % args.train_frequency == 0:
-                if args.anneal_lr:
-                    optimizer.param_groups[0]["lr"] = args.learning_rate * (1.0 - iteration / num_iterations)
-                for _ in range(args.gradient_steps):
-                    batch = rb.sample(args.batch_size, rng)
-                    batch = {key: torch.as_tensor(value, device=device) for key, value in batch.items()}
-                    with torch.no_grad():
-                        next_q_target = target_network(batch["next_obs"])  # (B, A)
-                        next_q_online = q_network(batch["next_obs"]) if args.double_q else None  # (B, A)
-                        y = td_target(batch["rewards"], batch["terminated"], next_q_target, args.gamma, next_q_online)
-                    q_taken = q_network(batch["obs"]).gather(1, batch["actions"][:, None]).squeeze(1)  # (B,)
-                    loss = td_loss(q_taken, y, args.loss)
-                    optimizer.zero_grad()
-                    loss.backward()
-                    optimizer.step()
-                    num_updates += 1
-                    if num_updates % LOG_EVERY_UPDATES == 0:
-                        sps = int(global_step / (time.time() - start_time))
-                        writer.add_scalar("losses/td_loss", loss.item(), global_step)
-                        writer.add_scalar("losses/q_values", q_taken.mean().item(), global_step)
-                        writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
-                        writer.add_scalar("charts/SPS", sps, global_step)
-                        print(f"global_step={global_step} epsilon={epsilon:.3f} td_loss={loss.item():.4f} SPS={sps}")
 
-            # 6. target network: hard copy (tau = 1) or Polyak average every target_network_frequency env steps
-            if (
-                global_step // args.target_network_frequency
-                != (global_step - args.num_envs) // args.target_network_frequency
-            ):
-                for target_param, param in zip(target_network.parameters(), q_network.parameters(), strict=True):
-                    target_param.data.copy_(args.tau * param.data + (1.0 - args.tau) * target_param.data)
+def open_writer(run_dir: Path, args, purge_step: int | None = None) -> SummaryWriter:
+    """tensorboard in the run dir with the hyperparameters as a markdown table (CleanRL). On a resume, purge_step (the
+    checkpoint's step + 1) drops what the killed run logged after its checkpoint, and the table is already there."""
+    writer = SummaryWriter(str(run_dir), purge_step=purge_step)
+    if purge_step is None:
+        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer
 
-            # 7. evaluation during training (--select-frequency), and the kept network (--keep-best)
-            if (
-                args.select_frequency
-                and global_step // args.select_frequency != (global_step - args.num_envs) // args.select_frequency
-            ):
-                sel_seed = SELECT_SEED_BASE + SELECT_SEED_STRIDE * args.seed + global_step
-                sel = evaluate(q_network, args, env_kwargs, device, args.select_episodes, sel_seed)
-                sel_return = sel["eval/episodic_return"]
-                writer.add_scalar("select/episodic_return", sel_return, global_step)
-                print(f"SELECT global_step={global_step} return={sel_return:.1f}")
-                if sel_return >= best_return:
-                    best_return, best_step = sel_return, global_step
-                    best_state = {key: value.clone() for key, value in q_network.state_dict().items()}
-    envs.close()
-    train_time = time.time() - start_time
 
-    # evaluation of the greedy policy (epsilon = eval_epsilon), then summary.json; --keep-best: the last network is
-    # evaluated on the same episodes, then the kept one replaces it (and is the one saved)
-    kept = {}
-    if args.keep_best and best_state is not None:
-        last = evaluate(q_network, args, env_kwargs, device)
-        kept = {f"eval/last_network_{key[len('eval/') :]}": value for key, value in last.items()}
-        kept |= {"select/best_episodic_return": best_return, "select/best_global_step": float(best_step)}
-        q_network.load_state_dict(best_state)
-    if not args.eval_only:
-        save_file(q_network.state_dict(), str(run_dir / "model.safetensors"))
-    metrics = kept | evaluate(q_network, args, env_kwargs, device)
-    for key, value in metrics.items():
-        writer.add_scalar(key, value, global_step)
-    sps = global_step / train_time if global_step else 0.0
-    summary = {
-        "script": Path(__file__).stem,
-        "run_name": run_name,
-        "run_dir": str(run_dir),
-        "args": asdict(args),
-        "metrics": metrics,
-        "wall_time_s": time.time() - start_time,
-        "sps": sps,
-    }
-    write_json_atomic(run_dir / "summary.json", summary)
-    writer.close()
-    print(json.dumps(metrics))
-    print(f"run dir: {run_dir}")
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    main()

@@ -59,11 +59,9 @@ Implementation details:
      belief state that makes the history Markov; it trains the backbone to read the answers (a content lookup:
      question order varies in this data), which next-token losses alone learned only in some seeds. The secret is
      logged offline data (as a GuessWhat?! target object is), used in training only, never when acting; cf.
-     Lample & Chaplot 2017's game-feature auxiliary for partially observed DRQN. Without it (seeds 2 / 3, 4000
-     steps, α = 0.005) the BC head scored -0.030 / -0.041; with it (3000 BC-only steps, seed 3) 0.269 vs -0.012.
+     Lample & Chaplot 2017's game-feature auxiliary for partially observed DRQN. BC head: 0.269 with it, -0.012 without.
   10. Polyak α = 0.05, ten times Snell's: the backup chain is ~40 tokens long and each token waits ~1/α steps for
-     its target, so with 0.005 V(<bos>) was 0.05 after 4000 steps (data mean 0.41) and Q(ask) < Q(guess) with
-     two objects left; with 0.05 and the belief auxiliary: ILQL 0.650 / 0.642 vs 0.274 / 0.317 (seeds 2 / 3).
+     its target (with 0.005, V(<bos>) was 0.05 after 4000 steps; the data's mean return is 0.41).
   11. Real checkpoints (`--model-name-or-path`: a save_pretrained dir or a hub id, e.g. gpt2, EleutherAI/pythia-70m,
      a TinyLlama): the task speaks words, the model's tokenizer speaks tokens. The env's text has no tokenizer
      markup; the dialogue is framed with the checkpoint's own BOS / EOS, and a turn separator "<sep>" and a pad
@@ -85,23 +83,16 @@ Implementation details:
      runs exactly the single-process code): every rank builds the same data and model (then rank 0's weights are
      broadcast) and draws the same global minibatch of `--batch-size` dialogues; each rank trains on its contiguous
      shard. The losses are means over TOKENS of the global minibatch, so each rank divides its shard's token sums
-     by the global minibatch's counts (`make_minibatch`) and the gradients are SUMMED with one flat all-reduce before
-     clipping (`allreduce_grads`; not DDP, whose averaging assumes per-rank means); every rank then clips the same
-     gradient and applies the same AdamW step and Polyak update, so weights and target heads stay equal. The logged
-     losses are all-reduced sums (global minibatch values), together with the Ctrl-C flag (all ranks stop at the
-     same step). Evaluation splits the β sweep over ranks (each β's validation + test episodes run whole on one
-     rank with the same seeds as in one process) and all-gathers the results, so the val-chosen β is the same on
-     every rank. Only rank 0 writes (run dir, tensorboard, checkpoints, summary.json). Backend nccl with --cuda
-     (device cuda:LOCAL_RANK), gloo on CPU. The 2-process run differs from the 1-process one only by float
-     summation order (gradients equal to 3e-6 of their largest entry, tested).
-  15. Checkpoints (`--save-every N` gradient steps, default 500, and at the end of training; `--resume RUN_DIR`;
-     Ctrl-C / SIGTERM write one at the end of the current step and exit naming the --resume command): weights incl.
-     the Polyak target heads (safetensors), AdamW + scheduler state, the minibatch sampler (its generator and the
-     rest of the epoch's length-grouped minibatches), python / numpy / torch RNG states (one file per rank) and the
-     loss log so far, in RUN_DIR/checkpoints/step_N (written under a temporary name, renamed, then named in
-     latest.json; only the newest is kept). A resumed run ends with the same summary metrics as the uninterrupted
-     one, bit for bit on CPU (tested). It keeps the run's arguments and number of processes; a finished run, another
-     script's run or a corrupt checkpoint is refused with a one-line error.
+     by the global minibatch's counts (`make_minibatch`) and the gradients are SUMMED over ranks before clipping
+     (`run.sync_grads`; not DDP, whose averaging assumes per-rank means); every rank then clips the same gradient
+     and applies the same AdamW step and Polyak update, so weights and target heads stay equal. The logged losses
+     are sums over ranks (global minibatch values). Evaluation splits the β sweep over ranks (each β whole on one
+     rank, with the same seeds as in one process) and gathers the results. Only rank 0 writes. The 2-process run
+     differs from the 1-process one only by float summation order (gradients equal to 3e-6 of their largest entry).
+  15. Checkpoints (`--save-every N` gradient steps and at the end of training; `--resume RUN_DIR`; Ctrl-C / SIGTERM
+     write one at the end of the current step and exit): weights incl. the Polyak target heads, AdamW + scheduler,
+     the minibatch sampler, every RNG and the loss log, so a resumed run ends with the uninterrupted run's summary
+     metrics, bit for bit on CPU (tested). Torchrun, checkpoints and the run dir sit below `# === RUN MANAGEMENT`.
 
 Defaults and where they come from (trlx = CarperAI/trlx default ILQL config; Snell = visdial train_iql.yaml):
   τ = 0.7 (trlx; Snell 0.8), CQL weight α_cql = 0.1 (trlx cql_scale; Snell 1.0), BC weight 1 (both: awac_scale 1
@@ -112,8 +103,7 @@ Defaults and where they come from (trlx = CarperAI/trlx default ILQL config; Sne
   whole vocabulary, not among BC's top 20: detail 13).
 What was scaled down and why: a 2-layer, 64-wide decoder trained from scratch on the 115-token seqrl vocabulary
 (Snell: pretrained GPT-2 small, lr 1e-5), 20k synthetic dialogues, 4000 steps of 32 dialogues at lr 2e-3: it
-trains and evaluates (6 β values x 680 episodes) in ~6 minutes on one thread of the 2-core box (324-366 s with
-one other job running); evaluation takes ~20 s of that.
+trains and evaluates (6 β values x 680 episodes) in ~6 minutes on one thread; evaluation takes ~20 s of that.
 The default backbone is a tiny Llama (rotary positions) built from LlamaConfig; `--arch gpt2` builds the tiny
 GPT-2 (learned absolute positions). Rotary positions learned the reply -> question binding a little faster (BC loss
 0.393 vs 0.406 after 800 steps, measured with the old short "yes ." replies).
@@ -176,12 +166,8 @@ from envs.tokenizer import build_tokenizer  # noqa: E402
 TASK_ID = "seqrl-GuessTheImage-v0"  # run-name prefix
 N_POSITIONS = 160  # context: 7 turns of the longest malformed utterance (12 words) + replies, + 12 new = 146 tokens
 SEP_TOKEN, PAD_TOKEN = "<sep>", "<pad>"  # added to a checkpoint's tokenizer that lacks a turn separator / pad token
-HEADS_FILE = "ilql_heads.safetensors"  # Q1, Q2, target Q1, target Q2, V heads, next to the save_pretrained model
 GEN_BATCH = 512  # dialogues per decoding forward pass
 LENGTH_BLOCK = 50  # `--group-by-length`: minibatches per length-sorted block
-SEED_STRIDE = 10_000  # torchrun: rank r reseeds its global torch RNG (dropout of real checkpoints) with seed + r * this
-CKPT_DIR = "checkpoints"  # `--save-every`: RUN_DIR/checkpoints/step_<N>/ and latest.json naming the newest complete one
-RESUME_FREE = ("resume", "save_every", "runs_dir", "cuda")  # the only arguments a resumed run may change
 
 
 @dataclass
@@ -459,6 +445,24 @@ def length_grouped_batches(lengths: torch.Tensor, batch_size: int, generator: to
     return [batches[i] for i in torch.randperm(len(batches), generator=generator)]
 
 
+class MinibatchSampler:
+    """The dialogue indices of each (global) minibatch: the length-grouped epochs of `length_grouped_batches`
+    (`--group-by-length`), or uniform draws. Under torchrun every rank draws the same indices from this seeded
+    generator (their global torch RNGs differ: dropout); one process draws uniform indices from the global RNG."""
+
+    def __init__(self, lengths: torch.Tensor, batch_size: int, group_by_length: bool, seed: int, world_size: int = 1):
+        self.lengths, self.batch_size, self.group_by_length = lengths, min(batch_size, len(lengths)), group_by_length
+        self.world_size, self.generator, self.queue = world_size, torch.Generator().manual_seed(seed), []
+
+    def draw(self) -> torch.Tensor:
+        if self.group_by_length:  # losses stay means over each minibatch's own action tokens
+            self.queue = self.queue or length_grouped_batches(self.lengths, self.batch_size, self.generator)
+            return self.queue.pop()
+        if self.world_size > 1:  # the same global minibatch on every rank
+            return torch.randint(0, len(self.lengths), (self.batch_size,), generator=self.generator)
+        return torch.randint(0, len(self.lengths), (self.batch_size,))
+
+
 def make_minibatch(data: dict, idx: torch.Tensor, device, rank: int = 0, world_size: int = 1) -> dict:
     """The minibatch of dialogues `idx` (the one place a batch is formed), trimmed to its longest dialogue:
     input_ids / attention_mask (B, L); action_mask / rewards / dones / next_idx / lm_mask (B, L-1); secret (B,).
@@ -695,31 +699,6 @@ def build_model(args, device):
     return lm.to(device), heads.to(device), tokenizer
 
 
-def save_checkpoint(model_dir: Path, lm, tokenizer, heads) -> None:
-    """The one place the model is saved: backbone + LM head and tokenizer with save_pretrained, the ILQL heads as
-    safetensors next to them (`load_checkpoint` reads them back)."""
-    lm.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, str(model_dir / HEADS_FILE))
-
-
-def load_checkpoint(path: str, device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    p = Path(path)
-    p = p / "model" if (p / "model").is_dir() else p
-    if not (p / "config.json").is_file() or not (p / HEADS_FILE).is_file():
-        raise SystemExit(f"error: --checkpoint '{path}' is not a run dir of this script (no config.json/{HEADS_FILE})")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(p)
-        lm = AutoModelForCausalLM.from_pretrained(p).to(device)
-        heads = ILQLHeads(lm.config.hidden_size, n_logits(lm)).to(device)
-        heads.load_state_dict(load_file(p / HEADS_FILE, device=str(device)))
-    except (OSError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"error: could not load checkpoint '{p}': {str(e).splitlines()[0]}") from None
-    return lm, heads, tokenizer
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Decoding: all active dialogues in lockstep, KV cache, one forward per token
 # ---------------------------------------------------------------------------------------------------------------
@@ -796,7 +775,150 @@ class ILQLAgent:
         return utterances
 
 
-def validate_args(args):
+# ---------------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------------
+def main():
+    args = parse_args()  # one-line errors; --resume: the run's own arguments
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+
+    # data (also the behavior-mixture baseline row); every rank builds the same data
+    dialogues = load_dialogues(args)
+    data_stats = G.dataset_stats(dialogues)
+    train_dialogues = filter_top(dialogues, args.filter_top_frac)
+    args.n_train_dialogues = len(train_dialogues)
+    run = start_run(args)  # torchrun: rank, world size, device
+
+    # model: backbone + LM head + ILQL heads (--eval-only: the trained model of --checkpoint)
+    lm, heads, tokenizer = run.load_model() if args.eval_only else build_model(args, run.device)
+    run.begin(lm, heads)  # rank 0's weights on every rank; then the run dir, tensorboard, stop handlers
+    data = build_tensors(train_dialogues, tokenizer)
+    problem = timestep_stats(data, tokenizer, lm)  # the problem this script faces (lecture Problem 21.4)
+
+    # offline training: every minibatch is a random set of logged dialogues (torchrun: each rank takes its shard)
+    params = [p for p in [*lm.parameters(), *heads.parameters()] if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    decay_start = (1.0 - args.decay_frac) * args.num_steps  # warmup, constant, then linear decay to 10%
+    decay_steps, warmup = max(1.0, args.num_steps - decay_start), max(1, args.warmup_steps)
+    schedule = lambda s: min((s + 1) / warmup, 1.0 - 0.9 * max(0.0, s - decay_start) / decay_steps)  # noqa: E731
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    sampler = MinibatchSampler(data["lengths"], args.batch_size, args.group_by_length, args.seed, run.world_size)
+    first_step = run.restore(lm, heads, optimizer, scheduler, sampler)  # 1; --resume: the step after its checkpoint
+    lm.train()
+    for step in range(first_step, (0 if args.eval_only else args.num_steps) + 1):  # --eval-only: no training
+        # 1. a minibatch of logged dialogues (torchrun: this rank's shard, with the global minibatch's token counts)
+        batch = make_minibatch(data, sampler.draw(), run.device, run.rank, run.world_size)
+        # 2. one forward pass: LM logits, Q1/Q2, their targets and V at every position; all ILQL losses
+        out = forward_all(lm, heads, batch["input_ids"], batch["attention_mask"])
+        losses = ilql_losses(out, batch, args)
+        # 3. gradient step, then the Polyak update of the target Q heads
+        optimizer.zero_grad(set_to_none=True)
+        losses["loss"].backward()
+        run.sync_grads(params)  # CRUCIAL: before clipping, so every rank clips the same global gradient
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        heads.sync_targets(args.polyak)  # CRUCIAL: target heads trail the online Q heads (Polyak)
+        # 4. log (means over --log-every steps) and checkpoint (every --save-every steps, or on Ctrl-C / SIGTERM)
+        n_actions = batch.get("n_actions", batch["action_mask"].sum())  # action tokens of the global minibatch
+        run.log_losses(step, losses, grad_norm=grad_norm, lr=scheduler.get_last_lr()[0], n_actions=n_actions)
+        run.end_step(step, dict(lm=lm, heads=heads, optimizer=optimizer, scheduler=scheduler, sampler=sampler))
+
+    # evaluation: β sweep on validation episodes (choose β) and on test episodes (report)
+    lm.eval()
+    run.broadcast_params(lm, heads)  # torchrun: every rank evaluates rank 0's weights, the ones saved
+    metrics = reference_metrics(lm, heads, tokenizer, data_stats, args, run.device)
+    results = sweep_betas(lm, heads, tokenizer, args.betas[run.rank :: run.world_size], args, run.device)
+    results = {beta: res for part in run.gather(results) for beta, res in part.items()}  # torchrun: every rank's βs
+    metrics.update(beta_metrics(results, args.betas))
+    metrics.update({f"model/final_{k}_loss": v for k, v in run.last_log.items() if k in ("bc", "lm", "q", "v", "cql")})
+    metrics.update({f"model/first_{k}_loss": v for k, v in run.first_log.items() if k in ("bc", "lm")})
+    metrics.update(problem)
+    run.finish(metrics, lm, heads, tokenizer)  # tensorboard, the model, summary.json
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------------------------
+def reference_metrics(lm, heads, tokenizer, data_stats: dict, args, device) -> dict:
+    """The rows a result is read against: the dataset's behavior mixture, the optimal questioner on the test
+    episodes, and the learned value of the start state <bos> (the backup must carry rewards ~40 tokens back)."""
+    metrics = {f"dataset/{k}": float(data_stats[k]) for k in ("mean_return", "success_rate", "mean_length")}
+    metrics["dataset/normalized_score"] = G.normalized_score(data_stats["mean_return"])
+    optimal = G.evaluate_policy(G.OptimalPolicy(), n_episodes=args.eval_episodes, seed=args.eval_seed)
+    metrics["ref/optimal_episodic_return"] = optimal["mean_return"]
+    metrics["ref/optimal_success_rate"] = optimal["success_rate"]
+    metrics["ref/optimal_episodic_length"] = optimal["mean_length"]
+    with torch.no_grad():
+        start_ids = torch.tensor([[tokenizer.bos_token_id]], device=device)
+        metrics["model/v_start"] = float(forward_all(lm, heads, start_ids, torch.ones_like(start_ids))["v"][0, -1])
+    return metrics
+
+
+def sweep_betas(lm, heads, tokenizer, betas, args, device) -> dict:
+    """β -> (validation results, test results) for each β of `betas`. The episodes and decoding seeds do not depend
+    on which β values one process runs, so splitting the sweep over torchrun ranks gives the one-process results."""
+    results = {}
+    for beta in betas:
+        agent = ILQLAgent(lm, heads, tokenizer, beta, args.top_k, args.greedy, args.seed, device)
+        val_res = G.evaluate_policy(agent, n_episodes=args.val_episodes, seed=args.val_seed)
+        agent = ILQLAgent(lm, heads, tokenizer, beta, args.top_k, args.greedy, args.seed + 1, device)
+        test_res = G.evaluate_policy(agent, n_episodes=args.eval_episodes, seed=args.eval_seed, return_dialogues=True)
+        test_res["valid_utterance_rate"] = valid_utterance_rate(test_res.pop("dialogues"))
+        results[beta] = (val_res, test_res)
+        print(
+            f"β={beta:g}: val return {val_res['mean_return']:.3f} | test return {test_res['mean_return']:.3f} "
+            f"success {test_res['success_rate']:.3f} length {test_res['mean_length']:.2f}",
+            flush=True,
+        )
+    return results
+
+
+def beta_metrics(results: dict, betas) -> dict:
+    """Every β's validation and test rows; the headline `eval/` is the test result of the β that is best on
+    validation (ties -> the smaller β), `eval/bc_` the one of β = 0 (the BC head)."""
+    val, test = {b: results[b][0] for b in betas}, {b: results[b][1] for b in betas}
+    metrics = {}
+    for beta in betas:
+        for name, res in (("val_", val[beta]), ("", test[beta])):
+            prefix = f"eval/{name}beta_{beta:g}/"
+            metrics[prefix + "episodic_return"] = res["mean_return"]
+            metrics[prefix + "success_rate"] = res["success_rate"]
+            metrics[prefix + "episodic_length"] = res["mean_length"]
+        metrics[f"eval/beta_{beta:g}/valid_utterance_rate"] = test[beta]["valid_utterance_rate"]
+    best_beta = max(betas, key=lambda b: (val[b]["mean_return"], -b))  # ties -> the smaller β
+    for key, res in (("eval/", test[best_beta]), ("eval/bc_", test.get(0.0))):
+        if res is None:
+            continue
+        metrics.update(
+            {
+                key + "episodic_return": res["mean_return"],
+                key + "episodic_return_std": res["return_std"],
+                key + "success_rate": res["success_rate"],
+                key + "episodic_length": res["mean_length"],
+                key + "normalized_score": G.normalized_score(res["mean_return"]),
+                key + "valid_utterance_rate": res["valid_utterance_rate"],
+            }
+        )
+    metrics["eval/best_beta"] = float(best_beta)
+    return metrics
+
+
+# === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+HEADS_FILE = "ilql_heads.safetensors"  # Q1, Q2, target Q1, target Q2, V heads, next to the save_pretrained model
+SEED_STRIDE = 10_000  # torchrun: rank r reseeds its global torch RNG (dropout of real checkpoints) with seed + r * this
+CKPT_DIR = "checkpoints"  # `--save-every`: RUN_DIR/checkpoints/step_<N>/ and latest.json naming the newest complete one
+RESUME_FREE = ("resume", "save_every", "runs_dir", "cuda")  # the only arguments a resumed run may change
+DIST_TIMEOUT = timedelta(minutes=10)  # a rank waiting this long in a collective gives up (a failed rank never hangs)
+
+
+def parse_args() -> Args:
+    """The arguments, every check that needs no data as a one-line error; --bc-only sweeps β = 0 only; --resume
+    takes the run's own arguments (only RESUME_FREE may differ)."""
+    args = tyro.cli(Args)
     if not 0.0 < args.filter_top_frac <= 1.0:
         raise SystemExit(f"error: --filter-top-frac must be in (0, 1], got {args.filter_top_frac}")
     if not 0.0 <= args.decay_frac <= 1.0:
@@ -821,16 +943,12 @@ def validate_args(args):
         raise SystemExit(f"error: --save-every must be >= 0 (0 = no periodic checkpoints), got {args.save_every}")
     if args.resume is not None and args.eval_only:
         raise SystemExit("error: --resume continues a training run; it does not combine with --eval-only")
-
-
-def check_runs_dir(runs_dir: str) -> None:
-    """A one-line error before any work when --runs-dir is a file or cannot be written (nothing is created here)."""
-    path = Path(runs_dir).absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        raise SystemExit(f"error: --runs-dir '{runs_dir}': '{existing}' is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise SystemExit(f"error: --runs-dir '{runs_dir}': '{existing}' is not writable")
+    if args.bc_only:
+        args.betas = (0.0,)  # the Q/V heads are untrained: only β = 0 (pure BC) is meaningful
+    if args.resume is not None:
+        args = read_resume(args, int(os.environ.get("WORLD_SIZE", 1)))[0]  # the run's own arguments
+    check_writable_dir(Path(args.resume or args.runs_dir), "--resume" if args.resume else "--runs-dir")
+    return args
 
 
 def shard_error(global_batch: int, n_data: int, world_size: int, group_by_length: bool) -> str | None:
@@ -848,61 +966,217 @@ def shard_error(global_batch: int, n_data: int, world_size: int, group_by_length
     return None
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# DISTRIBUTED (torchrun, issue 16): used only when WORLD_SIZE > 1; one process never calls these
-# ---------------------------------------------------------------------------------------------------------------
-class NullWriter:
-    """What ranks > 0 write to instead of tensorboard: nothing (only rank 0 writes)."""
-
-    def add_scalar(self, *args, **kwargs):
-        pass
-
-    def add_text(self, *args, **kwargs):
-        pass
-
-    def close(self):
-        pass
+def start_run(args) -> "Run":
+    """torchrun (WORLD_SIZE > 1: join the process group; one process runs exactly the single-process code) and the
+    check that needs the number of processes. The run dir, tensorboard and the stop handlers follow in `Run.begin`,
+    once the model has loaded: a run whose model fails to load leaves no run dir."""
+    rank, world_size, device = init_torchrun(args.cuda)
+    if world_size > 1 and not args.eval_only and args.num_steps > 0:
+        n_data = args.n_train_dialogues
+        error = shard_error(min(args.batch_size, n_data), n_data, world_size, args.group_by_length)
+        if error:
+            raise SystemExit(f"error: {error}")
+    return Run(args, rank, world_size, device)
 
 
-def allreduce_grads(params) -> None:
-    """One flat all-reduce of the gradients after backward(), before clipping (as CleanRL's ppo_atari_multigpu.py),
-    SUMMED, not averaged: each rank's loss is its shard's share of the global minibatch's mean (`make_minibatch`),
-    so the sum is the gradient of the one-process loss. Parameters without a gradient (the Q/V heads under
-    --bc-only) are skipped, identically on every rank."""
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+class Run:
+    """What training and evaluation call for run management: torchrun (rank, world_size, device and the
+    collectives, no-ops in one process), the run dir and tensorboard writer (rank 0), the loss log, checkpoints,
+    --resume, Ctrl-C / SIGTERM and summary.json. Only rank 0 writes."""
+
+    def __init__(self, args, rank: int, world_size: int, device: torch.device):
+        self.args, self.rank, self.world_size, self.device = args, rank, world_size, device
+        self.resume_state, self.resume_dir = latest_checkpoint(Path(args.resume)) if args.resume else (None, None)
+        self.run_dir, self.writer, self.stop = None, NullWriter(), {"signal": None, "previous": {}}
+        self.step, self.n_tokens, self.log_acc, self.last_log, self.first_log = 0, 0, {}, {}, {}
+        self.train_times = None  # (wall, CPU) seconds of training, taken after the last step
+
+    def load_model(self):
+        """--eval-only: the trained model of --checkpoint."""
+        return load_checkpoint(self.args.checkpoint, self.device)
+
+    def begin(self, lm, heads) -> None:
+        """Torchrun: rank 0's weights on every rank (identical starts whatever each rank's RNG did), then per-rank
+        noise (dropout). Then the run dir (new, or the resumed one; rank 0 creates it, the others learn its name),
+        tensorboard (rank 0; a resume drops what was logged after its checkpoint) and, when training follows, the
+        stop handlers."""
+        args = self.args
+        if self.world_size > 1:
+            self.broadcast_params(lm, heads)
+            torch.manual_seed(args.seed + SEED_STRIDE * self.rank)
+        if self.resume_dir is not None:
+            run_dir = Path(args.resume)
+        else:
+            run_dir = new_run_dir(args.runs_dir, TASK_ID, args.exp_name, args.seed) if self.rank == 0 else None
+        if self.world_size > 1:
+            shared = [str(run_dir)]
+            dist.broadcast_object_list(shared, src=0)
+            run_dir = Path(shared[0])
+        self.run_dir = run_dir
+        if self.rank == 0:
+            purge_step = None if self.resume_state is None else self.resume_state["step"] + 1
+            self.writer = open_writer(run_dir, args, purge_step)
+        if not args.eval_only and args.num_steps > 0:
+            self.stop = install_stop_handlers()
+        self.start, self.cpu_start = time.time(), time.process_time()
+
+    def restore(self, lm, heads, optimizer, scheduler, sampler) -> int:
+        """--resume: the checkpoint's weights, optimizer and scheduler, minibatch sampler, RNGs and loss log, so the
+        run continues exactly where it stopped. Returns the first step to train (1 without --resume)."""
+        if self.resume_dir is None:
+            return 1
+        state = self.resume_state
+        saved = load_train_checkpoint(self.resume_dir, self.rank, lm, heads, optimizer, scheduler, self.device)
+        sampler.generator.set_state(saved["generator"])
+        sizes = saved["queue_sizes"].tolist()
+        sampler.queue = list(saved["queue"].split(sizes)) if sizes else []
+        self.step, self.n_tokens, self.log_acc = state["step"], state["n_tokens"], state["log_acc"]
+        self.last_log, self.first_log = state["last_log"], state["first_log"]
+        self.start, self.cpu_start = self.start - state["train_time_s"], self.cpu_start - state["train_cpu_time_s"]
+        return self.step + 1
+
+    def sync_grads(self, params) -> None:
+        sync_grads(params, self.world_size)
+
+    def global_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return global_sum(x, self.world_size)
+
+    def broadcast_params(self, *modules: nn.Module) -> None:
+        for module in modules:
+            broadcast_params(module, self.world_size)
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj` (picklable), in rank order, on every rank ([obj] in one process)."""
+        if self.world_size == 1:
+            return [obj]
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def log_losses(self, step: int, losses: dict, grad_norm, lr: float, n_actions) -> None:
+        """Add this step's losses to running sums (torchrun: summed over ranks, the global minibatch's values); every
+        --log-every steps and at the last step, their means go to tensorboard and stdout. (`log(step, metrics)`, in
+        the other scripts, writes given scalars at once: another meaning, so another name.)"""
+        args = self.args
+        self.n_tokens += int(n_actions)
+        step_losses = {k: float(v.detach()) for k, v in losses.items()}
+        if self.world_size > 1:
+            summed = self.global_sum(torch.tensor([*step_losses.values()], dtype=torch.float64, device=self.device))
+            step_losses = dict(zip(step_losses, summed.tolist(), strict=True))
+        for k, v in step_losses.items():
+            self.log_acc[k] = self.log_acc.get(k, 0.0) + v
+        if step % args.log_every == 0 or step == args.num_steps:
+            count = args.log_every if step % args.log_every == 0 else step % args.log_every
+            for k, v in self.log_acc.items():
+                self.writer.add_scalar(f"losses/{k}", v / count, step)
+            self.writer.add_scalar("losses/grad_norm", float(grad_norm), step)
+            self.writer.add_scalar("charts/learning_rate", lr, step)
+            sps = step / (time.time() - self.start)
+            self.writer.add_scalar("charts/SPS", sps, step)
+            if self.rank == 0:
+                print(
+                    f"step {step}: "
+                    + " ".join(f"{k}={v / count:.4f}" for k, v in self.log_acc.items())
+                    + f" SPS={sps:.1f} action-tokens/s={self.n_tokens / (time.time() - self.start):.0f}",
+                    flush=True,
+                )
+            self.last_log, self.log_acc = {k: v / count for k, v in self.log_acc.items()}, {}
+            self.first_log = self.first_log or self.last_log
+
+    def end_step(self, step: int, state: dict) -> None:
+        """A checkpoint every --save-every steps, at the last step, and when a stop signal arrived on any rank (every
+        rank stops at the same step: a lone exit would hang the others' next collective); after a stop checkpoint
+        the run exits with STOP_EXIT_CODE, naming the --resume command. After the last step, Ctrl-C stops at once."""
+        args, self.step = self.args, step
+        stop = self.stop["signal"] is not None
+        if self.world_size > 1:
+            stop = bool(self.global_sum(torch.tensor([float(stop)], dtype=torch.float64, device=self.device))[0] > 0)
+        if stop or (args.save_every and (step % args.save_every == 0 or step == args.num_steps)):
+            self.checkpoint(step, **state)
+        if stop:
+            self.writer.close()
+            if self.world_size > 1:
+                dist.destroy_process_group()
+            if self.rank == 0:
+                launcher = f"torchrun --nproc_per_node {self.world_size} " if self.world_size > 1 else "python "
+                why = self.stop["signal"] or "interrupted on another rank"
+                print(f"{why}: checkpoint saved at step {step} of {args.num_steps}; continue with: "
+                      f"{launcher}{sys.argv[0]} --resume {self.run_dir}", file=sys.stderr)  # fmt: skip
+            raise SystemExit(STOP_EXIT_CODE)
+        if step == args.num_steps:  # training is over: Ctrl-C stops at once again
+            restore_signal_handlers(self.stop)
+            self.train_times = time.time() - self.start, time.process_time() - self.cpu_start
+
+    def checkpoint(self, step: int, lm, heads, optimizer, scheduler, sampler) -> None:
+        """The training checkpoint of `step` (`save_train_checkpoint`), written by rank 0 with every rank's torch
+        RNG state; no rank goes on before it is complete (torchrun would stop rank 0 mid-write)."""
+        rank_rngs = self.gather(rng_state(self.device))
+        if self.rank == 0:
+            queue = sampler.queue
+            sampler_state = {
+                "generator": sampler.generator.get_state(),
+                "queue": torch.cat(queue) if queue else torch.zeros(0, dtype=torch.long),
+                "queue_sizes": torch.tensor([len(q) for q in queue], dtype=torch.long),
+            }
+            state = {
+                "script": Path(__file__).stem,
+                "step": step,
+                "world_size": self.world_size,
+                "args": asdict(self.args),
+                "n_tokens": self.n_tokens,
+                "log_acc": self.log_acc,
+                "last_log": self.last_log,
+                "first_log": self.first_log,
+                "train_time_s": time.time() - self.start,
+                "train_cpu_time_s": time.process_time() - self.cpu_start,
+                "python_random": random.getstate(),
+                "numpy_random": numpy_rng_json(),
+            }
+            save_train_checkpoint(self.run_dir, step, lm, heads, optimizer, scheduler, sampler_state, rank_rngs, state)
+            self.writer.flush()  # the scalars logged so far reach the disk with the checkpoint
+        if self.world_size > 1:
+            dist.barrier()
+
+    def finish(self, metrics: dict, lm, heads, tokenizer) -> None:
+        """The final scalars; rank 0 saves the model (save_pretrained + the ILQL heads), args.json and, last,
+        summary.json (its presence marks the run finished for --resume); every rank tears down together."""
+        restore_signal_handlers(self.stop)
+        train_time, train_cpu = self.train_times or (time.time() - self.start, time.process_time() - self.cpu_start)
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, self.step)
+        self.writer.add_scalar("charts/episodic_return", metrics["eval/episodic_return"], self.step)
+        self.writer.add_scalar("charts/episodic_length", metrics["eval/episodic_length"], self.step)
+        if self.rank == 0:
+            run_dir = self.run_dir
+            save_checkpoint(run_dir / "model", lm, tokenizer, heads)
+            (run_dir / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
+            wall = time.time() - self.start
+            summary = {
+                "script": Path(__file__).stem,
+                "run_name": run_dir.name,
+                "run_dir": str(run_dir),
+                "args": asdict(self.args),
+                "metrics": metrics,
+                "wall_time_s": wall,
+                "train_time_s": train_time,
+                "cpu_time_s": time.process_time() - self.cpu_start,
+                "train_cpu_time_s": train_cpu,
+                "sps": self.step / train_time if self.step else 0.0,
+            }
+            write_json_atomic(run_dir / "summary.json", summary)  # last: its presence marks the run finished (--resume)
+            self.writer.close()
+            m = metrics
+            print(
+                f"best β={m['eval/best_beta']:g} (on validation): test return {m['eval/episodic_return']:.3f} "
+                f"(normalized {m['eval/normalized_score']:.1f}), BC {m.get('eval/bc_episodic_return', 0):.3f}, "
+                f"dataset {m['dataset/mean_return']:.3f}, optimal {m['ref/optimal_episodic_return']:.3f}; "
+                f"wall {wall:.0f}s -> {run_dir}"
+            )
+        if self.world_size > 1:  # every rank tears down together, after rank 0 has saved (each frees its gloo threads)
+            dist.barrier()
+            dist.destroy_process_group()
 
 
-def global_sums(values: dict, flag: bool, device) -> tuple[dict, bool]:
-    """One small all-reduce per step: the sum over ranks of the logged losses (shares of the global means, so the
-    sum is the global minibatch's value) and of the interrupt flag (any rank interrupted -> every rank stops at the
-    same step; a per-rank `break` would hang the next collective)."""
-    t = torch.tensor([*values.values(), float(flag)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return dict(zip(values, t[:-1].tolist(), strict=True)), bool(t[-1] > 0)
-
-
-def broadcast_params(tensors) -> None:
-    """Copy rank 0's values into every rank (identical starts, and the evaluated weights = the saved ones)."""
-    for t in tensors:
-        dist.broadcast(t.data, src=0)
-
-
-def gather_objects(obj, world_size: int) -> list:
-    """Every rank's `obj` (picklable), in rank order, on every rank (a list of world_size objects)."""
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# CHECKPOINTS (--save-every / --resume / Ctrl-C, issue 17)
-# ---------------------------------------------------------------------------------------------------------------
 def rng_state(device) -> dict:
     """This rank's torch RNG state (CPU, and CUDA when used): the only RNG that can differ between ranks."""
     state = {"torch": torch.get_rng_state()}
@@ -913,13 +1187,6 @@ def rng_state(device) -> dict:
 
 def read_json(path: Path):
     return json.loads(path.read_text())
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
-    tmp = path.with_name(f".tmp_{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
 
 
 def save_train_checkpoint(run_dir, step, lm, heads, optimizer, scheduler, sampler: dict, rank_rngs, state) -> Path:
@@ -962,11 +1229,9 @@ def checkpoint_file(step_dir: Path, name: str, loader):
         ) from None
 
 
-def read_resume(args, world_size: int):
-    """--resume RUN_DIR: refuse (one-line error) a finished run, another script's run, a run without a checkpoint,
-    a corrupt state.json, a different number of processes, or arguments that differ from the run's; return the
-    run's arguments, its state.json and the newest complete step dir."""
-    run_dir = Path(args.resume)
+def latest_checkpoint(run_dir: Path) -> tuple[dict, Path]:
+    """The state.json and the step dir of RUN_DIR's newest complete checkpoint; a one-line error for a finished run,
+    a run without a checkpoint or a corrupt file."""
     if not run_dir.is_dir():
         raise SystemExit(f"error: --resume '{run_dir}' is not a directory")
     if (run_dir / "summary.json").exists():
@@ -975,7 +1240,15 @@ def read_resume(args, world_size: int):
     if not latest.is_file():
         raise SystemExit(f"error: --resume '{run_dir}' has no checkpoint ({CKPT_DIR}/latest.json)")
     step_dir = run_dir / CKPT_DIR / checkpoint_file(latest.parent, "latest.json", read_json)["dir"]
-    state = checkpoint_file(step_dir, "state.json", read_json)
+    return checkpoint_file(step_dir, "state.json", read_json), step_dir
+
+
+def read_resume(args, world_size: int):
+    """--resume RUN_DIR: refuse (one-line error) a finished run, another script's run, a run without a checkpoint,
+    a corrupt state.json, a different number of processes, or arguments that differ from the run's; return the
+    run's arguments, its state.json and the newest complete step dir."""
+    run_dir = Path(args.resume)
+    state, step_dir = latest_checkpoint(run_dir)
     if state.get("script") != Path(__file__).stem:
         raise SystemExit(f"error: --resume '{run_dir}' is a run of {state.get('script')}, not of {Path(__file__).stem}")
     if state["world_size"] != world_size:
@@ -1016,6 +1289,74 @@ def numpy_rng_json() -> dict:
     return state
 
 
+def save_checkpoint(model_dir: Path, lm, tokenizer, heads) -> None:
+    """The one place the model is saved: backbone + LM head and tokenizer with save_pretrained, the ILQL heads as
+    safetensors next to them (`load_checkpoint` reads them back)."""
+    lm.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, str(model_dir / HEADS_FILE))
+
+
+def load_checkpoint(path: str, device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path)
+    p = p / "model" if (p / "model").is_dir() else p
+    if not (p / "config.json").is_file() or not (p / HEADS_FILE).is_file():
+        raise SystemExit(f"error: --checkpoint '{path}' is not a run dir of this script (no config.json/{HEADS_FILE})")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(p)
+        lm = AutoModelForCausalLM.from_pretrained(p).to(device)
+        heads = ILQLHeads(lm.config.hidden_size, n_logits(lm)).to(device)
+        heads.load_state_dict(load_file(p / HEADS_FILE, device=str(device)))
+    except (OSError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"error: could not load checkpoint '{p}': {str(e).splitlines()[0]}") from None
+    return lm, heads, tokenizer
+
+
+def check_writable_dir(path: Path, flag: str) -> None:
+    """A one-line error, before any work, if `path` is a file, cannot be created, or is not writable."""
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"error: {flag} {path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"error: cannot create {flag} {path}: {err.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: {flag} {path} is not writable")
+
+
+def new_run_dir(runs_dir: str, task: str, exp_name: str, seed: int) -> Path:
+    """Create and return runs_dir/{task}__{exp_name}__{seed}__{unix time}; never an existing directory: mkdir is
+    atomic, so runs started in the same second get -1, -2, ..."""
+    run_name = f"{task.replace('/', '-').replace(':', '-')}__{exp_name}__{seed}__{int(time.time())}"
+    run_dir, suffix = Path(runs_dir) / run_name, 0
+    while True:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            return run_dir
+        except FileExistsError:
+            suffix += 1
+            run_dir = Path(runs_dir) / f"{run_name}-{suffix}"
+
+
+def open_writer(run_dir: Path, args, purge_step: int | None = None) -> SummaryWriter:
+    """tensorboard in the run dir with the hyperparameters as a markdown table (CleanRL). On a resume, purge_step (the
+    checkpoint's step + 1) drops what the killed run logged after its checkpoint, and the table is already there."""
+    writer = SummaryWriter(str(run_dir), purge_step=purge_step)
+    if purge_step is None:
+        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
 STOP_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C (a SIGTERM stop exits alike)
 
 
@@ -1046,280 +1387,61 @@ def restore_signal_handlers(stop: dict) -> None:
         signal.signal(sig, previous)
 
 
-if __name__ == "__main__":
-    args = tyro.cli(Args)
-    validate_args(args)
-    # torchrun sets WORLD_SIZE / RANK / LOCAL_RANK; one process (1, 0, 0) runs exactly the single-process code path
-    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+def init_torchrun(cuda: bool) -> tuple[int, int, torch.device]:
+    """torchrun sets WORLD_SIZE / RANK / LOCAL_RANK: join the process group (nccl with --cuda on GPUs, gloo on CPU).
+    One process (no torchrun): rank 0 of 1 and no process group. Returns (rank, world_size, device)."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    use_cuda = torch.cuda.is_available() and cuda
+    if world_size == 1:
+        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if args.bc_only:
-        args.betas = (0.0,)  # the Q/V heads are untrained: only β = 0 (pure BC) is meaningful
-    resume_state = resume_dir = None
-    if args.resume is not None:
-        args, resume_state, resume_dir = read_resume(args, world_size)  # the run's own arguments
-    else:
-        check_runs_dir(args.runs_dir)
-    run_name = f"{TASK_ID}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.runs_dir) / run_name
-    suffix = 0
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device("cuda" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=DIST_TIMEOUT)
+    return dist.get_rank(), world_size, torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+
+
+def sync_grads(params, world_size: int) -> None:
+    """SUM the gradients over ranks, one flat all-reduce after backward() and before clipping (CleanRL's
+    ppo_atari_multigpu.py averages instead): each rank's loss is already weighted by its share of the global batch,
+    so the sum is the gradient of the global batch's loss. Parameters without a gradient are skipped (identically on
+    every rank). One process: nothing."""
+    if world_size == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def global_sum(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The sum of x over ranks (a new tensor); x itself in one process."""
+    if world_size == 1:
+        return x
+    x = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def broadcast_params(module: nn.Module, world_size: int) -> None:
+    """Rank 0's parameters and floating-point buffers on every rank: identical starts whatever each rank's RNG use."""
     if world_size > 1:
-        if use_cuda:
-            device = torch.device(f"cuda:{local_rank}")
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(minutes=10))
+        with torch.no_grad():
+            for t in [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]:
+                dist.broadcast(t.data, src=0)
 
-    # 1. data (also the behavior-mixture baseline row); every rank builds the same data
-    dialogues = load_dialogues(args)
-    data_stats = G.dataset_stats(dialogues)
-    train_dialogues = filter_top(dialogues, args.filter_top_frac)
-    args.n_train_dialogues = len(train_dialogues)
-    if world_size > 1 and not args.eval_only and args.num_steps > 0:
-        n_data = len(train_dialogues)
-        error = shard_error(min(args.batch_size, n_data), n_data, world_size, args.group_by_length)
-        if error:
-            raise SystemExit(f"error: {error}")
 
-    # 2. model
-    if args.eval_only:
-        lm, heads, tokenizer = load_checkpoint(args.checkpoint, device)
-    else:
-        lm, heads, tokenizer = build_model(args, device)
-    if world_size > 1:  # identical starts whatever each rank's RNG did, then per-rank noise (dropout)
-        broadcast_params([*lm.parameters(), *heads.parameters()])
-        torch.manual_seed(args.seed + SEED_STRIDE * rank)
-    if resume_dir is not None:
-        run_dir = Path(args.resume)
-    elif rank == 0:
-        while True:  # never overwrite a run: mkdir is atomic, so runs started in the same second get -1, -2, ...
-            try:
-                run_dir.mkdir(parents=True, exist_ok=False)
-                break
-            except FileExistsError:
-                suffix += 1
-                run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
-    if world_size > 1:  # only rank 0 creates the run dir; the others learn its name
-        shared = [str(run_dir)]
-        dist.broadcast_object_list(shared, src=0)
-        run_dir = Path(shared[0])
-    if rank > 0:
-        writer = NullWriter()
-    elif resume_state is not None:  # continue the curve; events logged after the checkpoint are dropped
-        writer = SummaryWriter(str(run_dir), purge_step=resume_state["step"] + 1)
-    else:
-        writer = SummaryWriter(str(run_dir))
-        writer.add_text(
-            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-        )
-    start, cpu_start, global_step, last_log, first_log = time.time(), time.process_time(), 0, {}, {}
+class NullWriter:
+    """What ranks other than 0 write to instead of tensorboard: SummaryWriter's calls as no-ops."""
 
-    # the problem this script faces (lecture Problem 21.4): per-token time steps
-    data = build_tensors(train_dialogues, tokenizer)
-    problem = timestep_stats(data, tokenizer, lm)
+    def add_scalar(self, *args, **kwargs):
+        pass
 
-    # 3. offline training: every minibatch is a random set of logged dialogues (torchrun: each rank takes its shard)
-    if not args.eval_only and args.num_steps > 0:
-        n_data = len(train_dialogues)
-        params = [p for p in [*lm.parameters(), *heads.parameters()] if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
-        decay_start = (1.0 - args.decay_frac) * args.num_steps  # warmup, constant, then linear decay to 10%
-        decay_steps, warmup = max(1.0, args.num_steps - decay_start), max(1, args.warmup_steps)
-        schedule = lambda s: min((s + 1) / warmup, 1.0 - 0.9 * max(0.0, s - decay_start) / decay_steps)  # noqa: E731
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        lm.train()
-        n_tokens, log_acc, queue = 0, {}, []
-        batch_generator = torch.Generator().manual_seed(args.seed)
-        first_step = 1
-        if resume_state is not None:  # continue exactly where the checkpoint left off
-            sampler = load_train_checkpoint(resume_dir, rank, lm, heads, optimizer, scheduler, device)
-            batch_generator.set_state(sampler["generator"])
-            sizes = sampler["queue_sizes"].tolist()
-            queue = list(sampler["queue"].split(sizes)) if sizes else []
-            global_step, n_tokens, log_acc = resume_state["step"], resume_state["n_tokens"], resume_state["log_acc"]
-            last_log, first_log = resume_state["last_log"], resume_state["first_log"]
-            first_step = global_step + 1
-            start, cpu_start = start - resume_state["train_time_s"], cpu_start - resume_state["train_cpu_time_s"]
-        interrupt = install_stop_handlers()
-        for global_step in range(first_step, args.num_steps + 1):
-            if args.group_by_length:  # losses stay means over each minibatch's own action tokens
-                queue = queue or length_grouped_batches(data["lengths"], min(args.batch_size, n_data), batch_generator)
-                idx = queue.pop()
-            elif world_size > 1:  # the same global minibatch on every rank (their global RNGs differ: dropout)
-                idx = torch.randint(0, n_data, (min(args.batch_size, n_data),), generator=batch_generator)
-            else:
-                idx = torch.randint(0, n_data, (min(args.batch_size, n_data),))
-            batch = make_minibatch(data, idx, device, rank, world_size)
-            out = forward_all(lm, heads, batch["input_ids"], batch["attention_mask"])
-            losses = ilql_losses(out, batch, args)
-            optimizer.zero_grad(set_to_none=True)
-            losses["loss"].backward()
-            if world_size > 1:
-                allreduce_grads(params)  # CRUCIAL: before clipping, so every rank clips the same global gradient
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            heads.sync_targets(args.polyak)  # CRUCIAL: target heads trail the online Q heads (Polyak)
-            n_tokens += int(batch.get("n_actions", batch["action_mask"].sum()))
-            step_losses, stop = {k: float(v.detach()) for k, v in losses.items()}, interrupt["signal"] is not None
-            if world_size > 1:  # the global minibatch's losses; any rank interrupted -> all stop at this step
-                step_losses, stop = global_sums(step_losses, stop, device)
-            for k, v in step_losses.items():
-                log_acc[k] = log_acc.get(k, 0.0) + v
-            if global_step % args.log_every == 0 or global_step == args.num_steps:
-                count = args.log_every if global_step % args.log_every == 0 else global_step % args.log_every
-                for k, v in log_acc.items():
-                    writer.add_scalar(f"losses/{k}", v / count, global_step)
-                writer.add_scalar("losses/grad_norm", float(grad_norm), global_step)
-                writer.add_scalar("charts/learning_rate", scheduler.get_last_lr()[0], global_step)
-                sps = global_step / (time.time() - start)
-                writer.add_scalar("charts/SPS", sps, global_step)
-                if rank == 0:
-                    print(
-                        f"step {global_step}: "
-                        + " ".join(f"{k}={v / count:.4f}" for k, v in log_acc.items())
-                        + f" SPS={sps:.1f} action-tokens/s={n_tokens / (time.time() - start):.0f}",
-                        flush=True,
-                    )
-                last_log, log_acc = {k: v / count for k, v in log_acc.items()}, {}
-                first_log = first_log or last_log
-            if stop or (args.save_every and (global_step % args.save_every == 0 or global_step == args.num_steps)):
-                rank_rngs = gather_objects(rng_state(device), world_size) if world_size > 1 else [rng_state(device)]
-                if rank == 0:
-                    sampler = {
-                        "generator": batch_generator.get_state(),
-                        "queue": torch.cat(queue) if queue else torch.zeros(0, dtype=torch.long),
-                        "queue_sizes": torch.tensor([len(q) for q in queue], dtype=torch.long),
-                    }
-                    state = {
-                        "script": Path(__file__).stem,
-                        "step": global_step,
-                        "world_size": world_size,
-                        "args": asdict(args),
-                        "n_tokens": n_tokens,
-                        "log_acc": log_acc,
-                        "last_log": last_log,
-                        "first_log": first_log,
-                        "train_time_s": time.time() - start,
-                        "train_cpu_time_s": time.process_time() - cpu_start,
-                        "python_random": random.getstate(),
-                        "numpy_random": numpy_rng_json(),
-                    }
-                    save_train_checkpoint(
-                        run_dir, global_step, lm, heads, optimizer, scheduler, sampler, rank_rngs, state
-                    )
-                    writer.flush()  # the scalars logged so far reach the disk with the checkpoint
-                if world_size > 1:
-                    dist.barrier()  # no rank exits before rank 0 has saved (torchrun would stop it mid-write)
-            if stop:
-                writer.close()
-                if world_size > 1:
-                    dist.destroy_process_group()
-                if rank == 0:
-                    launcher = f"torchrun --nproc_per_node {world_size} " if world_size > 1 else "python "
-                    why = interrupt["signal"] or "interrupted on another rank"
-                    print(f"{why}: checkpoint saved at step {global_step} of {args.num_steps}; continue with: "
-                          f"{launcher}{sys.argv[0]} --resume {run_dir}", file=sys.stderr)  # fmt: skip
-                raise SystemExit(STOP_EXIT_CODE)
-        restore_signal_handlers(interrupt)  # training is over: Ctrl-C stops at once
-    train_time, train_cpu = time.time() - start, time.process_time() - cpu_start
+    add_text = add_histogram = flush = close = add_scalar
 
-    # 4. evaluation: β sweep on validation episodes (choose β) and on test episodes (report)
-    lm.eval()
-    if world_size > 1:  # every rank evaluates rank 0's weights, the ones saved below
-        broadcast_params([*lm.parameters(), *heads.parameters()])
-    metrics = {f"dataset/{k}": float(data_stats[k]) for k in ("mean_return", "success_rate", "mean_length")}
-    metrics["dataset/normalized_score"] = G.normalized_score(data_stats["mean_return"])
-    optimal = G.evaluate_policy(G.OptimalPolicy(), n_episodes=args.eval_episodes, seed=args.eval_seed)
-    metrics.update(
-        {
-            "ref/optimal_episodic_return": optimal["mean_return"],
-            "ref/optimal_success_rate": optimal["success_rate"],
-            "ref/optimal_episodic_length": optimal["mean_length"],
-        }
-    )
-    with torch.no_grad():  # the learned value of the start state (<bos>): the backup must carry rewards ~40 tokens back
-        start_ids = torch.tensor([[tokenizer.bos_token_id]], device=device)
-        metrics["model/v_start"] = float(forward_all(lm, heads, start_ids, torch.ones_like(start_ids))["v"][0, -1])
-    results = {}  # β -> (validation, test) results
-    for beta in args.betas[rank::world_size]:  # torchrun: the β values are split over ranks, each one evaluated whole
-        agent = ILQLAgent(lm, heads, tokenizer, beta, args.top_k, args.greedy, args.seed, device)
-        val_res = G.evaluate_policy(agent, n_episodes=args.val_episodes, seed=args.val_seed)
-        agent = ILQLAgent(lm, heads, tokenizer, beta, args.top_k, args.greedy, args.seed + 1, device)
-        test_res = G.evaluate_policy(agent, n_episodes=args.eval_episodes, seed=args.eval_seed, return_dialogues=True)
-        test_res["valid_utterance_rate"] = valid_utterance_rate(test_res.pop("dialogues"))
-        results[beta] = (val_res, test_res)
-        print(
-            f"β={beta:g}: val return {val_res['mean_return']:.3f} | test return {test_res['mean_return']:.3f} "
-            f"success {test_res['success_rate']:.3f} length {test_res['mean_length']:.2f}",
-            flush=True,
-        )
-    if world_size > 1:  # every rank gets every β's results, so the choice of β below is the same on every rank
-        results = {beta: res for part in gather_objects(results, world_size) for beta, res in part.items()}
-    val, test = {b: results[b][0] for b in args.betas}, {b: results[b][1] for b in args.betas}
-    for beta in args.betas:
-        for name, res in (("val_", val[beta]), ("", test[beta])):
-            prefix = f"eval/{name}beta_{beta:g}/"
-            metrics.update(
-                {
-                    prefix + "episodic_return": res["mean_return"],
-                    prefix + "success_rate": res["success_rate"],
-                    prefix + "episodic_length": res["mean_length"],
-                }
-            )
-        metrics[f"eval/beta_{beta:g}/valid_utterance_rate"] = test[beta]["valid_utterance_rate"]
-    best_beta = max(args.betas, key=lambda b: (val[b]["mean_return"], -b))  # ties -> the smaller β
-    for key, res in (("eval/", test[best_beta]), ("eval/bc_", test.get(0.0))):
-        if res is None:
-            continue
-        metrics.update(
-            {
-                key + "episodic_return": res["mean_return"],
-                key + "episodic_return_std": res["return_std"],
-                key + "success_rate": res["success_rate"],
-                key + "episodic_length": res["mean_length"],
-                key + "normalized_score": G.normalized_score(res["mean_return"]),
-                key + "valid_utterance_rate": res["valid_utterance_rate"],
-            }
-        )
-    metrics["eval/best_beta"] = float(best_beta)
-    metrics.update({f"model/final_{k}_loss": v for k, v in last_log.items() if k in ("bc", "lm", "q", "v", "cql")})
-    metrics.update({f"model/first_{k}_loss": v for k, v in first_log.items() if k in ("bc", "lm")})
-    metrics.update(problem)
-    for k, v in metrics.items():
-        writer.add_scalar(k, v, global_step)
-    writer.add_scalar("charts/episodic_return", metrics["eval/episodic_return"], global_step)
-    writer.add_scalar("charts/episodic_length", metrics["eval/episodic_length"], global_step)
 
-    # 5. save (model + tokenizer with save_pretrained, ILQL heads as safetensors next to them) and summarize (rank 0)
-    if rank == 0:
-        save_checkpoint(run_dir / "model", lm, tokenizer, heads)
-        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-        wall = time.time() - start
-        summary = {
-            "script": Path(__file__).stem,
-            "run_name": run_dir.name,
-            "run_dir": str(run_dir),
-            "args": asdict(args),
-            "metrics": metrics,
-            "wall_time_s": wall,
-            "train_time_s": train_time,
-            "cpu_time_s": time.process_time() - cpu_start,
-            "train_cpu_time_s": train_cpu,
-            "sps": global_step / train_time if global_step else 0.0,
-        }
-        write_json_atomic(run_dir / "summary.json", summary)  # last: its presence marks the run finished (--resume)
-        writer.close()
-        print(
-            f"best β={best_beta:g} (on validation): test return {metrics['eval/episodic_return']:.3f} "
-            f"(normalized {metrics['eval/normalized_score']:.1f}), BC {metrics.get('eval/bc_episodic_return', 0):.3f}, "
-            f"dataset {data_stats['mean_return']:.3f}, optimal {optimal['mean_return']:.3f}; wall {wall:.0f}s "
-            f"-> {run_dir}"
-        )
-    if world_size > 1:  # every rank tears down together, after rank 0 has saved (then each frees its gloo threads)
-        dist.barrier()
-        dist.destroy_process_group()
+if __name__ == "__main__":
+    main()

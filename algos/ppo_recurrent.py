@@ -21,77 +21,46 @@ Key equations (per step t of env b; d_t = 1 if the episode ended at step t):
     L = -E[min(rho A, clip(rho, 1-eps, 1+eps) A)] + c_v E[max((V-R)^2, (V_old + clip(V-V_old, -eps, eps) - R)^2)] / 2
         - c_e E[entropy],   rho = pi(a|h) / pi_old(a|h)
 Implementation details:
- 1. The RNN input is [o_t, onehot(a_{t-1}), r_{t-1}] (previous reward: `--prev-reward`, off by default: in this
-    suite it is constant until the episode ends). ThreeStateLine's observation is constant, so all the agent
-    can remember is its own past actions; feeding a_{t-1} makes that memory explicit. `--rnn none` is a
-    memoryless 2-layer MLP on o_t alone (no previous action, which would already be one step of memory).
+ 1. The RNN input is [o_t, onehot(a_{t-1}), r_{t-1}] (`--prev-reward` off by default: in this suite the reward is
+    constant until the episode ends). ThreeStateLine's observation is constant, so all the agent can remember is
+    its own past actions. `--rnn none` is a memoryless 2-layer MLP on o_t alone (a_{t-1} would be memory).
  2. The recurrent state is carried across rollouts and zeroed where an episode starts (multiply by 1 - start
     per step, as CleanRL's ppo_atari_lstm.py); a_{t-1} and r_{t-1} are zeroed there too.
  3. Minibatches are whole env sequences: tensors stay (T, B, ...) and a minibatch is a subset of the B env
     columns, replayed from the rollout's initial state, so each env's time order is kept by construction.
  4. Vector envs use `AutoresetMode.SAME_STEP`: the step that ends an episode returns the reset observation and
-    puts the last one in `infos["final_obs"]`, so every stored step is a real transition (no NEXT_STEP dummy
-    step whose reward and action must be masked). On truncation (time limit, not termination) we bootstrap
-    with r_t += gamma V(final_obs) (`--bootstrap-truncated`); on termination we never bootstrap.
+    puts the last one in `infos["final_obs"]`, so every stored step is a real transition (no NEXT_STEP dummy step
+    to mask). On truncation (time limit) r_t += gamma V(final_obs) (`--bootstrap-truncated`); termination: never.
  5. From CleanRL [2, 3]: orthogonal init (actor gain 0.01, critic 1), Adam eps 1e-5, advantage normalization per
     minibatch, value clipping, entropy bonus, global gradient clipping, linear learning-rate annealing.
- 6. Policy and value each have their own torso (encoder + RNN), as CleanRL ppo.py's separate actor and critic
-    and SB3-contrib RecurrentPPO's `enable_critic_lstm`: with one shared torso (`--shared-torso`, as [2]) the
-    value loss of unscaled returns (hundreds on CartPole) drowns the policy gradient under one global gradient-
-    norm clip. Measured on CartPole-v1 with CleanRL ppo.py's settings (4 envs x 128 steps, lr 2.5e-4, 500k steps,
-    `--rnn none`, tuning seeds 101-105): shared torso 131 (seed 101), separate torsos 500 on all five, CleanRL
-    ppo.py 474-500. So no per-env reward scale is needed (`--reward-scale` stays as an option). The price: the
-    actor's GRU no longer learns from the value loss. On TMaze-10 (returns of order 1, so the value loss does not
-    drown anything) that loss is a useful memory signal: at 100k steps the separate torsos solved 1 of 5 tuning
-    seeds (at 200k: success 0.5 / 1 / 1 / 0.98 / 0.62), the shared torso all 5 (0.98-1.00): TMaze uses
-    `--shared-torso`. It also uses `--ent-coef 0.03` and 200k steps: with 0.01 the policy sometimes collapses
-    onto wall bumps before it has found the junction, and every episode then times out (memoryless at 100k,
-    tuning seeds 111-140: 2 of 30 runs; an earlier 5-seed benchmark: 2 of 10 runs, GRU and memoryless); with
-    0.03 none of 40 memoryless runs (101-140) collapsed, but at 100k the GRU had not learned the cue on 2 of 30
-    seeds (101-130; success 0.69 and 0.49); at 200k it has on all 20 tuning seeds 111-130 (success 0.99-1.00).
- 7. `--norm-obs` normalizes observations by a running mean/std kept as buffers in the model (saved with it),
-    updated after each PPO update so that a rollout and its update see the same normalization (as SB3's
-    VecNormalize). Off by default, as in CleanRL ppo.py: on CartPole-v1 its drifting statistics made 2 of 5
-    tuning seeds collapse late in training (500 -> ~100). MaskedCartPole needs it (angle steps of ~0.01 rad carry
-    the velocity) and uses RL Zoo's RecurrentPPO recipe for CartPoleNoVel (8 envs x 32 steps, 20 epochs, gamma
-    0.98, lambda 0.8, no entropy bonus, normalized observations). With it the GRU agent's return swings between
-    ~200 and 500 late in training (20 epochs on each 256-step batch move the policy far), so where a run ends is
-    partly luck: at 100k steps tuning seeds 101-105 ended at 500 / 500 / 496 / 495 / 368 and benchmark seeds 1-5
-    at 308 / 164 / 500 / 500 / 500; at 150k (101-105) 500 / 500 / 500 / 247 / 497; at 200k (106-109) 346 / 421 /
-    210 / 488; with RL Zoo's linear clip-range annealing (`--anneal-clip`, 100k, 106-110) 311 / 245 / 194 / 437 /
-    250. Every one of these 24 runs is far above the memoryless agent (~43); 500 is reached on about half.
+ 6. Policy and value each have their own torso (encoder + RNN), as CleanRL ppo.py and SB3-contrib RecurrentPPO: a
+    shared torso (`--shared-torso`, as [2]) lets the value loss of unscaled returns drown the policy gradient under
+    one gradient-norm clip (CartPole-v1, CleanRL ppo.py's settings: shared 131 on one seed, separate 500 on 5 of 5).
+    With returns of order 1 that loss is a useful memory signal: TMaze-10 uses `--shared-torso` (100k steps: 5 of 5
+    seeds, separate 1 of 5), 200k steps (20 of 20) and `--ent-coef 0.03` (0.01: 2 of 30 runs collapsed to bumps).
+ 7. `--norm-obs`: a running mean/std kept in the model (saved with it), updated after each update so that a rollout
+    and its update see the same normalization (SB3's VecNormalize). Off by default, as CleanRL ppo.py (on CartPole-v1
+    it collapsed 2 of 5 seeds late, 500 -> ~100). MaskedCartPole needs it (angle steps of ~0.01 rad carry velocity),
+    with RL Zoo's RecurrentPPO recipe [7] (8 envs x 32 steps, 20 epochs, gamma 0.98, lambda 0.8, no entropy bonus):
+    the return swings between ~200 and 500 late in training, so 24 runs ended at 164-500 (memoryless ~43).
  8. `--returns mc` (pure Monte Carlo): each rollout resets the envs and runs until every env finished its first
-    episode (the rollout is as long as the longest one, at most `--num-steps`, which must cover the time limit);
-    only those episodes are trained on (a mask in every loss), their returns are discounted sums of their own
-    rewards, and nothing is bootstrapped, truncations included. Training on first episodes only keeps the sample
-    unbiased (episodes cut by a rollout end would favour short ones); the price is idle envs while the longest
-    episode finishes. `charts/episodic_return` and `charts/episodic_length` log those episodes only, so the training
-    curve shows what was trained on, as the evaluation does; `charts/late_episodic_return` (summary.json) is its mean
-    over the last 20% of the steps (ShortCorridor at 1M steps: within 0.22 of a 10000-episode evaluation on 8 seeds).
- 9. Evaluation runs `--eval-episodes` envs in parallel and scores each env's first episode only (no bias to
-    short episodes); it samples from the policy (the optimal memoryless policy is stochastic) and also reports
-    the greedy (argmax) policy with the `eval/greedy_` prefix.
-What was scaled down: small MLP/RNN (64 units) on vector observations instead of a CNN on Atari frames, and
-the whole rollout (64 steps) as the BPTT window, so a default run takes a few minutes on 2 CPU cores.
+    episode (at most `--num-steps`, which must cover the time limit); only those episodes are trained on (a mask in
+    every loss), with the discounted sums of their own rewards as returns, nothing bootstrapped: first episodes only
+    keep the sample unbiased (a rollout end cuts long ones). The training curve logs them only; its mean over the
+    last 20% of the steps, `charts/late_episodic_return`, is within 0.22 of the evaluation (ShortCorridor, 1M steps).
+ 9. Evaluation runs `--eval-episodes` envs in parallel, scores each env's first episode only (no bias to short
+    episodes), samples from the policy (the memoryless optimum is stochastic), and reports greedy too (`eval/greedy_`).
+Scaled down: a 64-unit MLP/RNN on vector observations (no CNN), the 64-step rollout as BPTT window: minutes on 2 CPUs.
 References: [1] J. Schulman et al., "Proximal Policy Optimization Algorithms", 2017. [2] CleanRL ppo_atari_lstm.py
-(github.com/vwxyzjn/cleanrl): done-masked LSTM state, env-wise minibatches. [3] CleanRL ppo.py: the PPO loop and
-its details. [4] S. Huang et al., "The 37 Implementation Details of PPO", ICLR blog track 2022. [5] B. Bakker,
+(github.com/vwxyzjn/cleanrl): done-masked LSTM state, env-wise minibatches. [3] CleanRL ppo.py: the PPO loop and its
+details. [4] S. Huang et al., "The 37 Implementation Details of PPO", ICLR blog track 2022. [5] B. Bakker,
 "Reinforcement Learning with Long Short-Term Memory", NeurIPS 2001 (T-maze). [6] R. Sutton and A. Barto,
-"Reinforcement Learning: An Introduction", 2nd ed., Example 13.1 (short corridor). [7] A. Raffin et al., RL Baselines3
-Zoo, hyperparameters of RecurrentPPO (ppo_lstm) on CartPoleNoVel-v1.
-Reproduce (seed 1; the same command with `--rnn none` gives the memoryless baseline):
-   python algos/ppo_recurrent.py --env-id seqrl/ThreeStateLine-v0 --rnn gru --total-timesteps 30000  (memoryless:
-        `--rnn none --init-action-bias 0 3`, from p(right) = 0.95 to ~0.5)
+"Reinforcement Learning: An Introduction", 2nd ed., Example 13.1. [7] RL Baselines3 Zoo, RecurrentPPO, CartPoleNoVel.
+Reproduce (seed 1): the `ppo_recurrent` lines of benchmark.sh (MaskedCartPole: PPO_CARTPOLE_ARGS there), e.g.
    python algos/ppo_recurrent.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 10}' --rnn gru
-        --shared-torso --ent-coef 0.03 --total-timesteps 200000
+        --shared-torso --ent-coef 0.03 --total-timesteps 200000  (`--rnn none`: the memoryless baseline)
    python algos/ppo_recurrent.py --env-id seqrl/Tiger-v0 --rnn gru --no-bootstrap-truncated --total-timesteps 150000
         --eval-episodes 1000  (the 10-step horizon is part of the task: no bootstrap)
-   python algos/ppo_recurrent.py --env-id seqrl/MaskedCartPole-v0 --rnn gru --num-envs 8 --num-steps 32
-        --num-minibatches 1 --update-epochs 20 --gamma 0.98 --gae-lambda 0.8 --ent-coef 0 --norm-obs
-        --total-timesteps 100000  (RL Zoo's RecurrentPPO recipe for CartPoleNoVel; 164-500 depending on the seed,
-        detail 7; memoryless ~43)
-   python algos/ppo_recurrent.py --env-id CartPole-v1 --rnn none --num-envs 4 --num-steps 128 --learning-rate 2.5e-4
-        --total-timesteps 500000  (CleanRL ppo.py's settings)
    python algos/ppo_recurrent.py --env-id seqrl/ShortCorridor-v0 --rnn none --returns mc --num-steps 100
         --init-action-bias 0 -2 --total-timesteps 1000000 --eval-episodes 10000  (from p(right) = 0.12 to ~0.59;
         `--gae-lambda 0` instead of `--returns mc`: to ~1)
@@ -128,11 +97,6 @@ ACTOR_INIT_STD = 0.01  # small policy-head weights: near-uniform initial policy 
 EVAL_SEED_STRIDE = 10_000  # eval env i of training seed s gets seed 10_000 (s + 1) + i: disjoint sets per seed
 MAX_EVAL_STEPS = 10_000  # guard for envs without a time limit: evaluation stops after this many steps
 LATE_TRAINING_FRACTION = 0.2  # `charts/late_episodic_return`: mean training return over the last 20% of the steps
-# Args that `--eval-only` takes from the checkpoint's args.json: they fix the env, the network and its inputs
-ARCH_FIELDS = (
-    "env_id", "env_kwargs", "rnn", "hidden_size", "prev_action", "prev_reward", "norm_obs", "shared_torso",
-    "reward_scale",
-)  # fmt: skip
 
 
 @dataclass
@@ -176,14 +140,12 @@ class Args:
     shared_torso: bool = False
     """one torso (encoder + RNN) for policy and value (CleanRL ppo_atari_lstm.py); default: one each (ppo.py)"""
     init_action_bias: tuple[float, ...] = ()
-    """the policy head's bias at initialization, one logit per action (default: zeros, a near-uniform policy). A
-    biased start, e.g. `--init-action-bias 0 2` (p(right) = 0.88 with two actions), makes a memoryless agent on
-    ThreeStateLine or ShortCorridor LEARN the stochastic optimum instead of starting next to it"""
+    """the policy head's initial bias, one logit per action (default: zeros, near-uniform). A biased start, e.g.
+    `0 2` (p(right) = 0.88), makes a memoryless agent LEARN a stochastic optimum instead of starting next to it"""
 
     # PPO
     total_timesteps: int = 100_000
-    """total environment steps of training (0: no training, the initial network is evaluated: `benchmark.sh
-    --untrained`)"""
+    """total environment steps of training (0: the initial network is evaluated: `benchmark.sh --untrained`)"""
     learning_rate: float = 1e-3
     """the learning rate of the optimizer"""
     anneal_lr: bool = True
@@ -213,8 +175,7 @@ class Args:
     clip_coef: float = 0.2
     """the surrogate clipping coefficient epsilon (also clips the value change)"""
     anneal_clip: bool = False
-    """linearly anneal the surrogate's epsilon to 0 over training, as SB3's `clip_range: lin_0.2` (the value clip
-    keeps `--clip-coef`)"""
+    """linearly anneal the surrogate's epsilon to 0, as SB3's `clip_range: lin_0.2` (the value clip keeps it)"""
     clip_vloss: bool = True
     """use PPO's clipped value loss"""
     ent_coef: float = 0.01
@@ -238,9 +199,7 @@ class Args:
 # ALGO LOGIC: advantages, losses and minibatches as small pure functions (tested in tests/test_ppo_recurrent.py)
 def compute_gae(rewards, values, dones, next_value, gamma: float, gae_lambda: float):
     """GAE-lambda over a (T, B) rollout; `dones[t] = 1` if the episode ended at step t (no bootstrap across it).
-
-    `next_value` (B,) is V of the observation after the last step. Returns (advantages, returns), both (T, B).
-    """
+    `next_value` (B,) is V of the observation after the last step. Returns (advantages, returns), both (T, B)."""
     advantages = torch.zeros_like(rewards)
     last_gae = torch.zeros_like(next_value)
     for t in reversed(range(rewards.shape[0])):
@@ -298,9 +257,7 @@ def layer_init(layer, std: float = 2**0.5, bias_const: float = 0.0):
 
 class Torso(nn.Module):
     """Encoder -> RNN cell (or a 2nd MLP layer for `none`): the memory that turns the history into features (T, B, H).
-
-    The recurrent state is one tensor (B, S): S = H for a GRU, 2H for an LSTM (h and c concatenated), 0 for none.
-    """
+    The recurrent state is one tensor (B, S): S = H for a GRU, 2H for an LSTM (h and c concatenated), 0 for none."""
 
     def __init__(self, in_dim: int, rnn: str, hidden_size: int):
         super().__init__()
@@ -312,10 +269,7 @@ class Torso(nn.Module):
         else:
             self.core = (nn.LSTMCell if rnn == "lstm" else nn.GRUCell)(hidden_size, hidden_size)
             for name, param in self.core.named_parameters():  # CleanRL's LSTM init: orthogonal weights, zero biases
-                if "weight" in name:
-                    nn.init.orthogonal_(param, 1.0)
-                else:
-                    nn.init.constant_(param, 0.0)
+                nn.init.orthogonal_(param, 1.0) if "weight" in name else nn.init.constant_(param, 0.0)
 
     def forward(self, inputs, state, keep):
         """inputs (T, B, in_dim), state (B, S), keep (T, B) = 1 - starts. Returns features (T, B, H), final state."""
@@ -336,13 +290,10 @@ class Torso(nn.Module):
 
 class Agent(nn.Module):
     """Actor-critic: policy and value heads, each on its own torso (CleanRL ppo.py, SB3-contrib RecurrentPPO), or on
-    one shared torso with `shared_torso` (CleanRL ppo_atari_lstm.py). The state (B, S) concatenates the torsos' states.
-    """
+    one shared torso with `shared_torso` (CleanRL ppo_atari_lstm.py). The state (B, S) concatenates the torsos'."""
 
-    def __init__(
-        self, obs_dim, num_actions, rnn: str, hidden_size: int, prev_action, prev_reward, norm_obs=True,
-        shared_torso=False,
-    ):  # fmt: skip
+    def __init__(self, obs_dim, num_actions, rnn: str, hidden_size: int, prev_action, prev_reward, norm_obs=True,
+                 shared_torso=False):  # fmt: skip
         super().__init__()
         self.rnn, self.hidden_size, self.num_actions, self.norm_obs = rnn, hidden_size, num_actions, norm_obs
         self.register_buffer("obs_mean", torch.zeros(obs_dim))  # running observation statistics (saved)
@@ -371,9 +322,7 @@ class Agent(nn.Module):
 
     def forward(self, obs, prev_action, prev_reward, state, starts):
         """obs (T, B, D), prev_action (T, B) long, prev_reward (T, B), state (B, S), starts (T, B) in {0, 1}.
-
-        Returns logits (T, B, A), values (T, B) and the state after the last step (B, S).
-        """
+        Returns logits (T, B, A), values (T, B) and the state after the last step (B, S)."""
         keep = 1.0 - starts  # (T, B): 0 where obs[t] is the first observation of an episode
         if self.norm_obs:
             obs = ((obs - self.obs_mean) / torch.sqrt(self.obs_var + OBS_NORM_EPS)).clamp(-OBS_CLIP, OBS_CLIP)
@@ -394,165 +343,20 @@ class Agent(nn.Module):
         return self.actor(actor_hidden), self.critic(critic_hidden).squeeze(-1), state
 
 
-FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
-
-
-def flattenable(space: gym.spaces.Space) -> bool:
-    """True for the spaces gymnasium's `spaces.flatten` turns into one vector: Box, Discrete, MultiBinary,
-    MultiDiscrete, and Tuple/Dict of these (nested)."""
-    if isinstance(space, gym.spaces.Tuple):
-        return all(flattenable(sub) for sub in space.spaces)
-    if isinstance(space, gym.spaces.Dict):
-        return all(flattenable(sub) for sub in space.spaces.values())
-    return isinstance(space, FLAT_SPACES)
-
-
 def make_vec_env(env_id: str, env_kwargs: dict, num_envs: int) -> gym.vector.SyncVectorEnv:
-    """Validate the env's spaces once, then build `num_envs` copies that autoreset in the SAME step."""
-    try:
-        probe = gym.make(env_id, **env_kwargs)
-    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # bad id, module, kwargs
-        raise SystemExit(f"error: cannot make env {env_id!r} with kwargs {env_kwargs}: {err}") from None
-    obs_space, act_space = probe.observation_space, probe.action_space
-    probe.close()
-    if not isinstance(act_space, gym.spaces.Discrete):
-        raise SystemExit(f"error: {env_id} has action space {act_space}; only Discrete action spaces are supported")
-    if not flattenable(obs_space):
-        raise SystemExit(
-            f"error: {env_id} has observation space {obs_space}; supported: Box, Discrete, MultiBinary, "
-            "MultiDiscrete, and Tuple/Dict of these"
-        )
+    """`num_envs` copies that autoreset in the SAME step. FlattenObservation makes Discrete and each MultiDiscrete
+    component one-hot, flattens Box, concatenates the parts of a Tuple/Dict (POPGym's tasks observe MultiDiscrete)."""
 
     def thunk():
-        # gymnasium's FlattenObservation: Discrete and each MultiDiscrete component become one-hot vectors, Box is
-        # flattened, the parts of a Tuple/Dict are concatenated (Dict in sorted key order; POPGym's tasks observe
-        # MultiDiscrete spaces)
         env = gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs))
         return gym.wrappers.DtypeObservation(env, np.float32)
 
     return gym.vector.SyncVectorEnv([thunk] * num_envs, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
-@torch.no_grad()
-def evaluate(agent, env_id: str, env_kwargs: dict, episodes: int, seed: int, greedy: bool, reward_scale: float):
-    """Play one episode in each of `episodes` parallel envs; return per-episode arrays (only first episodes count)."""
-    envs = make_vec_env(env_id, env_kwargs, episodes)
-    device = agent.actor.weight.device
-    obs, _ = envs.reset(seed=seed)
-    state, start = agent.initial_state(episodes), torch.ones(episodes, device=device)
-    prev_action = torch.zeros(episodes, dtype=torch.long, device=device)
-    prev_reward = torch.zeros(episodes, device=device)
-    finished = np.zeros(episodes, dtype=bool)
-    ret, length, success = np.zeros(episodes), np.zeros(episodes, dtype=int), np.full(episodes, np.nan)
-    counts = np.zeros((episodes, agent.num_actions))  # how often each action was taken per episode
-    first_probs, first_actions = [], []  # action probabilities (episodes, A) and actions at episode steps 0, 1
-    entropies = []
-    for _ in range(MAX_EVAL_STEPS):
-        obs_t = torch.as_tensor(obs, dtype=torch.float32, device=device)
-        logits, _, state = agent(obs_t[None], prev_action[None], prev_reward[None], state, start[None])
-        dist = Categorical(logits=logits[0])
-        action = logits[0].argmax(-1) if greedy else dist.sample()
-        if len(first_probs) < 2:
-            first_probs.append(dist.probs.cpu().numpy())
-            first_actions.append(action.cpu().numpy())
-        active = ~finished
-        entropies.append(dist.entropy().cpu().numpy()[active])
-        obs, reward, terminated, truncated, infos = envs.step(action.cpu().numpy())
-        done = terminated | truncated
-        ret[active] += reward[active]
-        length[active] += 1
-        counts[active, action.cpu().numpy()[active]] += 1
-        if "final_info" in infos and "success" in infos["final_info"]:
-            ended = active & done & infos["final_info"]["_success"]
-            success[ended] = infos["final_info"]["success"][ended]
-        finished |= done
-        if finished.all():
-            break
-        start = torch.as_tensor(done, dtype=torch.float32, device=device)
-        prev_action = action
-        prev_reward = torch.as_tensor(reward * reward_scale, dtype=torch.float32, device=device)
-    envs.close()
-    switched = first_actions[1] != first_actions[0] if len(first_actions) > 1 else np.zeros(episodes, dtype=bool)
-    return dict(
-        ret=ret, length=length, success=success, counts=counts, entropy=np.concatenate(entropies).mean(),
-        probs0=first_probs[0], switched=switched[length > 1],  # 2nd action differs from the 1st (episodes >= 2 steps)
-    )  # fmt: skip
-
-
-def eval_metrics(result: dict, env_id: str, prefix: str) -> dict:
-    """Summary metrics (means over episodes) of an `evaluate` result, with the env-specific ones."""
-    m = {f"{prefix}episodic_return": result["ret"].mean(), f"{prefix}episodic_return_std": result["ret"].std()}
-    m[f"{prefix}episodic_length"] = result["length"].mean()
-    m[f"{prefix}policy_entropy"] = result["entropy"]
-    if not np.isnan(result["success"]).all():  # the env reports info["success"] (TMaze, Tiger)
-        m[f"{prefix}success_rate"] = np.nanmean(result["success"])
-    if env_id.endswith("ThreeStateLine-v0"):  # memoryless optimum: p(right) = 0.5 at every step, independently
-        m[f"{prefix}p_right_first_step"] = result["probs0"][:, ThreeStateLineEnv.RIGHT].mean()
-        if len(result["switched"]):  # with memory: after a bump into the wall, reverse (p = 1); memoryless: 0.5
-            m[f"{prefix}p_reverse_second_step"] = result["switched"].mean()
-    if env_id.endswith("ShortCorridor-v0"):  # memoryless optimum: p(right) = 2 - sqrt(2) in every (alike) cell
-        m[f"{prefix}p_right_first_step"] = result["probs0"][:, ShortCorridorEnv.RIGHT].mean()
-    if env_id.endswith("Tiger-v0"):  # information gathering: listens before opening a door
-        m[f"{prefix}listens_per_episode"] = result["counts"][:, TigerEnv.LISTEN].mean()
-    return {key: float(value) for key, value in m.items()}
-
-
-def load_checkpoint(path_str: str) -> tuple[dict, dict]:
-    """(state_dict, saved args or {}) from a run dir or a .safetensors file; clear errors for bad paths/files."""
-    path = Path(path_str)
-    model_path = path / "model.safetensors" if path.is_dir() else path
-    if not model_path.is_file():
-        raise SystemExit(f"error: checkpoint {model_path} not found (give a run dir or a model.safetensors file)")
-    try:
-        state_dict = load_file(str(model_path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise SystemExit(f"error: cannot read checkpoint {model_path}: {err}") from None
-    args_path = model_path.parent / "args.json"
-    return state_dict, json.loads(args_path.read_text()) if args_path.is_file() else {}
-
-
-def check_runs_dir(path_str: str) -> None:
-    """Fail before any work if `--runs-dir` is a file or cannot be written (not after minutes of training)."""
-    path = Path(path_str)
-    if path.exists() and not path.is_dir():
-        raise SystemExit(f"error: --runs-dir {path_str} is a file, not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise SystemExit(f"error: cannot create --runs-dir {path_str}: {err.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SystemExit(f"error: --runs-dir {path_str} is not writable")
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
-    tmp = path.with_name(f".tmp_{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
-
-
-if __name__ == "__main__":
-    args = tyro.cli(Args)
-    if args.eval_only:
-        if args.checkpoint is None:
-            raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or a model.safetensors file)")
-        ckpt_state, ckpt_args = load_checkpoint(args.checkpoint)
-        for field in ARCH_FIELDS:  # rebuild the env and the architecture the checkpoint was trained with
-            setattr(args, field, ckpt_args.get(field, getattr(args, field)))
-    try:
-        env_kwargs = json.loads(args.env_kwargs)
-    except json.JSONDecodeError:
-        env_kwargs = None
-    if not isinstance(env_kwargs, dict):
-        raise SystemExit(f"error: --env-kwargs must be a JSON object, got {args.env_kwargs!r}")
-    if args.num_envs % args.num_minibatches != 0:
-        raise SystemExit(f"error: --num-envs {args.num_envs} not divisible by --num-minibatches {args.num_minibatches}")
-    args.batch_size = args.num_envs * args.num_steps
-    args.envs_per_minibatch = args.num_envs // args.num_minibatches
-    args.num_iterations = 0 if args.eval_only else args.total_timesteps // args.batch_size
-    if not args.eval_only and args.total_timesteps != 0 and args.num_iterations < 1:
-        raise SystemExit(f"error: --total-timesteps {args.total_timesteps} < one rollout ({args.batch_size} steps)")
-    check_runs_dir(args.runs_dir)
+def main():
+    args = parse_args()  # tyro + validation + derived sizes (`--eval-only`: env and architecture from the checkpoint)
+    env_kwargs = json.loads(args.env_kwargs)  # a JSON object (parse_args checked)
 
     # TRY NOT TO MODIFY: seeding
     random.seed(args.seed)
@@ -561,55 +365,32 @@ if __name__ == "__main__":
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
     envs = make_vec_env(args.env_id, env_kwargs, args.num_envs)
     obs_dim, num_actions = envs.single_observation_space.shape[0], int(envs.single_action_space.n)
     arch = (args.rnn, args.hidden_size, args.prev_action, args.prev_reward, args.norm_obs, args.shared_torso)
-    agent = Agent(obs_dim, num_actions, *arch).to(device)
+    agent = Agent(obs_dim, num_actions, *arch)
     if args.init_action_bias:  # a biased initial policy (Args.init_action_bias); draws no random number
-        if len(args.init_action_bias) != num_actions:
-            raise SystemExit(f"error: --init-action-bias takes {num_actions} numbers (one per action), "
-                             f"got {len(args.init_action_bias)}")  # fmt: skip
         with torch.no_grad():
             agent.actor.bias.copy_(torch.tensor(args.init_action_bias))
-    if args.eval_only:
-        try:
-            agent.load_state_dict(ckpt_state)
-        except RuntimeError as err:
-            arch = f"--rnn {args.rnn} --hidden-size {args.hidden_size}, {obs_dim}-dim obs, {num_actions} actions"
-            raise SystemExit(f"error: checkpoint does not fit {arch}: {str(err).splitlines()[0]}") from None
+    run = start_run(args, agent)  # device, run dir, tensorboard; `--eval-only`: the checkpoint's weights into agent
+    device = run.device
+    agent.to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=ADAM_EPS)
 
-    run_name = f"{args.env_id.replace('/', '-').replace(':', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir, suffix = Path(args.runs_dir) / run_name, 0
-    while True:  # never overwrite a run: mkdir is atomic, so runs started in the same second get -1, -2, ...
-        try:
-            run_dir.mkdir(parents=True, exist_ok=False)
-            break
-        except FileExistsError:
-            suffix += 1
-            run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
-    writer = SummaryWriter(str(run_dir))
-    table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-
-    # ALGO LOGIC: rollout storage, all (T, B) = (num_steps, num_envs)
+    # ALGO LOGIC: rollout storage, all (T, B) = (num_steps, num_envs); prev_* = a_{t-1}, r_{t-1} (scaled)
     T, B = args.num_steps, args.num_envs
     obs = torch.zeros((T, B, obs_dim), device=device)
-    prev_actions = torch.zeros((T, B), dtype=torch.long, device=device)  # a_{t-1} (zeroed in the net at starts)
-    prev_rewards = torch.zeros((T, B), device=device)  # r_{t-1}, scaled
+    actions, prev_actions = (torch.zeros((T, B), dtype=torch.long, device=device) for _ in range(2))
+    logprobs, rewards, dones, values, prev_rewards = (torch.zeros((T, B), device=device) for _ in range(5))
     starts = torch.zeros((T, B), device=device)  # 1 where obs[t] is the first observation of an episode
-    actions = torch.zeros((T, B), dtype=torch.long, device=device)
-    logprobs, rewards, dones, values = (torch.zeros((T, B), device=device) for _ in range(4))
     valid = torch.ones((T, B), device=device)  # 1 where a step is trained on (`--returns mc`: its env's first episode)
 
     # TRY NOT TO MODIFY: start the game
     global_step, start_time = 0, time.time()
     next_obs = torch.as_tensor(envs.reset(seed=args.seed)[0], dtype=torch.float32, device=device)
-    next_start = torch.ones(B, device=device)
+    next_start, next_prev_reward = torch.ones(B, device=device), torch.zeros(B, device=device)
     next_prev_action = torch.zeros(B, dtype=torch.long, device=device)
-    next_prev_reward = torch.zeros(B, device=device)
     next_state = agent.initial_state(B)  # (B, S), carried across rollouts
     ep_return, ep_length = np.zeros(B), np.zeros(B, dtype=int)
     recent_returns, late_returns = [], []  # for the progress line; training episodes of the last 20% of steps
@@ -668,8 +449,7 @@ if __name__ == "__main__":
             # `--returns mc`: log only each env's first episode, the one trained on (later ones are not scored)
             logged = done & ~ended if args.returns == "mc" else done
             for i in np.flatnonzero(logged):
-                writer.add_scalar("charts/episodic_return", ep_return[i], global_step)
-                writer.add_scalar("charts/episodic_length", ep_length[i], global_step)
+                run.log(global_step, {"charts/episodic_return": ep_return[i], "charts/episodic_length": ep_length[i]})
                 recent_returns.append(ep_return[i])
                 if global_step > (1.0 - LATE_TRAINING_FRACTION) * budget:
                     late_returns.append(ep_return[i])
@@ -735,46 +515,258 @@ if __name__ == "__main__":
         var_returns = returns.var().item()
         explained_var = np.nan if var_returns == 0 else 1 - (returns - values[:n_steps]).var().item() / var_returns
         sps = int(global_step / (time.time() - start_time))
-        for tag, scalar in [
-            ("charts/learning_rate", optimizer.param_groups[0]["lr"]), ("charts/clip_coef", clip_now),
-            ("charts/SPS", sps),
-            ("losses/value_loss", v_loss.item()), ("losses/policy_loss", pg_loss.item()),
-            ("losses/entropy", entropy.item()), ("losses/approx_kl", approx_kl.item()),
-            ("losses/clipfrac", np.mean(clipfracs)), ("losses/explained_variance", explained_var),
-        ]:  # fmt: skip
-            writer.add_scalar(tag, scalar, global_step)
+        run.log(global_step, {"charts/learning_rate": optimizer.param_groups[0]["lr"], "charts/clip_coef": clip_now,
+            "charts/SPS": sps, "losses/value_loss": v_loss.item(), "losses/policy_loss": pg_loss.item(),
+            "losses/entropy": entropy.item(), "losses/approx_kl": approx_kl.item(),
+            "losses/clipfrac": np.mean(clipfracs), "losses/explained_variance": explained_var})  # fmt: skip
         if len(recent_returns) and (global_step * 20) // budget > ((global_step - n_steps * B) * 20) // budget:
             print(f"iter {iteration} step={global_step}/{budget} return={np.mean(recent_returns):.3f} SPS={sps}")
             recent_returns = []
     envs.close()
     train_time = time.time() - start_time
 
-    # 5. evaluate (sampling, then greedy), write summary.json and save the model
+    # 5. evaluate (sampling, then greedy), then summary.json and the saved model
     agent.eval()
     metrics = {}
     for greedy, prefix in [(False, "eval/"), (True, "eval/greedy_")]:
-        result = evaluate(
-            agent,
-            args.env_id,
-            env_kwargs,
-            args.eval_episodes,
-            EVAL_SEED_STRIDE * (args.seed + 1),
-            greedy,
-            args.reward_scale,
-        )
+        seed = EVAL_SEED_STRIDE * (args.seed + 1)
+        result = evaluate(agent, args.env_id, env_kwargs, args.eval_episodes, seed, greedy, args.reward_scale)
         metrics.update(eval_metrics(result, args.env_id, prefix))
     if late_returns:  # what the training curve shows at its end, to compare with the evaluation
         metrics["charts/late_episodic_return"] = float(np.mean(late_returns))
-    for key, value in metrics.items():
-        writer.add_scalar(key, value, global_step)
-    summary = {
-        "script": Path(__file__).stem, "run_name": run_dir.name, "run_dir": str(run_dir), "args": asdict(args),
-        "metrics": metrics, "wall_time_s": time.time() - start_time,
-        "sps": global_step / train_time if global_step else 0.0,
-    }  # fmt: skip
-    write_json_atomic(run_dir / "summary.json", summary)
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-    save_file(agent.state_dict(), str(run_dir / "model.safetensors"))
-    writer.close()
-    print(json.dumps(metrics, indent=2))
-    print(f"run dir: {run_dir}")
+    run.log(global_step, metrics)
+    run.finish(metrics, agent, sps=global_step / train_time if global_step else 0.0)
+
+
+@torch.no_grad()
+def evaluate(agent, env_id: str, env_kwargs: dict, episodes: int, seed: int, greedy: bool, reward_scale: float):
+    """Play one episode in each of `episodes` parallel envs; return per-episode arrays (only first episodes count)."""
+    envs = make_vec_env(env_id, env_kwargs, episodes)
+    device = agent.actor.weight.device
+    obs, _ = envs.reset(seed=seed)
+    start, prev_reward = torch.ones(episodes, device=device), torch.zeros(episodes, device=device)
+    state, prev_action = agent.initial_state(episodes), torch.zeros(episodes, dtype=torch.long, device=device)
+    finished, entropies = np.zeros(episodes, dtype=bool), []
+    ret, length, success = np.zeros(episodes), np.zeros(episodes, dtype=int), np.full(episodes, np.nan)
+    counts = np.zeros((episodes, agent.num_actions))  # how often each action was taken per episode
+    first_probs, first_actions = [], []  # action probabilities (episodes, A) and actions at episode steps 0, 1
+    for _ in range(MAX_EVAL_STEPS):
+        obs_t = torch.as_tensor(obs, dtype=torch.float32, device=device)
+        logits, _, state = agent(obs_t[None], prev_action[None], prev_reward[None], state, start[None])
+        dist = Categorical(logits=logits[0])
+        action = logits[0].argmax(-1) if greedy else dist.sample()
+        if len(first_probs) < 2:
+            first_probs.append(dist.probs.cpu().numpy())
+            first_actions.append(action.cpu().numpy())
+        active = ~finished
+        entropies.append(dist.entropy().cpu().numpy()[active])
+        obs, reward, terminated, truncated, infos = envs.step(action.cpu().numpy())
+        done = terminated | truncated
+        ret[active] += reward[active]
+        length[active] += 1
+        counts[active, action.cpu().numpy()[active]] += 1
+        if "final_info" in infos and "success" in infos["final_info"]:
+            ended = active & done & infos["final_info"]["_success"]
+            success[ended] = infos["final_info"]["success"][ended]
+        finished |= done
+        if finished.all():
+            break
+        start, prev_action = torch.as_tensor(done, dtype=torch.float32, device=device), action
+        prev_reward = torch.as_tensor(reward * reward_scale, dtype=torch.float32, device=device)
+    envs.close()
+    switched = first_actions[1] != first_actions[0] if len(first_actions) > 1 else np.zeros(episodes, dtype=bool)
+    return dict(
+        ret=ret, length=length, success=success, counts=counts, entropy=np.concatenate(entropies).mean(),
+        probs0=first_probs[0], switched=switched[length > 1],  # 2nd action differs from the 1st (episodes >= 2 steps)
+    )  # fmt: skip
+
+
+def eval_metrics(result: dict, env_id: str, prefix: str) -> dict:
+    """Summary metrics (means over episodes) of an `evaluate` result, with the env-specific ones."""
+    m = {f"{prefix}episodic_return": result["ret"].mean(), f"{prefix}episodic_return_std": result["ret"].std(),
+         f"{prefix}episodic_length": result["length"].mean(), f"{prefix}policy_entropy": result["entropy"]}  # fmt: skip
+    if not np.isnan(result["success"]).all():  # the env reports info["success"] (TMaze, Tiger)
+        m[f"{prefix}success_rate"] = np.nanmean(result["success"])
+    if env_id.endswith("ThreeStateLine-v0"):  # memoryless optimum: p(right) = 0.5 at every step, independently
+        m[f"{prefix}p_right_first_step"] = result["probs0"][:, ThreeStateLineEnv.RIGHT].mean()
+        if len(result["switched"]):  # with memory: after a bump into the wall, reverse (p = 1); memoryless: 0.5
+            m[f"{prefix}p_reverse_second_step"] = result["switched"].mean()
+    if env_id.endswith("ShortCorridor-v0"):  # memoryless optimum: p(right) = 2 - sqrt(2) in every (alike) cell
+        m[f"{prefix}p_right_first_step"] = result["probs0"][:, ShortCorridorEnv.RIGHT].mean()
+    if env_id.endswith("Tiger-v0"):  # information gathering: listens before opening a door
+        m[f"{prefix}listens_per_episode"] = result["counts"][:, TigerEnv.LISTEN].mean()
+    return {key: float(value) for key, value in m.items()}
+
+
+# === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+# Args that `--eval-only` takes from the checkpoint's args.json: they fix the env, the network and its inputs
+ARCH_FIELDS = (
+    "env_id", "env_kwargs", "rnn", "hidden_size", "prev_action", "prev_reward", "norm_obs", "shared_torso",
+    "reward_scale",
+)  # fmt: skip
+
+
+def parse_args() -> Args:
+    """tyro.cli(Args), every check that needs no model (one-line `error:` exits), the derived sizes; with
+    `--eval-only`, the env and the architecture come from the checkpoint's args.json (ARCH_FIELDS)."""
+    args = tyro.cli(Args)
+    if args.eval_only:
+        if args.checkpoint is None:
+            raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or a model.safetensors file)")
+        _, ckpt_args = load_checkpoint(args.checkpoint)
+        for field in ARCH_FIELDS:  # rebuild the env and the architecture the checkpoint was trained with
+            setattr(args, field, ckpt_args.get(field, getattr(args, field)))
+    try:
+        env_kwargs = json.loads(args.env_kwargs)
+    except json.JSONDecodeError:
+        env_kwargs = None
+    if not isinstance(env_kwargs, dict):
+        raise SystemExit(f"error: --env-kwargs must be a JSON object, got {args.env_kwargs!r}")
+    if args.num_envs % args.num_minibatches != 0:
+        raise SystemExit(f"error: --num-envs {args.num_envs} not divisible by --num-minibatches {args.num_minibatches}")
+    args.batch_size = args.num_envs * args.num_steps
+    args.envs_per_minibatch = args.num_envs // args.num_minibatches
+    args.num_iterations = 0 if args.eval_only else args.total_timesteps // args.batch_size
+    if not args.eval_only and args.total_timesteps != 0 and args.num_iterations < 1:
+        raise SystemExit(f"error: --total-timesteps {args.total_timesteps} < one rollout ({args.batch_size} steps)")
+    check_writable_dir(Path(args.runs_dir), "--runs-dir")
+    num_actions = check_env(args.env_id, env_kwargs)
+    if args.init_action_bias and len(args.init_action_bias) != num_actions:
+        raise SystemExit(f"error: --init-action-bias takes {num_actions} numbers (one per action), "
+                         f"got {len(args.init_action_bias)}")  # fmt: skip
+    return args
+
+
+FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
+
+
+def check_env(env_id: str, env_kwargs: dict) -> int:
+    """Make the env once: a bad id, module or kwargs, or a space the script cannot take, is a one-line error.
+    Returns the number of actions."""
+    try:
+        probe = gym.make(env_id, **env_kwargs)
+    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # bad id, module, kwargs
+        raise SystemExit(f"error: cannot make env {env_id!r} with kwargs {env_kwargs}: {err}") from None
+    obs_space, act_space = probe.observation_space, probe.action_space
+    probe.close()
+    if not isinstance(act_space, gym.spaces.Discrete):
+        raise SystemExit(f"error: {env_id} has action space {act_space}; only Discrete action spaces are supported")
+    if not flattenable(obs_space):
+        raise SystemExit(
+            f"error: {env_id} has observation space {obs_space}; supported: Box, Discrete, MultiBinary, "
+            "MultiDiscrete, and Tuple/Dict of these"
+        )
+    return int(act_space.n)
+
+
+def flattenable(space: gym.spaces.Space) -> bool:
+    """True for the spaces gymnasium's `spaces.flatten` turns into one vector: Box, Discrete, MultiBinary,
+    MultiDiscrete, and Tuple/Dict of these (nested)."""
+    if isinstance(space, gym.spaces.Tuple):
+        return all(flattenable(sub) for sub in space.spaces)
+    if isinstance(space, gym.spaces.Dict):
+        return all(flattenable(sub) for sub in space.spaces.values())
+    return isinstance(space, FLAT_SPACES)
+
+
+def load_checkpoint(path_str: str) -> tuple[dict, dict]:
+    """(state_dict, saved args or {}) from a run dir or a .safetensors file; clear errors for bad paths/files."""
+    path = Path(path_str)
+    model_path = path / "model.safetensors" if path.is_dir() else path
+    if not model_path.is_file():
+        raise SystemExit(f"error: checkpoint {model_path} not found (give a run dir or a model.safetensors file)")
+    try:
+        state_dict = load_file(str(model_path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise SystemExit(f"error: cannot read checkpoint {model_path}: {err}") from None
+    args_path = model_path.parent / "args.json"
+    return state_dict, json.loads(args_path.read_text()) if args_path.is_file() else {}
+
+
+class Run:
+    """What main() uses of run management: the device, the run dir and its tensorboard writer, log() and finish()."""
+
+    def __init__(self, args: Args, device: torch.device, run_dir: Path, writer: SummaryWriter):
+        self.args, self.device, self.run_dir, self.writer = args, device, run_dir, writer
+        self.start_time = time.time()
+
+    def log(self, step: int, metrics: dict) -> None:
+        """tensorboard scalars, tag -> number, at env step `step`."""
+        for tag, value in metrics.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def finish(self, metrics: dict, agent: nn.Module, sps: float) -> None:
+        """summary.json (metrics = the evaluation's), args.json and model.safetensors; close tensorboard."""
+        args, run_dir = self.args, self.run_dir
+        summary = {
+            "script": Path(__file__).stem, "run_name": run_dir.name, "run_dir": str(run_dir), "args": asdict(args),
+            "metrics": metrics, "wall_time_s": time.time() - self.start_time, "sps": sps,
+        }  # fmt: skip
+        write_json_atomic(run_dir / "summary.json", summary)
+        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+        save_file(agent.state_dict(), str(run_dir / "model.safetensors"))
+        self.writer.close()
+        print(json.dumps(metrics, indent=2))
+        print(f"run dir: {run_dir}")
+
+
+def start_run(args: Args, agent: nn.Module) -> Run:
+    """The device; with `--eval-only`, the checkpoint's weights loaded into `agent` (a one-line error if they do not
+    fit); then a new run dir with its tensorboard writer (after every check, so a failed start leaves no run dir)."""
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    if args.eval_only:
+        try:
+            agent.load_state_dict(load_checkpoint(args.checkpoint)[0])
+        except RuntimeError as err:
+            arch = f"--rnn {args.rnn} --hidden-size {args.hidden_size}, {agent.obs_mean.shape[0]}-dim obs, " \
+                f"{agent.num_actions} actions"  # fmt: skip
+            raise SystemExit(f"error: checkpoint does not fit {arch}: {str(err).splitlines()[0]}") from None
+    run_dir = new_run_dir(args.runs_dir, args.env_id, args.exp_name, args.seed)
+    return Run(args, device, run_dir, open_writer(run_dir, args))
+
+
+def check_writable_dir(path: Path, flag: str) -> None:
+    """A one-line error, before any work, if `path` is a file, cannot be created, or is not writable."""
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"error: {flag} {path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"error: cannot create {flag} {path}: {err.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: {flag} {path} is not writable")
+
+
+def new_run_dir(runs_dir: str, task: str, exp_name: str, seed: int) -> Path:
+    """Create and return runs_dir/{task}__{exp_name}__{seed}__{unix time}; never an existing directory: mkdir is
+    atomic, so runs started in the same second get -1, -2, ..."""
+    run_name = f"{task.replace('/', '-').replace(':', '-')}__{exp_name}__{seed}__{int(time.time())}"
+    run_dir, suffix = Path(runs_dir) / run_name, 0
+    while True:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            return run_dir
+        except FileExistsError:
+            suffix += 1
+            run_dir = Path(runs_dir) / f"{run_name}-{suffix}"
+
+
+def open_writer(run_dir: Path, args, purge_step: int | None = None) -> SummaryWriter:
+    """tensorboard in the run dir with the hyperparameters as a markdown table (CleanRL). On a resume, purge_step (the
+    checkpoint's step + 1) drops what the killed run logged after its checkpoint, and the table is already there."""
+    writer = SummaryWriter(str(run_dir), purge_step=purge_step)
+    if purge_step is None:
+        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    main()

@@ -35,12 +35,11 @@ Implementation details:
   2. Prompts are left-padded so every completion starts at the same column; position ids come from the attention
      mask (cumsum - 1), which is what makes left padding correct for GPT-2 and Llama alike.
   3. Completions are cut after the first EOS; later positions are padding and masked out of every loss. The task
-     speaks words, the tokenizer speaks tokens: a demonstration `Completion(text, ended)` is encoded as the ids of
-     its text as they follow the prompt, then the tokenizer's own EOS id if it ended; a sample is decoded with
-     `skip_special_tokens` into `Completion(text, ended = the model emitted its EOS)` before the gold utility or a
-     reward model reads it. Special tokens that are not text (pad, bos, unk, sep, and embedding rows no token
-     maps to) get probability 0 in sampling and in every log-prob (`lm_forward`), so the sampled distribution is
-     exactly the one whose log-probs, ratios and KL are computed, and "<pad>" can never be an exploit route.
+     speaks words, the tokenizer tokens: a demonstration `Completion(text, ended)` is encoded as the ids of its text
+     as they follow the prompt, then the tokenizer's EOS id if it ended; a sample is decoded (`skip_special_tokens`)
+     into `Completion(text, ended = the model emitted its EOS)`. Tokens that are not text (pad, bos, unk, sep,
+     unused embedding rows) get probability 0 in sampling and in every log-prob (`lm_forward`): the sampled
+     distribution is exactly the one whose log-probs, ratios and KL are computed ("<pad>" is no exploit route).
   4. The reward model scores the ids of `prompt + " " + completion.text` in its own tokenizer's convention (Llama:
      <s> first), plus its EOS id if the completion ended, right-padded, read at the last non-pad token, i.e. at the
      EOS token. A completion without EOS loses `missing_eos_penalty`.
@@ -49,56 +48,29 @@ Implementation details:
   6. Advantages are whitened over the completion tokens of the batch; rewards optionally (`--whiten-rewards`).
   7. GAE mode: a value head on the policy's last hidden state (shared backbone), with value clipping.
   8. Approximate KL 0.5 E[(log rho)^2], the clip fraction and the ratio are logged with TRL's metric names.
-  9. Evaluation: one completion per held-out prompt with fixed sampling noise (common random numbers between
-     evaluations); gold reward (hidden utility), proxy reward (normalized r_psi) and KL(pi || pi_SFT) (the mean
-     sequence log-ratio on the policy's own samples) go to tensorboard and `curve.jsonl`.
+  9. Evaluation, one completion per held-out prompt with fixed sampling noise: gold reward (hidden utility), proxy
+     reward (normalized r_psi) and KL(pi || pi_SFT) (on the policy's own samples) to tensorboard and `curve.jsonl`.
  10. torchrun (data-parallel; one process runs exactly the single-process code): the rollout batch of `--batch-size`
-     prompts is the global batch, drawn identically on every rank, and each rank generates its contiguous shard
-     with its own sampling noise (a generator seeded `seed + SEED_STRIDE * rank`). Each epoch, each rank shuffles
-     its shard into `--num-minibatches` local minibatches; the ranks' i-th minibatches together are the global
-     minibatch. A rank's loss is scaled by its share of the global minibatch's completion tokens, so the average of
-     the ranks' gradients (one flat all-reduce, as CleanRL's ppo_atari_multigpu.py, not DDP: each step runs
-     several forward passes, `generate` and frozen reference models, which DDP's one-forward-one-backward hooks
-     do not fit) is exactly the gradient of the global masked mean. Global (all_reduce / all_gather): advantage
-     and reward whitening, the bandit baseline, the reward normalization (its 512 SFT samples split over ranks),
-     the KL fed to the adaptive controller and every logged batch statistic (mean over ranks), evaluation and
-     best-of-n (prompts split over ranks, per-sample values gathered). There is no early stopping to synchronize.
-     STEPS 1-3 (SFT, preference data, reward model) are not sharded: every rank runs them identically from the
-     same seed and rank 0's weights are broadcast (to scale them, train the reward model with
-     rlhf_reward_model.py under torchrun and pass `--sft-model-path` / `--reward-model-path`). Only rank 0 writes.
- 11. Checkpoints (`--save-every N` PPO updates, `--resume RUN_DIR`): when PPO starts, the finished SFT policy and
-     reward model are saved once (`checkpoints/models/`, save_pretrained), so a resume skips STEPS 1-3; then
-     every N updates `checkpoints/step_<N>/` holds the policy + value head (safetensors), the Adam state, beta, the
-     prompt sampler, python / numpy / torch RNG states (one file per rank), the reward normalization and the curve
-     so far. Atomic: written under a temporary name, renamed into place, then `checkpoints/latest.json` (temp file
-     + rename) names it; older step dirs are deleted after. The resumed run ends with the same metrics as an
-     uninterrupted one (bit-identical on CPU, tested). Ctrl-C / SIGTERM: the update in progress finishes, a
-     checkpoint is written and the run exits (code 130) naming the `--resume` command.
+     prompts is the global batch, drawn identically on every rank; each rank generates its contiguous shard with its
+     own sampling noise. A rank's loss is scaled by its share of the global minibatch's completion tokens
+     (`token_share`), so the SUM of the ranks' gradients (`run.sync_grads`) is the global masked mean's gradient;
+     every statistic is the global batch's (`run.global_sum`, `run.masked_mean_var`, ...). More in `Run`.
+ 11. Checkpoints (`--save-every`, `--resume RUN_DIR`, Ctrl-C / SIGTERM): STEPS 1-3 once, then the policy, Adam,
+     `PPOState` and the RNG states; a resumed run ends bit-identical to an uninterrupted one on CPU (see `Run`).
 
 Problem 21.3(c), `--reward-offset 2`: an arbitrary per-prompt constant c(s) added to r_psi does not change what
 PPO optimizes. The objective E[r + c(s)] - beta KL has the same maximizer pi* ∝ pi_SFT exp(r / beta) (c(s) cancels in
-the normalizer), and the policy gradient's expectation is unchanged (E_a[c(s) grad log pi(a|s)] = 0). What absorbs
-the constant in the estimator is the value baseline: once V(prompt, prefix) has learned r's conditional mean, c(s)
-included, the GAE advantages are exactly those without it (a unit test checks this); the batch-wide whitening cannot
-(it subtracts one mean for all prompts). Measured (tuning seeds 101-105, defaults, beta = 0.1), the "once" matters:
-the value head (lr 2e-4, zero-initialized) needs most of the 100 updates to learn c(s) (value loss 0.8-1.0 with
-the offset vs 0.04-0.3 without, until update ~75), and until then c(s) is noise in the advantages, so the final gold
-is lower on every seed: 0.80 / 0.07 / 0.88 / 0.58 / 0.75 with the offset vs 0.93 / 0.75 / 0.90 / 0.81 / 0.88
-without (seed 102 drifts to KL 8.1; with a ±1 offset it ends at 0.47). Same optimum, noisier estimator.
+the normalizer), and the policy gradient's expectation is unchanged (E_a[c(s) grad log pi(a|s)] = 0). In the
+estimator the value baseline absorbs it: once V(prompt, prefix) has learned c(s), the GAE advantages are exactly those
+without it (unit-tested); the batch-wide whitening cannot. Until then c(s) is noise: final gold 0.62 with the offset
+vs 0.85 without (mean of seeds 101-105, beta = 0.1). Same optimum, noisier estimator.
 
 Real models (`--model-name-or-path gpt2`, `EleutherAI/pythia-70m`, a TinyLlama id, or a local `save_pretrained`
-dir): the same code path. The checkpoint is loaded with `from_pretrained` (weights and tokenizer; SFT fine-tunes the
-pretrained weights); a pad token "<pad>" is added when the tokenizer has none (or pads with EOS) and the embeddings
-are resized; the end of an answer is the tokenizer's EOS; `--max-new-tokens` defaults to the longest demonstration
-in the model's tokens. The default learning rates were chosen for the tiny model trained from scratch; for a
-pretrained model, lower `--sft-lr` and `--rm-lr` are the usual choice (not tuned here). Offline, a hub id that is
-not cached is a one-line error.
+dir): the same code path (`load_pretrained`, in RUN MANAGEMENT, says how they are loaded and what to tune).
 
-What was scaled down and why: a 2-layer, 64-dim GPT-2 and a closed vocabulary of a few hundred words instead of
-a 1.3B-175B model, a synthetic hidden "human" instead of labelers, and a few thousand comparisons, so the whole
-recipe fits in a few CPU minutes. The reward model is deliberately small and trained on few comparisons of
-on-distribution (SFT) samples: that is what makes it exploitable off-distribution, like any RM under enough
-optimization pressure. Generation uses a plain sampling loop with a KV cache (no top-k / top-p).
+Scaled down to a few CPU minutes: a 2-layer, 64-dim GPT-2 over a few hundred words, a synthetic hidden "human", a
+few thousand comparisons. The small reward model, fit on few on-distribution (SFT) comparisons, is what makes it
+exploitable off-distribution, like any RM under enough optimization pressure. Sampling: plain, with a KV cache.
 
 References:
   [1] Ouyang et al. 2022, Training language models to follow instructions with human feedback (InstructGPT).
@@ -109,8 +81,7 @@ References:
       masked whitening, metric names); vwxyzjn/lm-human-preference-details `train_policy_accelerate.py`
       (temperature-scaled logits, reward normalization, left padding + position ids, GAE, adaptive KL);
       vwxyzjn/cleanrl `ppo.py` (clipped surrogate and clipped value loss, script layout).
-Reproduce (one thread, ~2-3 CPU minutes each; the per-seed numbers are in the README, part 2; the over-optimization
-figure is drawn from the runs' curve.jsonl files):
+Reproduce (one thread, ~2-3 CPU minutes each; per-seed numbers: README part 2; the figure: the runs' curve.jsonl):
   python algos/rlhf_ppo_kl.py --seed 1 --kl-coef 0.0 --num-updates 200
       # no KL penalty: the proxy reward rises while the gold reward peaks and ends below SFT
   python algos/rlhf_ppo_kl.py --seed 1 --kl-coef 0.1
@@ -131,7 +102,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -155,7 +126,6 @@ import envs  # noqa: E402,F401  (registers the seqrl/ environments)
 from envs import preference  # noqa: E402
 from envs.tokenizer import build_tokenizer  # noqa: E402
 
-TASK_ID = "seqrl-preference"  # the task name in the run dir
 EPS = 1e-8  # numerical floor for variances in whitening
 BETA_STEP_CLIP = 0.2  # Ziegler et al.'s clip of the proportional adaptive-KL error
 LOG_STD_FLOOR = 1e-6  # floor for the reward-normalization std
@@ -163,10 +133,7 @@ NORM_SAMPLES = 512  # SFT samples (cycling over the training prompts) that set t
 # logit of a token that is not text (pad, bos, unk, ...): exp underflows to exactly 0 at any temperature <= 1e6, yet it
 # is finite, so the log-prob of the padding after an EOS stays finite and masked losses never compute inf - inf
 NOT_TEXT_LOGIT = -1e9
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "gpt2", "EleutherAI/pythia-70m": a name from_pretrained fetches
 SEED_STRIDE = 1_000_003  # torchrun: rank r samples with seed + SEED_STRIDE * r (rank 0: the single-process seed)
-DIST_TIMEOUT = timedelta(minutes=10)  # a rank waiting this long in a collective gives up (a failed rank never hangs)
-SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (a resume checks it)
 
 
 @dataclass
@@ -295,9 +262,7 @@ class Args:
     """batch_size // num_minibatches"""
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Pure functions (unit-tested in tests/test_rlhf_ppo_kl.py)
-# ---------------------------------------------------------------------------------------------------------------
+# ---- Pure functions (unit-tested in tests/test_rlhf_ppo_kl.py) -------------------------------------------------------
 def response_logprobs(logits: torch.Tensor, response_ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """log pi(x_t | x_<t) of each completion token, with logits divided by the sampling temperature.
 
@@ -318,19 +283,10 @@ def completion_mask(response_ids: torch.Tensor, eos_id: int) -> tuple[torch.Tens
 def per_token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) on samples from pi (Schulman's k1 / k3)."""
     logr = ref_logprobs - logprobs  # log rho, rho = pi_ref / pi
-    if estimator == "k1":
-        return -logr
-    return torch.expm1(logr) - logr  # k3 >= 0, unbiased
+    return -logr if estimator == "k1" else torch.expm1(logr) - logr  # k3 >= 0, unbiased
 
 
-def kl_penalized_rewards(
-    scores: torch.Tensor,
-    logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    beta: float,
-    estimator: str = "k1",
-) -> tuple[torch.Tensor, torch.Tensor]:
+def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, beta: float, estimator: str = "k1"):
     """Per-token rewards r~_t = -beta kl_t on completion tokens, plus the sequence score at the last token.
 
     scores: (B,); logprobs, ref_logprobs: (B, T); mask: (B, T) bool (a prefix of each row).
@@ -348,29 +304,25 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Unbiased variance of x over the masked entries."""
-    n = mask.sum()
-    mean = masked_mean(x, mask)
+    n, mean = mask.sum(), masked_mean(x, mask)
     return ((x - mean) ** 2 * mask).sum() / (n - 1).clamp(min=1)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / std over the masked entries of the (global, under torchrun) batch (mean kept if not shift_mean,
-    as TRL does for rewards)."""
-    mean, var = global_masked_mean_var(x, mask)
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, mean_var=None) -> torch.Tensor:
+    """(x - mean) / std over the masked entries (mean kept if not shift_mean, as TRL does for rewards). mean_var: the
+    (mean, variance) to use, e.g. the global batch's under torchrun (`run.masked_mean_var`); None: x's own."""
+    mean, var = (masked_mean(x, mask), masked_var(x, mask)) if mean_var is None else mean_var
     whitened = (x - mean) * torch.rsqrt(var + EPS)
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask
 
 
-def gae(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over completion tokens. rewards, values, mask: (B, T); values past the end count as 0.
 
     Returns advantages (B, T) and returns = advantages + values (both zero outside the mask)."""
-    values = values * mask
-    T = rewards.shape[1]
+    values, T = values * mask, rewards.shape[1]
     lastgaelam = torch.zeros_like(rewards[:, 0])
     advantages_reversed = []
     for t in reversed(range(T)):
@@ -382,20 +334,14 @@ def gae(
     return advantages, (advantages + values) * mask
 
 
-def bandit_advantages(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sequence-level advantage R - mean_batch(R), R = sum_t r~_t, given to every completion token (the mean over
-    the global batch under torchrun)."""
+def bandit_advantages(rewards: torch.Tensor, mask: torch.Tensor, baseline=None) -> torch.Tensor:
+    """Sequence-level advantage R - mean_batch(R), R = sum_t r~_t, given to every completion token. baseline: the
+    batch mean of R to use, e.g. the global batch's under torchrun (`run.global_mean`); None: this batch's."""
     returns = rewards.sum(dim=1)  # (B,)
-    return (returns - global_mean(returns)).unsqueeze(1) * mask  # (B, T)
+    return (returns - (returns.mean() if baseline is None else baseline)).unsqueeze(1) * mask  # (B, T)
 
 
-def clipped_surrogate_loss(
-    new_logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    cliprange: float,
-) -> tuple[torch.Tensor, dict]:
+def clipped_surrogate_loss(new_logprobs, old_logprobs, advantages, mask, cliprange: float) -> tuple[torch.Tensor, dict]:
     """PPO's clipped surrogate, a masked mean over completion tokens, and its diagnostics."""
     logratio = new_logprobs - old_logprobs
     ratio = torch.exp(logratio)
@@ -403,17 +349,13 @@ def clipped_surrogate_loss(
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     loss = masked_mean(torch.max(pg_losses, pg_losses2), mask)
     with torch.no_grad():
-        stats = {
-            "clipfrac": masked_mean((pg_losses2 > pg_losses).float(), mask).item(),
-            "approxkl": 0.5 * masked_mean(logratio**2, mask).item(),
-            "ratio": masked_mean(ratio, mask).item(),
-        }
+        stats = {"clipfrac": masked_mean((pg_losses2 > pg_losses).float(), mask).item(),
+                 "approxkl": 0.5 * masked_mean(logratio**2, mask).item(),
+                 "ratio": masked_mean(ratio, mask).item()}  # fmt: skip
     return loss, stats
 
 
-def clipped_value_loss(
-    vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, cliprange_value: float
-) -> tuple[torch.Tensor, float]:
+def clipped_value_loss(vpred, old_values, returns, mask, cliprange_value: float) -> tuple[torch.Tensor, float]:
     """0.5 max((V - G)^2, (clip(V, V_old +- eps) - G)^2), masked mean; also the value clip fraction."""
     vpredclipped = old_values + torch.clamp(vpred - old_values, -cliprange_value, cliprange_value)
     vf_losses1, vf_losses2 = (vpred - returns) ** 2, (vpredclipped - returns) ** 2
@@ -435,6 +377,12 @@ def ppo_minibatch_loss(
         loss = loss + args.vf_coef * vf_loss
         stats["vf_loss"] = vf_loss.item()
     return loss, stats
+
+
+def token_share(mb_mask: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
+    """This rank's completion tokens / the global minibatch's (details 10; 1 in one process): a rank's masked-mean loss
+    times this has the gradient sum_shard / n_global, so the ranks' SUM (`run.sync_grads`) is the global one's."""
+    return mb_mask.sum() / global_tokens
 
 
 def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
@@ -463,9 +411,7 @@ def adaptive_kl_update(beta: float, kl: float, target: float, n_steps: int, hori
     return beta * (1.0 + error * n_steps / horizon)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Models, generation, scoring
-# ---------------------------------------------------------------------------------------------------------------
+# ---- Models, generation, scoring -------------------------------------------------------------------------------------
 class PolicyWithValue(nn.Module):
     """Any causal LM plus a scalar value head on its last hidden state (shared backbone)."""
 
@@ -501,13 +447,8 @@ def lm_forward(lm, query_ids, response_ids, pad_id, not_text, hidden=False):
     (B, T, H))."""
     input_ids = torch.cat([query_ids, response_ids], dim=1)  # (B, Lq + T)
     attention_mask = input_ids != pad_id  # pad is never sampled, so it marks exactly the padding
-    out = lm(
-        input_ids=input_ids,
-        attention_mask=attention_mask.long(),
-        position_ids=position_ids_from_mask(attention_mask),
-        output_hidden_states=hidden,
-        use_cache=False,
-    )
+    out = lm(input_ids=input_ids, attention_mask=attention_mask.long(), output_hidden_states=hidden, use_cache=False,
+             position_ids=position_ids_from_mask(attention_mask))  # fmt: skip
     Lq, T = query_ids.shape[1], response_ids.shape[1]
     logits = text_only(out.logits[:, Lq - 1 : Lq + T - 1], not_text)  # (B, T, V): position i predicts token i + 1
     if hidden:
@@ -540,13 +481,8 @@ def generate(lm, query_ids, pad_id, eos_id, not_text, max_new_tokens, temperatur
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
         last_pos = last_pos + 1
-        out = lm(
-            input_ids=token[:, None],
-            attention_mask=attention_mask,
-            position_ids=last_pos,
-            use_cache=True,
-            **{cache_kw: past},
-        )
+        out = lm(input_ids=token[:, None], attention_mask=attention_mask, position_ids=last_pos, use_cache=True,
+                 **{cache_kw: past})  # fmt: skip
         past, next_logits = out[cache_kw], text_only(out.logits[:, -1], not_text)
     response = torch.stack(tokens, dim=1)  # (B, <= max_new_tokens)
     response = F.pad(response, (0, max_new_tokens - response.shape[1]), value=pad_id)
@@ -628,47 +564,10 @@ def tiny_gpt2_config(vocab_size, args, tokenizer):
     from transformers import GPT2Config
 
     return GPT2Config(
-        vocab_size=vocab_size,
-        n_positions=args.n_positions,
-        n_embd=args.n_embd,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,  # no dropout: ratio = 1 at start
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-
-
-def load_pretrained(kind, path, what, hub_ok=False):
-    """from_pretrained (model and tokenizer) with a clear one-line error; `hub_ok`: `path` may also be a hub id."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-    local = Path(path).exists() or not hub_ok or not HUB_ID.fullmatch(path)
-    if local and not (Path(path) / "config.json").is_file():
-        raise SystemExit(f"error: {what} '{path}' is not a save_pretrained directory (no config.json)")
-    cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
-    try:
-        model = cls.from_pretrained(path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as e:  # offline and not cached, no such repo, no tokenizer, ...
-        raise SystemExit(f"error: could not load {what} '{path}': {str(e).splitlines()[0]}") from None
-    return model, tokenizer
-
-
-def with_pad_token(model, tokenizer, what):
-    """Give the tokenizer a pad token distinct from EOS if it has none ("<pad>", embeddings resized; GPT-2 and Llama
-    checkpoints ship without one) and the model's config its id. Returns (model, tokenizer)."""
-    if tokenizer.eos_token_id is None:
-        raise SystemExit(f"error: the tokenizer of {what} has no EOS token to end an answer with")
-    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        tokenizer.add_special_tokens({"pad_token": "<pad>"})
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
-    model.config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
+        vocab_size=vocab_size, n_positions=args.n_positions, n_embd=args.n_embd, n_layer=args.n_layer,
+        n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # no dropout: ratio = 1 at start
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
 
 
 def not_text_mask(tokenizer, vocab_size: int, device) -> torch.Tensor:
@@ -687,9 +586,7 @@ def disable_dropout(model):
     return model
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# STEPS 1-3 of the recipe (short, inline)
-# ---------------------------------------------------------------------------------------------------------------
+# ---- STEPS 1-3 of the recipe (short, inline) -------------------------------------------------------------------------
 def supervised_fine_tune(lm, tokenizer, args, device, writer):
     """STEP 1: next-token cross-entropy on the completion tokens of demonstrations (prompt tokens masked)."""
     data = preference.make_sft_dataset(args.sft_examples, seed=args.seed)
@@ -699,7 +596,6 @@ def supervised_fine_tune(lm, tokenizer, args, device, writer):
         q, c = prompt_ids(tokenizer, prompt), completion_ids(tokenizer, prompt, completion)
         rows.append((q + c, [0] * len(q) + [1] * len(c)))
     optimizer = torch.optim.Adam(lm.parameters(), lr=args.sft_lr)
-    step = 0
     for epoch in range(args.sft_epochs):
         perm = np.random.permutation(len(rows))
         for start in range(0, len(rows), args.sft_batch_size):
@@ -716,7 +612,6 @@ def supervised_fine_tune(lm, tokenizer, args, device, writer):
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            step += 1
         writer.add_scalar("losses/sft_nll", loss.item(), epoch)
         print(f"[sft] epoch {epoch} nll {loss.item():.3f}")
     return lm
@@ -733,10 +628,8 @@ def sample_completions(lm, tokenizer, not_text, prompts, args, device, generator
     completions = []
     for i in range(0, len(prompts), batch_size):
         q = encode_prompts(tokenizer, prompts[i : i + batch_size], device)
-        r = generate(
-            lm, q, tokenizer.pad_token_id, tokenizer.eos_token_id, not_text, args.max_new_tokens, args.temperature,
-            generator,
-        )  # fmt: skip
+        pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        r = generate(lm, q, pad_id, eos_id, not_text, args.max_new_tokens, args.temperature, generator)
         mask, has_eos = completion_mask(r, tokenizer.eos_token_id)
         completions += decode_completions(tokenizer, r, mask, has_eos)
     return completions
@@ -774,10 +667,8 @@ def fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, w
         perm, accs = np.random.permutation(n), []
         for start in range(0, n, args.rm_batch_size):
             idx = perm[start : start + args.rm_batch_size]
-            enc = rm_encode(
-                tokenizer, [pair_prompts[i] for i in idx] * 2, [chosen[i] for i in idx] + [rejected[i] for i in idx],
-                device,
-            )  # fmt: skip
+            pairs = [chosen[i] for i in idx] + [rejected[i] for i in idx]
+            enc = rm_encode(tokenizer, [pair_prompts[i] for i in idx] * 2, pairs, device)
             r = rm(**enc).logits[:, 0]  # (2 B,): chosen, then rejected
             loss = bradley_terry_loss(r[: len(idx)], r[len(idx) :])
             optimizer.zero_grad()
@@ -789,70 +680,586 @@ def fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, w
     return rm.eval()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Evaluation
-# ---------------------------------------------------------------------------------------------------------------
+# ---- STEP 4: PPO with a KL penalty -----------------------------------------------------------------------------------
+@dataclass
+class PPOState:
+    """What PPO carries from one update to the next besides the weights and Adam (a checkpoint saves it)."""
+
+    norm: tuple[float, float] | None  # (mean, std) of r_psi on SFT samples (details 5); None until restored
+    beta: float  # the KL coefficient (changes every update with --adaptive-kl)
+    prompt_rng: np.random.Generator  # draws the prompts of each rollout batch
+    sft_metrics: dict | None = None  # the evaluation of the SFT policy (update 0)
+    metrics: dict | None = None  # the latest evaluation
+    curve: list = field(default_factory=list)  # one point per evaluation, as in curve.jsonl
+
+
+def main():
+    args = parse_args()
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    run = start_run(args)  # torchrun, device, the run dir (a resume: its own), tensorboard (details 10-11)
+    device = run.device
+    # sampling noise of rollouts and of the reward normalization: the global RNG in one process, one stream per rank
+    sample_gen = torch.Generator(device).manual_seed(args.seed + SEED_STRIDE * run.rank) if run.world_size > 1 else None
+    train_prompts, heldout_prompts = list(preference.train_prompts()), list(preference.heldout_prompts())
+    eval_prompts = [heldout_prompts[i % len(heldout_prompts)] for i in range(args.eval_episodes)]
+    sft_path, rm_path = run.model_paths(args)  # a resume loads the run's own finished STEPS 1-3 (details 11)
+
+    # ---- STEP 1: the SFT policy (loaded, or fine-tuned here from a base model) ----
+    if sft_path is not None:
+        sft_lm, tokenizer = run.load_pretrained("causal", sft_path, "--sft-model-path")
+    else:
+        if args.model_name_or_path is not None:
+            name = args.model_name_or_path  # a hub id or a save_pretrained dir
+            base_lm, tokenizer = run.load_pretrained("causal", name, "--model-name-or-path", hub_ok=True)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            tokenizer = build_tokenizer()
+            base_lm = AutoModelForCausalLM.from_config(tiny_gpt2_config(len(tokenizer), args, tokenizer))
+        sft_lm = supervised_fine_tune(disable_dropout(base_lm).to(device), tokenizer, args, device, run.writer)
+    sft_lm = disable_dropout(sft_lm).to(device).eval()
+    run.broadcast_params(sft_lm)  # torchrun: every rank ran STEP 1 identically; rank 0's weights make sure of it
+    sft_lm.requires_grad_(False)
+    not_text = not_text_mask(tokenizer, sft_lm.get_output_embeddings().weight.shape[0], device)  # (V,) details 3
+    if args.max_new_tokens is None:
+        args.max_new_tokens = longest_demonstration(tokenizer, args)
+
+    # ---- STEPS 2-3: the reward model (loaded, or fit here on SFT samples ranked by the labeler) ----
+    rm_tokenizer = tokenizer  # a loaded reward model brings its own
+    if rm_path is not None:
+        rm, rm_tokenizer = run.load_pretrained("classifier", rm_path, "--reward-model-path")
+    else:
+        rm = fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, run.writer)
+    rm = rm.to(device).eval()
+    run.broadcast_params(rm)
+    rm.requires_grad_(False)
+    norm = None  # a resume restores the run's own (run.restore)
+    if not run.resuming:  # normalize r_psi to mean 0, std 1 on SFT samples of the training prompts (details 5)
+        norm_prompts = run.shard([train_prompts[i % len(train_prompts)] for i in range(NORM_SAMPLES)])  # this rank's
+        norm_completions = sample_completions(sft_lm, tokenizer, not_text, norm_prompts, args, device, sample_gen)
+        raw = run.gather(rm_scores(rm, rm_tokenizer, norm_prompts, norm_completions, device))  # all NORM_SAMPLES
+        norm = (raw.mean().item(), max(raw.std().item(), LOG_STD_FLOOR))
+    # Problem 21.3(c): an arbitrary constant per prompt in the objective (all 0 unless --reward-offset)
+    offsets = prompt_offsets(train_prompts + heldout_prompts, args.reward_offset, args.seed + 40_000)
+
+    # ---- STEP 4: PPO with a KL penalty ----
+    policy = PolicyWithValue(copy.deepcopy(sft_lm)).to(device)
+    if args.eval_only:
+        policy.lm = disable_dropout(run.load_pretrained("causal", str(Path(args.checkpoint) / "policy"), "policy")[0])
+        policy = policy.to(device)
+    policy.requires_grad_(True)
+    run.broadcast_params(policy)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-5)  # CleanRL's Adam eps
+    state = PPOState(norm=norm, beta=args.kl_coef, prompt_rng=np.random.default_rng(args.seed))
+    frozen = (sft_lm, rm, rm_tokenizer, tokenizer, not_text)  # what an evaluation reads besides the policy
+    if run.resuming:  # the checkpoint's state, weights, Adam and RNG states; the updates after its own follow
+        first_update = run.restore(state, policy, optimizer, sample_gen)
+    else:  # the SFT policy's evaluation is update 0 of the curve; the first checkpoint holds STEPS 1-3
+        state.sft_metrics = state.metrics = evaluate(0, policy, frozen, state, eval_prompts, args, run)
+        run.save_setup(sft_lm, tokenizer, rm, rm_tokenizer)  # args.json; STEPS 1-3 for a resume
+        run.end_step(0, state, policy, optimizer, sample_gen)
+        first_update = 1
+    run.install_stop_handlers()  # from here, Ctrl-C / SIGTERM: a checkpoint after the current update, then exit
+    num_updates = 0 if args.eval_only else args.num_updates
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    local_batch_size, local_minibatch_size = args.batch_size // run.world_size, args.minibatch_size // run.world_size
+    rank_rows = run.shard_rows(args.batch_size)  # this rank's rows of every rollout batch (all in one process)
+    start_time = run.start_time  # a resume counts the time before its checkpoint
+    for update in range(first_update, num_updates + 1):
+        # 1. generate: the batch's prompts (drawn alike on every rank; this rank's shard), completions from pi_theta
+        prompts = [train_prompts[i] for i in state.prompt_rng.choice(len(train_prompts), args.batch_size)][rank_rows]
+        query_ids = encode_prompts(tokenizer, prompts, device)  # (B, Lq), left-padded
+        policy.eval()
+        response_ids = generate(
+            policy.lm, query_ids, pad_id, eos_id, not_text, args.max_new_tokens, args.temperature, sample_gen
+        )  # (B, T)
+        mask, has_eos = completion_mask(response_ids, eos_id)  # (B, T), (B,)
+        maskf = mask.float()
+        with torch.no_grad():
+            # 2. score: normalized r_psi (at the EOS token) + c(s), minus the missing-EOS penalty
+            completions = decode_completions(tokenizer, response_ids, mask, has_eos)
+            scores = objective_scores(
+                rm, rm_tokenizer, state.norm, offsets, prompts, completions, args.missing_eos_penalty, device
+            )  # (B,)
+            # 3. snapshot pi_bar: log-probs and values of the batch under the current policy; pi_SFT log-probs
+            logits, values = policy(query_ids, response_ids, pad_id, not_text)  # (B, T, V), (B, T)
+            old_logprobs = response_logprobs(logits, response_ids, args.temperature)  # (B, T)
+            ref_logprobs = response_logprobs(
+                lm_forward(sft_lm, query_ids, response_ids, pad_id, not_text), response_ids, args.temperature
+            )  # (B, T)
+            entropy = torch.special.entr(torch.softmax(logits / args.temperature, dim=-1)).sum(-1)  # (B, T)
+            # 4. KL penalty folded into the reward: -beta kl_t per token, the score at the last token
+            rewards, kl = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask, state.beta, args.kl_estimator)
+            if args.whiten_rewards:  # by the global batch's statistics (torchrun: run.masked_mean_var)
+                rewards = masked_whiten(rewards, maskf, shift_mean=False, mean_var=run.masked_mean_var(rewards, maskf))
+            # 5. advantages: sequence-level (bandit) or per-token GAE with the value head, whitened
+            if args.advantage == "gae":
+                advantages, returns = gae(rewards, values, maskf, args.gamma, args.lam)
+            else:
+                advantages = bandit_advantages(rewards, maskf, run.global_mean(rewards.sum(1)))
+                returns = torch.zeros_like(rewards)
+            advantages = masked_whiten(advantages, maskf, mean_var=run.masked_mean_var(advantages, maskf))
+        # 6. K epochs of minibatch updates with the clipped importance ratio pi_theta / pi_bar
+        policy.train()
+        stats = {k: [] for k in ("approxkl", "clipfrac", "ratio", "pg_loss", "vf_loss", "vf_clipfrac")}
+        for _epoch in range(args.update_epochs):
+            perm = torch.randperm(local_batch_size, device=device)
+            for start in range(0, local_batch_size, local_minibatch_size):
+                mb = perm[start : start + local_minibatch_size]  # torchrun: the ranks' mb together = the global one
+                mb_mask = maskf[mb]
+                loss, mb_stats = ppo_minibatch_loss(
+                    policy, query_ids[mb], response_ids[mb], mb_mask, old_logprobs[mb], values[mb], advantages[mb],
+                    returns[mb], args, pad_id, not_text,
+                )  # fmt: skip
+                loss = loss * token_share(mb_mask, run.global_sum(mb_mask.sum()))  # x 1 in one process (details 10)
+                optimizer.zero_grad()
+                loss.backward()
+                run.sync_grads(policy.parameters())  # torchrun: the sum over ranks, the global minibatch's gradient
+                nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                optimizer.step()
+                for k, v in mb_stats.items():
+                    stats[k].append(v)
+        # 7. log the global batch's statistics (TRL's metric names), then the adaptive KL controller
+        log = {
+            "objective/kl": kl.sum(1).mean().item(), "objective/kl_coef": state.beta,
+            "objective/entropy": (entropy * maskf).sum(1).mean().item(),
+            "objective/non_score_reward": (-state.beta * kl.sum(1)).mean().item(),
+            "objective/scores": scores.mean().item(),
+            "objective/rlhf_reward": (scores - state.beta * kl.sum(1)).mean().item(),
+            "policy/approxkl_avg": float(np.mean(stats["approxkl"])),
+            "policy/clipfrac_avg": float(np.mean(stats["clipfrac"])),
+            "policy/entropy_avg": masked_mean(entropy, maskf).item(),
+            "losses/policy_avg": float(np.mean(stats["pg_loss"])),
+            "val/ratio": float(np.mean(stats["ratio"])), "val/ratio_var": float(np.var(stats["ratio"])),
+            "val/num_eos_tokens": has_eos.float().sum().item(),
+            "charts/episodic_length": mask.sum(1).float().mean().item(),
+        }  # fmt: skip
+        if args.advantage == "gae":
+            log["losses/value_avg"] = float(np.mean(stats["vf_loss"]))
+            log["val/clipfrac_avg"] = float(np.mean(stats["vf_clipfrac"]))
+        log = run.mean_over_ranks(log, sums=("val/num_eos_tokens",))  # torchrun: the ranks' shards are equal
+        log["charts/learning_rate"] = optimizer.param_groups[0]["lr"]
+        log["charts/SPS"] = update * args.batch_size / (time.time() - start_time)
+        run.log(update, log)
+        if args.adaptive_kl:
+            state.beta = adaptive_kl_update(state.beta, log["objective/kl"], args.target_kl, args.batch_size,
+                                            args.kl_horizon)  # fmt: skip
+        # 8. evaluate every --eval-every updates (details 9): gold, proxy and KL, a point of the curve
+        if update % args.eval_every == 0 or update == num_updates:
+            state.metrics = evaluate(update, policy, frozen, state, eval_prompts, args, run)
+        elif update % max(1, args.eval_every // 2) == 0:
+            print(f"update {update}: scores {log['objective/scores']:.3f} kl {log['objective/kl']:.2f} "
+                  f"beta {state.beta:.3f} clipfrac {log['policy/clipfrac_avg']:.3f} "
+                  f"approxkl {log['policy/approxkl_avg']:.4f}")  # fmt: skip
+        # 9. checkpoint every --save-every updates, and on Ctrl-C / SIGTERM (then exit with STOP_EXIT_CODE)
+        run.end_step(update, state, policy, optimizer, sample_gen)
+    run.restore_signal_handlers()  # training is over: Ctrl-C stops at once
+
+    # best-of-n from pi_SFT at the KL of the final policy (n capped at --bon-max-n), by the same objective
+    bon_n = matched_bon_n(state.metrics["eval/kl"], args.bon_max_n)
+    bon_gold = best_of_n(
+        sft_lm, rm, rm_tokenizer, state.norm, offsets, tokenizer, not_text, run.shard(eval_prompts), bon_n, args,
+        device, args.seed + 20_000 + SEED_STRIDE * run.rank, run.gather,
+    )  # fmt: skip
+    print(f"[bon] n={bon_n} (KL {bon_kl(bon_n):.2f}) gold {bon_gold:.3f}")
+    metrics, sft_metrics = state.metrics, state.sft_metrics
+    summary_metrics = {
+        "eval/episodic_return": metrics["eval/gold_reward"], **metrics,
+        "eval/sft_gold_reward": sft_metrics["eval/gold_reward"],
+        "eval/sft_proxy_reward": sft_metrics["eval/proxy_reward"], "eval/sft_eos_rate": sft_metrics["eval/eos_rate"],
+        "eval/bon_gold_reward": bon_gold, "eval/bon_n": float(bon_n), "eval/bon_kl": bon_kl(bon_n),
+        "eval/max_gold_reward": max(point["gold_reward"] for point in state.curve),
+        "model/final_kl_coef": float(state.beta),
+    }  # fmt: skip
+    run.log(num_updates, {k: summary_metrics[k] for k in ("eval/bon_gold_reward", "eval/bon_n", "eval/bon_kl")})
+    run.finish(summary_metrics, num_updates * args.batch_size, policy, sft_lm, tokenizer, rm, rm_tokenizer)
+
+
+# ---- Evaluation ------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def sequence_kl(policy_lm, sft_lm, tokenizer, not_text, prompts, completions_ids, mask, args, device):
     """Mean over samples of sum_t (log pi - log pi_SFT): KL(pi || pi_SFT) on the policy's own samples."""
-    q = encode_prompts(tokenizer, prompts, device)
-    pad = tokenizer.pad_token_id
+    q, pad = encode_prompts(tokenizer, prompts, device), tokenizer.pad_token_id
     lp = response_logprobs(lm_forward(policy_lm, q, completions_ids, pad, not_text), completions_ids, args.temperature)
     ref = response_logprobs(lm_forward(sft_lm, q, completions_ids, pad, not_text), completions_ids, args.temperature)
     return ((lp - ref) * mask).sum(1)  # (B,)
 
 
 @torch.no_grad()
-def evaluate(policy_lm, sft_lm, rm, rm_tokenizer, norm, tokenizer, not_text, prompts, args, device, seed):
-    """Gold reward, proxy reward (normalized r_psi) and KL(pi || pi_SFT) of one sample per held-out prompt (under
-    torchrun: each rank samples its share of the prompts, the per-sample values are gathered)."""
-    # common random numbers across evaluations (each rank its own stream)
-    generator = torch.Generator(device=device).manual_seed(seed + SEED_STRIDE * rank_and_world()[0])
-    prompts = shard(prompts)
+def evaluate(update, policy, frozen, state, prompts, args, run) -> dict:
+    """Gold reward, proxy reward (normalized r_psi) and KL(pi || pi_SFT) of one sample per prompt after `update`
+    updates, fixed sampling noise (details 9; torchrun: each rank its share of the prompts, values gathered), to
+    tensorboard, the curve (state.curve, curve.jsonl) and one printed line; returns the metrics."""
+    sft_lm, rm, rm_tokenizer, tokenizer, not_text = frozen
+    device, prompts = run.device, run.shard(prompts)
+    generator = torch.Generator(device=device).manual_seed(args.seed + 10_000 + SEED_STRIDE * run.rank)
+    policy.eval()
     q = encode_prompts(tokenizer, prompts, device)
-    r = generate(
-        policy_lm, q, tokenizer.pad_token_id, tokenizer.eos_token_id, not_text, args.max_new_tokens, args.temperature,
-        generator,
-    )  # fmt: skip
+    r = generate(policy.lm, q, tokenizer.pad_token_id, tokenizer.eos_token_id, not_text, args.max_new_tokens,
+                 args.temperature, generator)  # fmt: skip
     mask, has_eos = completion_mask(r, tokenizer.eos_token_id)
     completions = decode_completions(tokenizer, r, mask, has_eos)
-    proxy = (rm_scores(rm, rm_tokenizer, prompts, completions, device) - norm[0]) / norm[1]
+    proxy = (rm_scores(rm, rm_tokenizer, prompts, completions, device) - state.norm[0]) / state.norm[1]
     gold = preference.gold_utility_batch(prompts, completions)
-    kl = sequence_kl(policy_lm, sft_lm, tokenizer, not_text, prompts, r, mask, args, device)
-    proxy, gold, kl, has_eos, lengths = (gather_cat(x) for x in (proxy, gold, kl, has_eos, mask.sum(1)))
+    kl = sequence_kl(policy.lm, sft_lm, tokenizer, not_text, prompts, r, mask, args, device)
+    policy.train()
+    proxy, gold, kl, has_eos, lengths = (run.gather(x) for x in (proxy, gold, kl, has_eos, mask.sum(1)))
     proxy_np = proxy.cpu().numpy()
     corr = float(np.corrcoef(proxy_np, gold)[0, 1]) if proxy_np.std() > 0 and gold.std() > 0 else 0.0
-    return {
-        "eval/proxy_gold_corr": corr,
-        "eval/gold_reward": float(np.mean(gold)),
-        "eval/gold_reward_std": float(np.std(gold)),
-        "eval/proxy_reward": float(proxy.mean()),
-        "eval/kl": float(kl.mean()),
-        "eval/eos_rate": float(has_eos.float().mean()),
+    metrics = {
+        "eval/proxy_gold_corr": corr, "eval/gold_reward": float(np.mean(gold)),
+        "eval/gold_reward_std": float(np.std(gold)), "eval/proxy_reward": float(proxy.mean()),
+        "eval/kl": float(kl.mean()), "eval/eos_rate": float(has_eos.float().mean()),
         "eval/completion_length": float(lengths.float().mean()),
-    }, completions
+    }  # fmt: skip
+    run.log(update, metrics)
+    point = {"step": update, "kl": metrics["eval/kl"], "proxy_reward": metrics["eval/proxy_reward"]}
+    point["gold_reward"] = metrics["eval/gold_reward"]  # one point of the curve
+    state.curve.append(point)
+    run.write_curve(point)
+    print(
+        f"[eval] update {update}: gold {metrics['eval/gold_reward']:.3f} proxy {metrics['eval/proxy_reward']:.3f} "
+        f"kl {metrics['eval/kl']:.2f} corr {metrics['eval/proxy_gold_corr']:.2f} "
+        f"eos {metrics['eval/eos_rate']:.2f} | {prompts[0]} -> {completions[0]}"
+    )
+    return metrics
 
 
 @torch.no_grad()
-def best_of_n(sft_lm, rm, rm_tokenizer, norm, offsets, tokenizer, not_text, prompts, n, args, device, seed):
+def best_of_n(
+    sft_lm, rm, rm_tokenizer, norm, offsets, tokenizer, not_text, prompts, n, args, device, seed, gather=None
+):
     """Best-of-n from pi_SFT: n samples per prompt, keep the one with the highest PPO objective score(s, a)
-    (`objective_scores`: normalized r_psi + c(s) - the missing-EOS penalty); its gold reward (under torchrun: each
-    rank its share of the prompts and its own sampling stream)."""
-    generator = torch.Generator(device=device).manual_seed(seed + SEED_STRIDE * rank_and_world()[0])
-    prompts = shard(prompts)
+    (`objective_scores`: normalized r_psi + c(s) - the missing-EOS penalty); its mean gold reward. Under torchrun
+    `prompts` and `seed` are this rank's and `gather` (run.gather) concatenates the ranks' gold rewards."""
+    generator = torch.Generator(device=device).manual_seed(seed)
     repeated = [p for p in prompts for _ in range(n)]
     completions = sample_completions(sft_lm, tokenizer, not_text, repeated, args, device, generator)
     scores = objective_scores(
         rm, rm_tokenizer, norm, offsets, repeated, completions, args.missing_eos_penalty, device
     ).view(len(prompts), n)
     best = scores.argmax(1).cpu().numpy()
-    best_completions = [completions[i * n + int(b)] for i, b in enumerate(best)]
-    return float(np.mean(gather_cat(preference.gold_utility_batch(prompts, best_completions))))
+    gold = preference.gold_utility_batch(prompts, [completions[i * n + int(b)] for i, b in enumerate(best)])
+    return float(np.mean(gold if gather is None else gather(gold)))
+
+
+# === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+TASK_ID = "seqrl-preference"  # the task name in the run dir
+DIST_TIMEOUT = timedelta(minutes=10)  # a rank waiting this long in a collective gives up (a failed rank never hangs)
+SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (a resume checks it)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "gpt2", "EleutherAI/pythia-70m": a name from_pretrained fetches
+RESUME_FREE_ARGS = ("resume", "save_every", "cuda", "runs_dir", "minibatch_size")  # may differ in the resuming call
+
+
+def parse_args() -> Args:
+    """The command line, checked before any work (one-line errors); the minibatch size; a resume's own args (a flag
+    that would change the run is refused); `--eval-only`'s SFT reference and reward model from its run dir."""
+    args = tyro.cli(Args)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun (details 10)
+    if args.resume is not None:
+        if args.eval_only:
+            raise SystemExit("error: --resume continues training; it does not combine with --eval-only")
+        saved = read_checkpoint_state(args.resume)[0]
+        args = resume_args(args, saved["args"])
+        if saved["world_size"] != world_size:
+            raise SystemExit(f"error: the run used {saved['world_size']} processes; resume it with as many")
+    if args.batch_size % args.num_minibatches != 0:
+        raise SystemExit(
+            f"error: --batch-size {args.batch_size} not divisible by --num-minibatches {args.num_minibatches}"
+        )
+    args.minibatch_size = args.batch_size // args.num_minibatches
+    if args.minibatch_size % world_size != 0:
+        raise SystemExit(f"error: the minibatch size {args.minibatch_size} (--batch-size / --num-minibatches) is not "
+                         f"divisible by the {world_size} torchrun processes")  # fmt: skip
+    if args.save_every < 0:
+        raise SystemExit("error: --save-every must be >= 0 (0 = no checkpoints)")
+    for flag, path in (("--reward-model-path", args.reward_model_path), ("--sft-model-path", args.sft_model_path)):
+        if path is not None and not Path(path).is_dir():
+            raise SystemExit(f"error: {flag} '{path}' does not exist or is not a directory")
+    if args.eval_only and (args.checkpoint is None or not (Path(args.checkpoint) / "policy").is_dir()):
+        raise SystemExit(f"error: --eval-only needs --checkpoint RUN_DIR with policy/ inside (got {args.checkpoint})")
+    if args.temperature <= 0 or args.kl_coef < 0 or args.reward_offset < 0:
+        raise SystemExit("error: --temperature must be > 0, --kl-coef >= 0 and --reward-offset >= 0")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise SystemExit("error: --max-new-tokens must be >= 1")
+    if args.eval_only:  # a run dir of this script: its policy, SFT reference and reward model
+        ckpt = Path(args.checkpoint)
+        args.sft_model_path = args.sft_model_path or str(ckpt / "sft_model")
+        args.reward_model_path = args.reward_model_path or str(ckpt / "reward_model")
+    if args.resume is None:
+        check_writable_dir(Path(args.runs_dir), "--runs-dir")
+    return args
+
+
+def start_run(args: Args) -> "Run":
+    """Join torchrun (rank > 0 prints nothing), make the run dir (rank 0; a resume: the run's own) and open
+    tensorboard there (a resume drops what the stopped run logged after its checkpoint)."""
+    rank, world_size, device = init_torchrun(args.cuda)
+    if rank > 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 prints (errors still reach stderr)
+    resume = read_checkpoint_state(args.resume) if args.resume is not None else None
+    if resume is not None:
+        run_dir = Path(args.resume)
+    else:
+        made = [new_run_dir(args.runs_dir, TASK_ID, args.exp_name, args.seed) if rank == 0 else None]
+        if world_size > 1:
+            dist.broadcast_object_list(made, src=0)
+        run_dir = made[0]
+    writer = NullWriter()
+    if rank == 0:  # tensorboard continues after the checkpoint's update on a resume
+        writer = open_writer(run_dir, args, resume[0]["update"] + 1 if resume is not None else None)
+    return Run(args, rank, world_size, device, run_dir, writer, resume)
+
+
+class Run:
+    """Everything main() needs from run management. One process: rank 0 of 1, every collective the identity.
+
+    torchrun (details 10; data-parallel): each rank generates its contiguous shard of every rollout batch with its
+    own sampling noise (a generator seeded `seed + SEED_STRIDE * rank`), and shuffles it into `--num-minibatches`
+    local minibatches; the ranks' i-th minibatches together are the global minibatch. A rank's loss is scaled by its
+    share of the global minibatch's completion tokens, so the sum of the ranks' gradients (one flat all-reduce,
+    `sync_grads`, as CleanRL's ppo_atari_multigpu.py but summing, not DDP: each step runs several forward passes,
+    `generate` and frozen reference models, which DDP's one-forward-one-backward hooks do not fit) is exactly the
+    gradient of the global masked mean. Global (all_reduce / all_gather): advantage and reward whitening
+    (`masked_mean_var`), the bandit baseline (`global_mean`), the reward normalization (its 512 SFT samples split
+    over ranks), the KL fed to the adaptive controller and every logged batch statistic (`mean_over_ranks`),
+    evaluation and best-of-n (prompts split over ranks, per-sample values gathered). There is no early stopping to
+    synchronize. STEPS 1-3 (SFT, preference data, reward model) are not sharded: every rank runs them identically
+    from the same seed and rank 0's weights are broadcast (to scale them, train the reward model with
+    rlhf_reward_model.py under torchrun and pass `--sft-model-path` / `--reward-model-path`). Only rank 0 writes.
+
+    Checkpoints (details 11; `--save-every N` PPO updates, `--resume RUN_DIR`): when PPO starts, the finished SFT
+    policy and reward model are saved once (`checkpoints/models/`, save_pretrained), so a resume skips STEPS 1-3;
+    then every N updates `checkpoints/step_<N>/` holds the policy + value head (safetensors), the Adam state, beta,
+    the prompt sampler, python / numpy / torch RNG states (one file per rank), the reward normalization and the
+    curve so far. Atomic: written under a temporary name, renamed into place, then `checkpoints/latest.json` (temp
+    file + rename) names it; older step dirs are deleted after. The resumed run ends with the same metrics as an
+    uninterrupted one (bit-identical on CPU, tested). Ctrl-C / SIGTERM: the update in progress finishes, a
+    checkpoint is written and the run exits (code 130) naming the `--resume` command."""
+
+    def __init__(self, args, rank=0, world_size=1, device=None, run_dir=None, writer=None, resume=None):
+        self.args, self.rank, self.world_size, self.run_dir = args, rank, world_size, run_dir
+        self.device = torch.device("cpu") if device is None else device
+        self.writer = NullWriter() if writer is None else writer
+        self.resuming = resume is not None
+        self.resume_state, self.resume_step_dir = resume if resume is not None else (None, None)
+        self.checkpointing = args.save_every > 0 and not args.eval_only and args.num_updates > 0
+        self.stop = {"signal": None, "previous": {}}  # install_stop_handlers fills it
+        self.curve_file = open(run_dir / "curve.jsonl", "w") if rank == 0 and run_dir is not None else None
+        self.start_time = time.time()
+
+    # ---- torchrun: the identity (or the plain expression) in one process
+    def shard(self, items: list) -> list:
+        """This rank's contiguous share of a global list (all of it in one process)."""
+        return items[self.shard_rows(len(items))]
+
+    def shard_rows(self, n: int) -> slice:
+        """This rank's contiguous rows of a global batch of n."""
+        return slice(self.rank * n // self.world_size, (self.rank + 1) * n // self.world_size)
+
+    def gather(self, x):
+        """Every rank's x (a tensor or numpy array of per-sample values) in rank order; x itself in one process."""
+        if self.world_size == 1:
+            return x
+        parts = [None] * self.world_size
+        dist.all_gather_object(parts, x.cpu() if torch.is_tensor(x) else x)
+        return torch.cat(parts) if torch.is_tensor(x) else np.concatenate(parts)
+
+    def global_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return global_sum(x, self.world_size)
+
+    def global_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """Mean of x over the global batch (all ranks' x)."""
+        if self.world_size == 1:
+            return x.mean()
+        return self.global_sum(x.sum()) / self.global_sum(torch.tensor(float(x.numel()), device=x.device))
+
+    def masked_mean_var(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and unbiased variance of x over the masked entries of the global batch (all_reduce of sums, two
+        passes); one process: masked_mean, masked_var."""
+        if self.world_size == 1:
+            return masked_mean(x, mask), masked_var(x, mask)
+        n = self.global_sum(mask.sum())
+        mean = self.global_sum((x * mask).sum()) / n
+        return mean, self.global_sum(((x - mean) ** 2 * mask).sum()) / (n - 1).clamp(min=1)
+
+    def mean_over_ranks(self, stats: dict, sums=()) -> dict:
+        """Logged batch statistics of the global batch: the mean over ranks of the ranks' values (equal shards), the
+        sum for the keys in `sums`; one process: stats."""
+        if self.world_size == 1:
+            return stats
+        totals = self.global_sum(torch.tensor(list(stats.values()), dtype=torch.float64, device=self.device))
+        return {k: t if k in sums else t / self.world_size for k, t in zip(stats, totals.tolist(), strict=True)}
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if it is true on one (a stop decided per rank would hang the next collective)."""
+        if self.world_size == 1:
+            return flag
+        return bool(self.global_sum(torch.tensor([int(flag)], device=self.device)).item() > 0)
+
+    def broadcast_params(self, module: nn.Module) -> None:
+        broadcast_params(module, self.world_size)
+
+    def sync_grads(self, params) -> None:
+        sync_grads(params, self.world_size)
+
+    # ---- outputs
+    def log(self, step: int, metrics: dict) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+
+    def write_curve(self, point: dict) -> None:
+        """One line of curve.jsonl (an evaluation), on disk at once."""
+        if self.curve_file is not None:
+            self.curve_file.write(json.dumps(point) + "\n")
+            self.curve_file.flush()
+
+    def load_pretrained(self, kind: str, path: str, what: str, hub_ok: bool = False):
+        """(model, tokenizer) from a `save_pretrained` dir or a hub id (`load_pretrained`; one-line errors), the
+        tokenizer with a pad token (`with_pad_token`)."""
+        return with_pad_token(*load_pretrained(kind, path, what, hub_ok), f"{what} '{path}'")
+
+    def model_paths(self, args) -> tuple[str | None, str | None]:
+        """Where STEP 1 and STEPS 2-3 load their models from (None: trained here): `--sft-model-path` and
+        `--reward-model-path`; a resume: the run's own, saved when its PPO started."""
+        if not self.resuming:
+            return args.sft_model_path, args.reward_model_path
+        models = self.run_dir / "checkpoints" / "models"
+        return str(models / "sft_model"), str(models / "reward_model")
+
+    def save_setup(self, sft_lm, tokenizer, rm, rm_tokenizer) -> None:
+        """STEPS 1-3 are done: args.json (complete now: --max-new-tokens derived) and, with checkpoints, the SFT
+        policy and the reward model, saved once (renamed into place when complete) for a resume to load."""
+        if self.rank != 0:
+            return
+        (self.run_dir / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
+        if self.checkpointing:
+            final, tmp = self.run_dir / "checkpoints" / "models", self.run_dir / "checkpoints" / ".tmp_models"
+            shutil.rmtree(tmp, ignore_errors=True)
+            for name, model, tok in (("sft_model", sft_lm, tokenizer), ("reward_model", rm, rm_tokenizer)):
+                model.save_pretrained(tmp / name)
+                tok.save_pretrained(tmp / name)
+            os.replace(tmp, final)
+
+    # ---- checkpoints, resume, stop signals (details 11)
+    def restore(self, state, policy, optimizer, generator) -> int:
+        """A resume: the checkpoint's PPOState, weights, Adam and RNG states (this rank's); curve.jsonl up to it.
+        Returns the first update to run."""
+        saved = self.resume_state
+        state.norm, state.beta, state.curve = tuple(saved["norm"]), saved["beta"], saved["curve"]
+        state.sft_metrics, state.metrics = saved["sft_metrics"], saved["metrics"]
+        state.prompt_rng.bit_generator.state = saved["prompt_rng"]
+        load_checkpoint(self.resume_step_dir, policy, optimizer, generator, self.device, self.rank)
+        self.start_time -= saved["elapsed_s"]  # wall time and SPS count the whole run
+        if self.curve_file is not None:
+            self.curve_file.writelines(json.dumps(point) + "\n" for point in state.curve)
+        print(f"resumed {self.run_dir} after update {saved['update']}")
+        return saved["update"] + 1
+
+    def install_stop_handlers(self) -> None:
+        """With checkpoints: Ctrl-C / SIGTERM stop the run at the end of the current update (end_step)."""
+        if self.checkpointing:
+            self.stop = install_stop_handlers()
+
+    def restore_signal_handlers(self) -> None:
+        restore_signal_handlers(self.stop)
+
+    def end_step(self, update: int, state, policy, optimizer, generator) -> None:
+        """After update `update`: a checkpoint every --save-every updates and when a stop signal arrived (decided by
+        all ranks together); after a stop, the run exits with STOP_EXIT_CODE naming the --resume command."""
+        if not self.checkpointing:
+            return
+        stop = self.any_rank(self.stop["signal"] is not None)
+        if update % self.args.save_every == 0 or stop:
+            saved = {
+                "args": asdict(self.args), "norm": list(state.norm), "beta": state.beta,
+                "sft_metrics": state.sft_metrics, "metrics": state.metrics, "curve": state.curve,
+                "prompt_rng": state.prompt_rng.bit_generator.state, "elapsed_s": time.time() - self.start_time,
+            }  # fmt: skip
+            save_checkpoint(
+                self.run_dir, update, policy, optimizer, generator, self.device, saved, self.rank, self.world_size
+            )
+            self.writer.flush()  # the scalars logged so far reach the disk with the checkpoint
+        if stop:
+            self.writer.close()
+            if self.curve_file is not None:
+                self.curve_file.close()
+            if self.rank == 0:
+                launcher = "python" if self.world_size == 1 else f"torchrun --nproc_per_node {self.world_size}"
+                print(f"interrupted after update {update}, checkpoint saved; continue with: "
+                      f"{launcher} {sys.argv[0]} --resume {self.run_dir}", file=sys.stderr)  # fmt: skip
+            if self.world_size > 1:  # rank 0 has saved (save_checkpoint's barrier): every rank tears down, then exits
+                dist.destroy_process_group()
+            raise SystemExit(STOP_EXIT_CODE)
+
+    def finish(self, metrics: dict, samples: int, policy, sft_lm, tokenizer, rm, rm_tokenizer) -> None:
+        """summary.json (last: a run with summary.json is complete) and the models, by rank 0; then every rank tears
+        down together."""
+        wall = time.time() - self.start_time
+        self.writer.close()
+        if self.curve_file is not None:
+            self.curve_file.close()
+        if self.rank == 0:
+            run_dir = self.run_dir
+            summary = {
+                "script": SCRIPT,
+                "run_name": run_dir.name,
+                "run_dir": str(run_dir),
+                "args": asdict(self.args),
+                "metrics": metrics,
+                "wall_time_s": wall,
+                "sps": samples / wall,
+            }
+            save_models(run_dir, policy, sft_lm, tokenizer, rm, rm_tokenizer)
+            write_json_atomic(run_dir / "summary.json", summary)
+            print(json.dumps(metrics, indent=1))
+        if self.world_size > 1:  # after rank 0 has saved (then each rank frees its gloo threads)
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def load_pretrained(kind, path, what, hub_ok=False):
+    """from_pretrained (model and tokenizer) with a clear one-line error; `hub_ok`: `path` may also be a hub id.
+
+    Real models: the checkpoint is loaded with `from_pretrained` (weights and tokenizer; SFT fine-tunes the
+    pretrained weights); a pad token "<pad>" is added when the tokenizer has none (or pads with EOS) and the
+    embeddings are resized (`with_pad_token`); the end of an answer is the tokenizer's EOS; `--max-new-tokens`
+    defaults to the longest demonstration in the model's tokens. The default learning rates were chosen for the tiny
+    model trained from scratch; for a pretrained model, lower `--sft-lr` and `--rm-lr` are the usual choice (not
+    tuned here). Offline, a hub id that is not cached is a one-line error."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    local = Path(path).exists() or not hub_ok or not HUB_ID.fullmatch(path)
+    if local and not (Path(path) / "config.json").is_file():
+        raise SystemExit(f"error: {what} '{path}' is not a save_pretrained directory (no config.json)")
+    cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
+    try:
+        model = cls.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:  # offline and not cached, no such repo, no tokenizer, ...
+        raise SystemExit(f"error: could not load {what} '{path}': {str(e).splitlines()[0]}") from None
+    return model, tokenizer
+
+
+def with_pad_token(model, tokenizer, what):
+    """Give the tokenizer a pad token distinct from EOS if it has none ("<pad>", embeddings resized; GPT-2 and Llama
+    checkpoints ship without one) and the model's config its id. Returns (model, tokenizer)."""
+    if tokenizer.eos_token_id is None:
+        raise SystemExit(f"error: the tokenizer of {what} has no EOS token to end an answer with")
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "<pad>"})
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
 
 
 def save_models(run_dir, policy, sft_lm, tokenizer, rm, rm_tokenizer):
-    """The one place models are saved: the final policy (+ value head), the SFT reference and the reward model, each
-    with its tokenizer (`save_pretrained`, loadable by `--sft-model-path` / `--reward-model-path` / `--eval-only`)."""
+    """The final policy (+ value head), the SFT reference and the reward model, each with its tokenizer
+    (`save_pretrained`, loadable by `--sft-model-path` / `--reward-model-path` / `--eval-only`)."""
     policy.lm.save_pretrained(run_dir / "policy")
     tokenizer.save_pretrained(run_dir / "policy")
     save_file({k: v.contiguous() for k, v in policy.v_head.state_dict().items()}, run_dir / "value_head.safetensors")
@@ -862,165 +1269,12 @@ def save_models(run_dir, policy, sft_lm, tokenizer, rm, rm_tokenizer):
     rm_tokenizer.save_pretrained(run_dir / "reward_model")
 
 
-def check_runs_dir(path_str: str) -> None:
-    """Fail before any work if `--runs-dir` is a file or cannot be written (not after minutes of training)."""
-    path = Path(path_str)
-    if path.exists() and not path.is_dir():
-        raise SystemExit(f"error: --runs-dir {path_str} is a file, not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise SystemExit(f"error: cannot create --runs-dir {path_str}: {err.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SystemExit(f"error: --runs-dir {path_str} is not writable")
-
-
-def make_run_dir(args):
-    check_runs_dir(args.runs_dir)
-    run_name = f"{TASK_ID}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir, suffix = Path(args.runs_dir) / run_name, 0
-    while True:  # never overwrite a run: mkdir is atomic, so runs started in the same second get -1, -2, ...
-        try:
-            run_dir.mkdir(parents=True, exist_ok=False)
-            break
-        except FileExistsError:
-            suffix += 1
-            run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
-    return run_dir.name, run_dir
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# DISTRIBUTED (torchrun, details 10; in one process every helper below is the identity or the single-process expression)
-# ---------------------------------------------------------------------------------------------------------------
-def rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def init_distributed(args, world_size: int) -> tuple[int, torch.device]:
-    """torchrun sets WORLD_SIZE / RANK / LOCAL_RANK; nccl with --cuda on GPUs, gloo otherwise. Returns rank, device."""
-    use_cuda = torch.cuda.is_available() and args.cuda
-    if world_size == 1:
-        return 0, torch.device("cuda" if use_cuda else "cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=DIST_TIMEOUT)
-    return dist.get_rank(), torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-
-
-def shard(items: list) -> list:
-    """This rank's contiguous share of a global list (all of it in one process)."""
-    rank, world = rank_and_world()
-    return items[rank * len(items) // world : (rank + 1) * len(items) // world]
-
-
-def gather_cat(x):
-    """Every rank's x (a tensor or numpy array of per-sample values) concatenated in rank order; x in one process."""
-    world = rank_and_world()[1]
-    if world == 1:
-        return x
-    parts = [None] * world
-    dist.all_gather_object(parts, x.cpu() if torch.is_tensor(x) else x)
-    return torch.cat(parts) if torch.is_tensor(x) else np.concatenate(parts)
-
-
-def all_sum(x: torch.Tensor) -> torch.Tensor:
-    """The sum of x over ranks (x in one process)."""
-    if rank_and_world()[1] > 1:
-        x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x
-
-
-def global_mean(x: torch.Tensor) -> torch.Tensor:
-    """Mean of x over the global batch (all ranks' x)."""
-    if rank_and_world()[1] == 1:
-        return x.mean()
-    return all_sum(x.sum()) / all_sum(torch.tensor(float(x.numel()), device=x.device))
-
-
-def global_masked_mean_var(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased variance of x over the masked entries of the global batch (all_reduce of sums, two passes)."""
-    if rank_and_world()[1] == 1:
-        return masked_mean(x, mask), masked_var(x, mask)
-    n = all_sum(mask.sum())
-    mean = all_sum((x * mask).sum()) / n
-    return mean, all_sum(((x - mean) ** 2 * mask).sum()) / (n - 1).clamp(min=1)
-
-
-def token_share(mb_mask: torch.Tensor) -> torch.Tensor:
-    """world x (this rank's completion tokens) / (the global minibatch's): a rank's masked-mean loss times this has
-    the gradient sum_shard / n_global x world, so the ranks' average gradient is that of the global masked mean."""
-    n = mb_mask.sum()
-    return n * rank_and_world()[1] / all_sum(n)
-
-
-def allreduce_grads(params, world_size: int) -> None:
-    """Average the gradients over ranks with one flat all-reduce (CleanRL's ppo_atari_multigpu.py)."""
-    grads = [p.grad for p in params if p.grad is not None]  # the value head has none in bandit mode, on every rank
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    flat /= world_size
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def broadcast_module(module: nn.Module) -> None:
-    """Rank 0's weights (and float buffers) on every rank: identical starts whatever each rank's RNG use."""
-    if rank_and_world()[1] > 1:
-        for t in [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]:
-            dist.broadcast(t.data, src=0)
-
-
-def any_rank(flag: bool, device) -> bool:
-    """True on every rank if it is true on one (a stop decided per rank would hang the next collective)."""
-    if rank_and_world()[1] == 1:
-        return flag
-    return bool(all_sum(torch.tensor([int(flag)], device=device)).item() > 0)
-
-
-class NullWriter:
-    """Ranks other than 0 write nothing: SummaryWriter's calls as no-ops."""
-
-    def add_scalar(self, *args, **kwargs):
-        pass
-
-    add_text = flush = close = add_scalar
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# CHECKPOINTS (--save-every / --resume / Ctrl-C, details 11)
-# ---------------------------------------------------------------------------------------------------------------
-RESUME_FREE_ARGS = ("resume", "save_every", "cuda", "runs_dir", "minibatch_size")  # may differ in the resuming call
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
-    tmp = path.with_name(f".tmp_{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
-
-
 def file_sizes(root: Path, directory: Path) -> dict[str, int]:
     """{path relative to root: size in bytes} of every file under directory: the manifest a load checks."""
     return {str(f.relative_to(root)): f.stat().st_size for f in sorted(directory.rglob("*")) if f.is_file()}
 
 
-def save_phase_models(run_dir: Path, sft_lm, tokenizer, rm, rm_tokenizer) -> None:
-    """STEPS 1-3 finished: the SFT policy and the reward model, saved once (renamed into place when complete)."""
-    final, tmp = run_dir / "checkpoints" / "models", run_dir / "checkpoints" / ".tmp_models"
-    shutil.rmtree(tmp, ignore_errors=True)
-    for name, model, tok in (("sft_model", sft_lm, tokenizer), ("reward_model", rm, rm_tokenizer)):
-        model.save_pretrained(tmp / name)
-        tok.save_pretrained(tmp / name)
-    os.replace(tmp, final)
-
-
-def save_checkpoint(run_dir: Path, update: int, policy, optimizer, generator, device, state: dict) -> None:
+def save_checkpoint(run_dir: Path, update: int, policy, optimizer, generator, device, state: dict, rank, world) -> None:
     """checkpoints/step_<update>/: policy + value head, Adam, RNG states (one file per rank), state.json (counters,
     args, curve, ...); every rank sends its RNG states, rank 0 writes, and no rank returns before rank 0's checkpoint
     is complete (a rank that exited early would make torchrun's agent stop rank 0 mid-write). Atomic (details 11)."""
@@ -1029,7 +1283,6 @@ def save_checkpoint(run_dir: Path, update: int, policy, optimizer, generator, de
         rng["generator"] = generator.get_state()
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
-    rank, world = rank_and_world()
     rngs = [rng]
     if world > 1:
         rngs = [None] * world
@@ -1108,14 +1361,14 @@ def resume_args(args: Args, saved: dict) -> Args:
     return Args(**{**saved, **{k: given[k] for k in RESUME_FREE_ARGS if given[k] != defaults[k]}})
 
 
-def load_checkpoint(step_dir: Path, policy, optimizer, generator, device) -> None:
+def load_checkpoint(step_dir: Path, policy, optimizer, generator, device, rank: int) -> None:
     """Restore what save_checkpoint wrote (this rank's RNG states included); a corrupt file is a one-line error."""
     path = step_dir / "policy.safetensors"
     try:
         load_model(policy, str(path), device=str(device))
         path = step_dir / "optimizer.pt"
         optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        path = step_dir / f"rng_rank{rank_and_world()[0]}.pt"
+        path = step_dir / f"rng_rank{rank}.pt"
         rng = torch.load(path, weights_only=True)
     except Exception as err:  # safetensors / zip / unpickler errors have no common base class
         raise SystemExit(f"error: checkpoint file {path} is corrupt ({type(err).__name__}: {err})") from None
@@ -1130,6 +1383,49 @@ def load_checkpoint(step_dir: Path, policy, optimizer, generator, device) -> Non
     numpy_state = state["numpy_random"]
     numpy_state["state"]["key"] = np.array(numpy_state["state"]["key"], dtype=np.uint32)
     np.random.set_state(numpy_state)
+
+
+def check_writable_dir(path: Path, flag: str) -> None:
+    """A one-line error, before any work, if `path` is a file, cannot be created, or is not writable."""
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"error: {flag} {path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"error: cannot create {flag} {path}: {err.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: {flag} {path} is not writable")
+
+
+def new_run_dir(runs_dir: str, task: str, exp_name: str, seed: int) -> Path:
+    """Create and return runs_dir/{task}__{exp_name}__{seed}__{unix time}; never an existing directory: mkdir is
+    atomic, so runs started in the same second get -1, -2, ..."""
+    run_name = f"{task.replace('/', '-').replace(':', '-')}__{exp_name}__{seed}__{int(time.time())}"
+    run_dir, suffix = Path(runs_dir) / run_name, 0
+    while True:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            return run_dir
+        except FileExistsError:
+            suffix += 1
+            run_dir = Path(runs_dir) / f"{run_name}-{suffix}"
+
+
+def open_writer(run_dir: Path, args, purge_step: int | None = None) -> SummaryWriter:
+    """tensorboard in the run dir with the hyperparameters as a markdown table (CleanRL). On a resume, purge_step (the
+    checkpoint's step + 1) drops what the killed run logged after its checkpoint, and the table is already there."""
+    writer = SummaryWriter(str(run_dir), purge_step=purge_step)
+    if purge_step is None:
+        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
 
 
 STOP_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C (a SIGTERM stop exits alike)
@@ -1162,343 +1458,61 @@ def restore_signal_handlers(stop: dict) -> None:
         signal.signal(sig, previous)
 
 
-if __name__ == "__main__":
-    args = tyro.cli(Args)
-    world_size = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun (details 10)
-    resume_state = None
-    if args.resume is not None:
-        if args.eval_only:
-            raise SystemExit("error: --resume continues training; it does not combine with --eval-only")
-        resume_state, resume_step_dir = read_checkpoint_state(args.resume)
-        args = resume_args(args, resume_state["args"])
-        if resume_state["world_size"] != world_size:
-            raise SystemExit(f"error: the run used {resume_state['world_size']} processes; resume it with as many")
-    # validate early: one clear line, never a deep traceback
-    if args.batch_size % args.num_minibatches != 0:
-        raise SystemExit(
-            f"error: --batch-size {args.batch_size} not divisible by --num-minibatches {args.num_minibatches}"
-        )
-    args.minibatch_size = args.batch_size // args.num_minibatches
-    if args.minibatch_size % world_size != 0:
-        raise SystemExit(f"error: the minibatch size {args.minibatch_size} (--batch-size / --num-minibatches) is not "
-                         f"divisible by the {world_size} torchrun processes")  # fmt: skip
-    if args.save_every < 0:
-        raise SystemExit("error: --save-every must be >= 0 (0 = no checkpoints)")
-    for flag, path in (("--reward-model-path", args.reward_model_path), ("--sft-model-path", args.sft_model_path)):
-        if path is not None and not Path(path).is_dir():
-            raise SystemExit(f"error: {flag} '{path}' does not exist or is not a directory")
-    if args.eval_only and (args.checkpoint is None or not (Path(args.checkpoint) / "policy").is_dir()):
-        raise SystemExit(f"error: --eval-only needs --checkpoint RUN_DIR with policy/ inside (got {args.checkpoint})")
-    if args.temperature <= 0 or args.kl_coef < 0 or args.reward_offset < 0:
-        raise SystemExit("error: --temperature must be > 0, --kl-coef >= 0 and --reward-offset >= 0")
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise SystemExit("error: --max-new-tokens must be >= 1")
+def init_torchrun(cuda: bool) -> tuple[int, int, torch.device]:
+    """torchrun sets WORLD_SIZE / RANK / LOCAL_RANK: join the process group (nccl with --cuda on GPUs, gloo on CPU).
+    One process (no torchrun): rank 0 of 1 and no process group. Returns (rank, world_size, device)."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    use_cuda = torch.cuda.is_available() and cuda
+    if world_size == 1:
+        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=DIST_TIMEOUT)
+    return dist.get_rank(), world_size, torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
 
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    rank, device = init_distributed(args, world_size)
-    if rank > 0:
-        sys.stdout = open(os.devnull, "w")  # rank 0 prints (errors still reach stderr)
-    # sampling noise of rollouts and of the reward normalization: the global RNG in one process, one stream per rank
-    sample_gen = None if world_size == 1 else torch.Generator(device).manual_seed(args.seed + SEED_STRIDE * rank)
-    if resume_state is not None:
-        run_dir = Path(args.resume)
-        run_name = run_dir.name
-    else:
-        made = [make_run_dir(args) if rank == 0 else None]
-        if world_size > 1:
-            dist.broadcast_object_list(made, src=0)
-        run_name, run_dir = made[0]
-    if rank == 0:  # tensorboard continues after the checkpoint's update on a resume
-        writer = SummaryWriter(str(run_dir), **({"purge_step": resume_state["update"] + 1} if resume_state else {}))
-    else:
-        writer = NullWriter()
-    start_time = time.time()
-    train_prompts, heldout_prompts = list(preference.train_prompts()), list(preference.heldout_prompts())
-    eval_prompts = [heldout_prompts[i % len(heldout_prompts)] for i in range(args.eval_episodes)]
-    if args.eval_only:  # a run dir of this script: its policy, SFT reference and reward model
-        ckpt = Path(args.checkpoint)
-        args.sft_model_path = args.sft_model_path or str(ckpt / "sft_model")
-        args.reward_model_path = args.reward_model_path or str(ckpt / "reward_model")
-    # a resume loads the finished STEPS 1-3 from the run's checkpoints/models/ (details 11)
-    models_dir = run_dir / "checkpoints" / "models"
-    sft_path = str(models_dir / "sft_model") if resume_state else args.sft_model_path
-    rm_path = str(models_dir / "reward_model") if resume_state else args.reward_model_path
 
-    # ---- STEP 1: the SFT policy (loaded, or fine-tuned here from a base model) ----
-    if sft_path is not None:
-        sft_lm, tokenizer = with_pad_token(*load_pretrained("causal", sft_path, "--sft-model-path"), "SFT")
-    else:
-        if args.model_name_or_path is not None:
-            base_lm, tokenizer = load_pretrained("causal", args.model_name_or_path, "--model-name-or-path", hub_ok=True)
-            base_lm, tokenizer = with_pad_token(base_lm, tokenizer, f"'{args.model_name_or_path}'")
-        else:
-            from transformers import AutoModelForCausalLM
+def sync_grads(params, world_size: int) -> None:
+    """SUM the gradients over ranks, one flat all-reduce after backward() and before clipping (CleanRL's
+    ppo_atari_multigpu.py averages instead): each rank's loss is already weighted by its share of the global batch,
+    so the sum is the gradient of the global batch's loss. Parameters without a gradient are skipped (identically on
+    every rank). One process: nothing."""
+    if world_size == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
-            tokenizer = build_tokenizer()
-            base_lm = AutoModelForCausalLM.from_config(tiny_gpt2_config(len(tokenizer), args, tokenizer))
-        sft_lm = supervised_fine_tune(disable_dropout(base_lm).to(device), tokenizer, args, device, writer)
-    sft_lm = disable_dropout(sft_lm).to(device).eval()
-    broadcast_module(sft_lm)  # torchrun: every rank ran STEP 1 identically; rank 0's weights make sure of it
-    for p in sft_lm.parameters():
-        p.requires_grad_(False)
-    not_text = not_text_mask(tokenizer, sft_lm.get_output_embeddings().weight.shape[0], device)  # (V,) details 3
-    if args.max_new_tokens is None:
-        args.max_new_tokens = longest_demonstration(tokenizer, args)
-    if resume_state is None:
-        writer.add_text(
-            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-        )
-        if rank == 0:
-            (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
 
-    # ---- STEPS 2-3: the reward model (loaded, or fit here on SFT samples ranked by the labeler) ----
-    if rm_path is not None:
-        rm, rm_tokenizer = load_pretrained("classifier", rm_path, "--reward-model-path")
-        rm, rm_tokenizer = with_pad_token(rm, rm_tokenizer, "--reward-model-path")
-        rm = rm.to(device).eval()
-    else:
-        rm = fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, writer)
-        rm_tokenizer = tokenizer
-    broadcast_module(rm)
-    for p in rm.parameters():
-        p.requires_grad_(False)
-    if resume_state is not None:
-        norm = tuple(resume_state["norm"])
-    else:  # normalize r_psi to mean 0, std 1 on SFT samples of the training prompts (lm-human-preferences)
-        norm_prompts = shard([train_prompts[i % len(train_prompts)] for i in range(NORM_SAMPLES)])  # this rank's
-        norm_completions = sample_completions(sft_lm, tokenizer, not_text, norm_prompts, args, device, sample_gen)
-        raw = gather_cat(rm_scores(rm, rm_tokenizer, norm_prompts, norm_completions, device))  # all NORM_SAMPLES
-        norm = (raw.mean().item(), max(raw.std().item(), LOG_STD_FLOOR))
-    # Problem 21.3(c): an arbitrary constant per prompt in the objective (all 0 unless --reward-offset)
-    offsets = prompt_offsets(train_prompts + heldout_prompts, args.reward_offset, args.seed + 40_000)
+def global_sum(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The sum of x over ranks (a new tensor); x itself in one process."""
+    if world_size == 1:
+        return x
+    x = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
 
-    policy = PolicyWithValue(copy.deepcopy(sft_lm)).to(device)
-    if args.eval_only:
-        policy.lm = disable_dropout(load_pretrained("causal", str(Path(args.checkpoint) / "policy"), "policy")[0])
-        policy = policy.to(device)
-    for p in policy.parameters():
-        p.requires_grad_(True)
-    broadcast_module(policy)
-    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-5)  # CleanRL's Adam eps
-    curve = resume_state["curve"] if resume_state else []  # one dict per evaluation, as in curve.jsonl
-    curve_file = None
-    if rank == 0:
-        curve_file = open(run_dir / "curve.jsonl", "w")
-        curve_file.writelines(json.dumps(point) + "\n" for point in curve)  # a resume: the curve up to its checkpoint
 
-    def run_eval(step):
-        policy.eval()
-        metrics, completions = evaluate(
-            policy.lm, sft_lm, rm, rm_tokenizer, norm, tokenizer, not_text, eval_prompts, args, device,
-            seed=args.seed + 10_000,
-        )  # fmt: skip
-        policy.train()
-        for k, v in metrics.items():
-            writer.add_scalar(k, v, step)
-        point = {
-            "step": step,
-            "kl": metrics["eval/kl"],
-            "proxy_reward": metrics["eval/proxy_reward"],
-            "gold_reward": metrics["eval/gold_reward"],
-        }
-        curve.append(point)
-        if curve_file is not None:
-            curve_file.write(json.dumps(point) + "\n")
-            curve_file.flush()
-        print(
-            f"[eval] update {step}: gold {metrics['eval/gold_reward']:.3f} proxy {metrics['eval/proxy_reward']:.3f} "
-            f"kl {metrics['eval/kl']:.2f} corr {metrics['eval/proxy_gold_corr']:.2f} "
-            f"eos {metrics['eval/eos_rate']:.2f} | {eval_prompts[0]} -> {completions[0]}"
-        )
-        return metrics
-
-    num_updates = 0 if args.eval_only else args.num_updates
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    prompt_rng = np.random.default_rng(args.seed)
-    local_batch_size, local_minibatch_size = args.batch_size // world_size, args.minibatch_size // world_size
-    checkpointing = args.save_every > 0 and num_updates > 0
-
-    def checkpoint(update):
-        state = {"args": asdict(args), "norm": list(norm), "beta": beta, "sft_metrics": sft_metrics,
-                 "metrics": metrics, "curve": curve, "prompt_rng": prompt_rng.bit_generator.state,
-                 "elapsed_s": time.time() - start_time}  # fmt: skip
-        save_checkpoint(run_dir, update, policy, optimizer, sample_gen, device, state)
-
-    if resume_state is not None:
-        sft_metrics, metrics, beta = resume_state["sft_metrics"], resume_state["metrics"], resume_state["beta"]
-        prompt_rng.bit_generator.state = resume_state["prompt_rng"]
-        load_checkpoint(resume_step_dir, policy, optimizer, sample_gen, device)  # weights, Adam, RNG states
-        first_update = resume_state["update"] + 1
-        start_time -= resume_state["elapsed_s"]  # wall time and SPS count the whole run
-        print(f"resumed {run_dir} after update {resume_state['update']}")
-    else:
-        sft_metrics = run_eval(0)
-        metrics = sft_metrics
-        beta = args.kl_coef
-        first_update = 1
-        if checkpointing:  # STEPS 1-3 are done: saved once, so that a resume starts here
-            if rank == 0:
-                save_phase_models(run_dir, sft_lm, tokenizer, rm, rm_tokenizer)
-            checkpoint(0)
-    interrupt = install_stop_handlers() if checkpointing else {"signal": None, "previous": {}}
-    for update in range(first_update, num_updates + 1):
-        # ---- STEP 4: PPO with a KL penalty ----
-        # 4.1 sample a batch of completions with pi_theta (torchrun: this rank's shard of the global batch)
-        prompts = [train_prompts[i] for i in prompt_rng.choice(len(train_prompts), args.batch_size)]
-        prompts = shard(prompts)
-        query_ids = encode_prompts(tokenizer, prompts, device)  # (B, Lq), left-padded
-        policy.eval()
-        response_ids = generate(
-            policy.lm, query_ids, pad_id, eos_id, not_text, args.max_new_tokens, args.temperature, sample_gen
-        )  # (B, T)
-        mask, has_eos = completion_mask(response_ids, eos_id)  # (B, T), (B,)
-        maskf = mask.float()
+def broadcast_params(module: nn.Module, world_size: int) -> None:
+    """Rank 0's parameters and floating-point buffers on every rank: identical starts whatever each rank's RNG use."""
+    if world_size > 1:
         with torch.no_grad():
-            # 4.2 score: normalized r_psi (at the EOS token) + c(s), minus the missing-EOS penalty
-            completions = decode_completions(tokenizer, response_ids, mask, has_eos)
-            scores = objective_scores(
-                rm, rm_tokenizer, norm, offsets, prompts, completions, args.missing_eos_penalty, device
-            )  # (B,)
-            # 4.3 snapshot pi_bar: log-probs and values of the batch under the current policy; pi_SFT log-probs
-            logits, values = policy(query_ids, response_ids, pad_id, not_text)  # (B, T, V), (B, T)
-            old_logprobs = response_logprobs(logits, response_ids, args.temperature)  # (B, T)
-            ref_logprobs = response_logprobs(
-                lm_forward(sft_lm, query_ids, response_ids, pad_id, not_text), response_ids, args.temperature
-            )  # (B, T)
-            entropy = torch.special.entr(torch.softmax(logits / args.temperature, dim=-1)).sum(-1)  # (B, T)
-            # 4.4 KL penalty folded into the reward: -beta kl_t per token, the score at the last token
-            rewards, kl = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask, beta, args.kl_estimator)
-            if args.whiten_rewards:
-                rewards = masked_whiten(rewards, maskf, shift_mean=False)
-            # 4.5 advantages: sequence-level (bandit) or per-token GAE with the value head
-            if args.advantage == "gae":
-                advantages, returns = gae(rewards, values, maskf, args.gamma, args.lam)
-            else:
-                advantages, returns = bandit_advantages(rewards, maskf), torch.zeros_like(rewards)
-            advantages = masked_whiten(advantages, maskf)
-        # 4.6 K epochs of minibatch updates with the clipped importance ratio pi_theta / pi_bar
-        policy.train()
-        stats = {k: [] for k in ("approxkl", "clipfrac", "ratio", "pg_loss", "vf_loss", "vf_clipfrac")}
-        ratios = []
-        for _epoch in range(args.update_epochs):
-            perm = torch.randperm(local_batch_size, device=device)
-            for start in range(0, local_batch_size, local_minibatch_size):
-                mb = perm[start : start + local_minibatch_size]  # torchrun: the ranks' mb together = the global one
-                mb_mask = maskf[mb]
-                loss, mb_stats = ppo_minibatch_loss(
-                    policy, query_ids[mb], response_ids[mb], mb_mask, old_logprobs[mb], values[mb], advantages[mb],
-                    returns[mb], args, pad_id, not_text,
-                )  # fmt: skip
-                if world_size > 1:  # weight by this rank's share of the global minibatch's tokens (details 10)
-                    loss = loss * token_share(mb_mask)
-                optimizer.zero_grad()
-                loss.backward()
-                if world_size > 1:
-                    allreduce_grads(policy.parameters(), world_size)
-                nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                optimizer.step()
-                for k, v in mb_stats.items():
-                    stats[k].append(v)
-        # 4.7 logging (TRL's metric names) and the adaptive KL controller
-        seq_kl = kl.sum(1).mean().item()
-        step = update * args.batch_size
-        log = {
-            "objective/kl": seq_kl,
-            "objective/kl_coef": beta,
-            "objective/entropy": (entropy * maskf).sum(1).mean().item(),
-            "objective/non_score_reward": (-beta * kl.sum(1)).mean().item(),
-            "objective/scores": scores.mean().item(),
-            "objective/rlhf_reward": (scores - beta * kl.sum(1)).mean().item(),
-            "policy/approxkl_avg": float(np.mean(stats["approxkl"])),
-            "policy/clipfrac_avg": float(np.mean(stats["clipfrac"])),
-            "policy/entropy_avg": masked_mean(entropy, maskf).item(),
-            "losses/policy_avg": float(np.mean(stats["pg_loss"])),
-            "val/ratio": float(np.mean(stats["ratio"])),
-            "val/ratio_var": float(np.var(stats["ratio"])),
-            "val/num_eos_tokens": has_eos.float().sum().item(),
-            "charts/episodic_length": mask.sum(1).float().mean().item(),
-            "charts/learning_rate": optimizer.param_groups[0]["lr"],
-            "charts/SPS": step / (time.time() - start_time),
-        }
-        if args.advantage == "gae":
-            log["losses/value_avg"] = float(np.mean(stats["vf_loss"]))
-            log["val/clipfrac_avg"] = float(np.mean(stats["vf_clipfrac"]))
-        if world_size > 1:  # statistics of the global batch: means over ranks of equal shards (num_eos: the sum)
-            keys = [k for k in log if k not in ("charts/learning_rate", "charts/SPS")]
-            means = all_sum(torch.tensor([log[k] for k in keys], dtype=torch.float64, device=device)) / world_size
-            log.update(zip(keys, means.tolist(), strict=True))
-            log["val/num_eos_tokens"] *= world_size
-            seq_kl = log["objective/kl"]  # what the adaptive controller reads: the same on every rank
-        for k, v in log.items():
-            writer.add_scalar(k, v, update)
-        if args.adaptive_kl:
-            beta = adaptive_kl_update(beta, seq_kl, args.target_kl, args.batch_size, args.kl_horizon)
-        if update % args.eval_every == 0 or update == num_updates:
-            metrics = run_eval(update)
-        elif update % max(1, args.eval_every // 2) == 0:
-            print(
-                f"update {update}: scores {log['objective/scores']:.3f} kl {seq_kl:.2f} beta {beta:.3f} "
-                f"clipfrac {log['policy/clipfrac_avg']:.3f} approxkl {log['policy/approxkl_avg']:.4f}"
-            )
-        # 4.8 checkpoint every --save-every updates and on Ctrl-C / SIGTERM (decided together: details 10-11)
-        stop = checkpointing and any_rank(interrupt["signal"] is not None, device)
-        if checkpointing and (update % args.save_every == 0 or stop):
-            checkpoint(update)
-            writer.flush()  # the scalars logged so far reach the disk with the checkpoint
-        if stop:
-            writer.close()
-            if curve_file is not None:
-                curve_file.close()
-            if rank == 0:
-                launcher = "python" if world_size == 1 else f"torchrun --nproc_per_node {world_size}"
-                print(f"interrupted after update {update}, checkpoint saved; continue with: "
-                      f"{launcher} {sys.argv[0]} --resume {run_dir}", file=sys.stderr)  # fmt: skip
-            if world_size > 1:  # rank 0 has saved (save_checkpoint's barrier): every rank tears down, then exits
-                dist.destroy_process_group()
-            raise SystemExit(STOP_EXIT_CODE)
-    restore_signal_handlers(interrupt)  # training is over: Ctrl-C stops at once
-    if curve_file is not None:
-        curve_file.close()
+            for t in [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]:
+                dist.broadcast(t.data, src=0)
 
-    # best-of-n from pi_SFT at the KL of the final policy (n capped at --bon-max-n), by the same objective
-    bon_n = matched_bon_n(metrics["eval/kl"], args.bon_max_n)
-    bon_gold = best_of_n(
-        sft_lm, rm, rm_tokenizer, norm, offsets, tokenizer, not_text, eval_prompts, bon_n, args, device,
-        args.seed + 20_000,
-    )  # fmt: skip
-    print(f"[bon] n={bon_n} (KL {bon_kl(bon_n):.2f}) gold {bon_gold:.3f}")
-    wall = time.time() - start_time
-    summary_metrics = {
-        "eval/episodic_return": metrics["eval/gold_reward"],
-        **metrics,
-        "eval/sft_gold_reward": sft_metrics["eval/gold_reward"],
-        "eval/sft_proxy_reward": sft_metrics["eval/proxy_reward"],
-        "eval/sft_eos_rate": sft_metrics["eval/eos_rate"],
-        "eval/bon_gold_reward": bon_gold,
-        "eval/bon_n": float(bon_n),
-        "eval/bon_kl": bon_kl(bon_n),
-        "eval/max_gold_reward": max(point["gold_reward"] for point in curve),
-        "model/final_kl_coef": float(beta),
-    }
-    for k in ("eval/bon_gold_reward", "eval/bon_n", "eval/bon_kl"):
-        writer.add_scalar(k, summary_metrics[k], num_updates)
-    writer.close()
-    if rank == 0:  # only rank 0 writes the summary and the models
-        summary = {
-            "script": Path(__file__).stem,
-            "run_name": run_name,
-            "run_dir": str(run_dir),
-            "args": asdict(args),
-            "metrics": summary_metrics,
-            "wall_time_s": wall,
-            "sps": num_updates * args.batch_size / wall,
-        }
-        save_models(run_dir, policy, sft_lm, tokenizer, rm, rm_tokenizer)
-        write_json_atomic(run_dir / "summary.json", summary)  # last: a run with summary.json is complete
-        print(json.dumps(summary_metrics, indent=1))
-    if world_size > 1:  # every rank tears down together, after rank 0 has saved (then each frees its gloo threads)
-        dist.barrier()
-        dist.destroy_process_group()
+
+class NullWriter:
+    """What ranks other than 0 write to instead of tensorboard: SummaryWriter's calls as no-ops."""
+
+    def add_scalar(self, *args, **kwargs):
+        pass
+
+    add_text = add_histogram = flush = close = add_scalar
+
+
+if __name__ == "__main__":
+    main()

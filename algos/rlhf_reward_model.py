@@ -15,17 +15,14 @@ Key equations:
 
 Implementation details:
   0. The reward model starts from a supervised fine-tuned backbone (InstructGPT initializes it from the SFT
-     model): step 1 trains the causal LM (the tiny GPT-2, or `--model-name-or-path` with its pretrained LM head)
-     on `make_sft_dataset` demonstrations (next-token loss on prompt + completion, the reward model's exact input
-     format), then the `AutoModelForSequenceClassification` is built on the same config and its `base_model` is
+     model): step 2 of main() trains the causal LM (the tiny GPT-2, or `--model-name-or-path` with its pretrained LM
+     head) on `make_sft_dataset` demonstrations (next-token loss on prompt + completion, the reward model's exact
+     input format), then the `AutoModelForSequenceClassification` is built on the same config and its `base_model` is
      loaded from the LM's (GPT-2: the `transformer.*` weights); the scalar head is new.
      Why it matters here: the SFT LM must learn the fact table ("capital of france ?" -> "paris") to predict the
-     demonstrations, so the Bradley-Terry step only has to learn to read it out. From scratch, the noisy pairwise
-     labels teach "right vs wrong city" very slowly ("london" scored like "paris"; held-out accuracy 0.69, within-
-     prompt ρ 0.69 at 1,500 prompts x 4 epochs, seed 1, before the code of issue 15; with it, defaults, tuning seeds
-     101-110: accuracy 0.711-0.755 vs ceiling 0.746-0.759, ρ 0.64-0.91, >= 0.8 on 6 of 10 seeds). Reading the fact
-     out for a held-out phrasing is what fails on the weak seeds (seed 103 at lr 3e-3 scores "london" above
-     "paris"). The ended / cut-off and rude/idk distinctions are learned either way. `--sft-epochs 0` turns it off.
+     demonstrations, so the Bradley-Terry step only has to learn to read it out (from scratch, held-out accuracy
+     0.69; with SFT, 0.71-0.76 against a ceiling of ~0.75 on tuning seeds 101-110). The ended / cut-off and rude/idk
+     distinctions are learned either way. `--sft-epochs 0` turns it off.
   1. Reward = a transformer backbone + linear head `score` read at the LAST NON-PAD token
      (`AutoModelForSequenceClassification`, num_labels=1). The pad token (<pad>, id 0) is distinct from EOS,
      so the pooled token of a finished completion is its EOS; a wrong pooled token is the most common reason
@@ -56,12 +53,13 @@ Implementation details:
   8. Data-parallel under torchrun (`WORLD_SIZE` set; one process = the code path of one process, unchanged). Every
      rank builds the same data and weights from --seed (then rank 0's are broadcast), draws the same permutation,
      and takes its contiguous share of every global minibatch (`shard`: --batch-size / --sft-batch-size must divide
-     by the number of ranks). Each rank's loss is weighted so that averaging gradients over ranks gives the gradient
-     of the global minibatch's loss (SFT: its token mean; reward: its mean over rankings/pairs): one flat all-reduce
-     after backward(), before clipping (`allreduce_grads`, as CleanRL's ppo_atari_multigpu.py) rather than DDP, so
-     the loop reads the same in one process. Logged loss/accuracy are global (one small all-reduce per step, which
-     also carries Ctrl-C so every rank stops at the same step). This script samples nothing, so no rank-specific
-     seed is needed. After the last update rank 0 alone evaluates, normalizes and saves; only rank 0 writes.
+     by the number of ranks). Each rank's loss is weighted by its share of the global minibatch (SFT: a sum over its
+     tokens divided by the global minibatch's token count; reward: its mean times its share of the rankings/pairs),
+     so the SUM of the ranks' gradients is the gradient of the global minibatch's loss: one flat all-reduce after
+     backward(), before clipping (`run.sync_grads`) rather than DDP, so the loop reads the same in one process.
+     Logged loss/accuracy are global (one small all-reduce per step, `run.global_sum`); a Ctrl-C on any rank stops
+     every rank at the same step. This script samples nothing, so no rank-specific seed is needed. After the last
+     update rank 0 alone evaluates, normalizes and saves; only rank 0 writes.
   9. Checkpoints (--save-every N gradient steps, SFT and reward updates counted together, and at the last update):
      `RUN_DIR/checkpoints/step_<N>/` holds the model being trained (safetensors), optimizer + scheduler state, the
      torch RNG and the epoch's permutation (safetensors), and state.json (position in the epoch, counters, args,
@@ -121,6 +119,7 @@ import torch.distributed as dist
 # `group=group.WORLD` would keep the group alive past destroy_process_group, and gloo's threads, still running at
 # interpreter exit, abort the process (SIGABRT in 3 of 20 two-rank runs without this import, 0 of 40 with it)
 import torch.distributed.nn  # noqa: F401
+import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from safetensors import SafetensorError
@@ -132,9 +131,6 @@ import envs  # noqa: E402, F401  (registers the seqrl/ environments)
 from envs import preference  # noqa: E402
 from envs.tokenizer import build_tokenizer  # noqa: E402
 
-TASK_ID = "seqrl-preference"  # run-name prefix
-SCRIPT = Path(__file__).stem  # named in summary.json and in every checkpoint's state.json
-RESUME_FREE = ("cuda", "runs_dir", "save_every", "resume")  # args a resumed run may change (the rest: the algorithm)
 LOG_EVERY = 20  # reward-model updates between logged training scalars
 N_POSITIONS = 64  # tiny GPT-2 context: prompt (<= 9 tokens) + completion (<= 16 tokens) fits with room
 CALIBRATION_BINS = 10  # equal-width bins of σ(Δr) for the calibration table / error
@@ -428,46 +424,37 @@ def causal_lm_loss(
     return (nll * target).sum() / (target.sum().clamp(min=1.0) if n_targets is None else n_targets)
 
 
-def sft_minibatch_loss(lm, ids, mask, mb, device, world_size: int = 1, rank: int = 0) -> torch.Tensor:
-    """Causal-LM loss of the global minibatch `mb` (indices into ids, mask: (N, L)) on this rank's share; averaged
-    over ranks its gradient is the gradient of the global minibatch's token mean (details 8)."""
-    width = int(mask[mb].sum(-1).max())  # right padding: drop all-pad columns (of the global minibatch)
-    part = shard(mb, world_size, rank)
-    mb_ids, mb_mask = ids[part, :width].to(device), mask[part, :width].to(device)  # (B, W)
-    logits = lm(input_ids=mb_ids, attention_mask=mb_mask, position_ids=position_ids_from_mask(mb_mask)).logits
-    if world_size == 1:
-        return causal_lm_loss(logits, mb_ids, mb_mask)  # logits: (B, W, V)
-    n_targets = float(mask[mb, 1:width].sum().clamp(min=1))  # predicted tokens of the whole global minibatch
-    return causal_lm_loss(logits, mb_ids, mb_mask, n_targets) * world_size
+def sft_minibatch_loss(lm, ids: torch.Tensor, mask: torch.Tensor, n_targets: float | None = None) -> torch.Tensor:
+    """Causal-LM loss of right-padded demonstrations (B, W): their token mean, or their NLL summed over tokens and
+    divided by `n_targets` (a global minibatch's token count, of which these are a rank's share; details 8)."""
+    logits = lm(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits  # (B, W, V)
+    return causal_lm_loss(logits, ids, mask, n_targets)
 
 
-def reward_minibatch_loss(model, ids, mask, mb, args, device, world_size: int = 1, rank: int = 0):
-    """Preference loss of the global minibatch `mb` (indices into ids, mask: (N, G, L), completions best first) on
-    this rank's share, and its rewards (b, G). A rank's mean is weighted by its share of the minibatch, so averaged
-    over ranks the gradient is that of the global minibatch's mean (details 8)."""
-    mb_mask = mask[mb]  # (B, G, L)
-    width = int(mb_mask.sum(-1).max())  # right padding: drop all-pad columns
-    part, group = shard(mb, world_size, rank), ids.shape[1]
-    mb_ids = ids[part][..., :width].reshape(-1, width).to(device)  # (b*G, W)
-    mb_mask = mask[part][..., :width].reshape(-1, width).to(device)  # (b*G, W)
-    rewards = reward_forward(model, mb_ids, mb_mask).view(len(part), group)  # (b, G), best first
+def reward_minibatch_loss(model, ids: torch.Tensor, mask: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Preference loss (`--loss`) of a minibatch of groups (B, G, W), each group's completions best first (G = 2
+    for pairwise: [chosen, rejected]), and its rewards (B, G)."""
+    n, group, width = ids.shape
+    rewards = reward_forward(model, ids.reshape(-1, width), mask.reshape(-1, width)).view(n, group)  # (B, G)
     if args.loss == "pairwise":
-        loss = pairwise_loss(rewards[:, 0], rewards[:, 1], args.margin, args.center_coef)
-    else:
-        loss = kwise_loss(rewards, args.kwise_form, args.margin, args.center_coef)
-    if world_size > 1:
-        loss = loss * (len(part) * world_size / len(mb))
-    return loss, rewards
+        return pairwise_loss(rewards[:, 0], rewards[:, 1], args.margin, args.center_coef), rewards
+    return kwise_loss(rewards, args.kwise_form, args.margin, args.center_coef), rewards
 
 
-def supervised_fine_tune(lm, tokenizer, args, device, writer, rt=None) -> float:
-    """STEP 1: causal-LM training on demonstrations, in place; returns the last epoch's NLL.
+def shard(mb: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    """This rank's contiguous share of a global minibatch: mb[rank * n : (rank + 1) * n] with n = len(mb) / world_size
+    (a shorter last minibatch is split as evenly as it goes). One process: the whole minibatch."""
+    return mb if world_size == 1 else mb.tensor_split(world_size)[rank]
+
+
+def supervised_fine_tune(lm, tokenizer, args, run) -> float:
+    """STEP 2: causal-LM training on demonstrations, in place; returns the last epoch's NLL.
 
     The input is the reward model's exact input format (`encode`: prompt + completion + EOS if it ended, right
     padded), so predicting "paris" after "what is the capital of france ?" teaches the backbone the fact table.
-    `rt` (a `Runtime`): this process's rank, the run dir and checkpoint to resume from (details 8-9).
+    `run`: this process's share under torchrun and the checkpoint it resumes (details 8-9); `Run(args)` in a test.
     """
-    rt = rt or Runtime()
+    device = run.device
     demos = preference.make_sft_dataset(args.sft_examples, seed=args.seed + 30_000, split="train")
     enc = encode(tokenizer, [d[0] for d in demos], [d[1] for d in demos])
     ids, mask = enc["input_ids"], enc["attention_mask"]  # (N, L)
@@ -475,57 +462,147 @@ def supervised_fine_tune(lm, tokenizer, args, device, writer, rt=None) -> float:
     num_updates = args.sft_epochs * steps_per_epoch
     optimizer = torch.optim.AdamW(lm.parameters(), lr=args.sft_learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / num_updates)
-    resume = rt.resume if rt.resume is not None and rt.resume["state"]["phase"] == "sft" else None
-    first_epoch, first_start = 0, 0
-    if resume is not None:  # continue inside the saved epoch, with its permutation and running NLL (details 9)
-        perm = restore(resume, lm, optimizer, scheduler, device)["perm"]
-        st = resume["state"]
-        first_epoch, first_start, total, count = st["epoch"], st["next_start"], st["sft_total"], st["sft_count"]
+    # where the loop stands (with the weights, all a checkpoint holds): the start, or the --resume checkpoint's place
+    fresh = {"phase": "sft", "epoch": 0, "next_start": 0, "perm": None, "sft_total": 0.0, "sft_count": 0}
+    at = run.restore(fresh, lm, optimizer, scheduler)
     lm.train()
     epoch_nll = float("nan")
-    for epoch in range(first_epoch, args.sft_epochs):
-        if resume is None or epoch > first_epoch:
-            perm, total, count = torch.randperm(len(ids)), 0.0, 0
-        for start in range(first_start if epoch == first_epoch else 0, len(ids), args.sft_batch_size):
-            mb = perm[start : start + args.sft_batch_size]
-            loss = sft_minibatch_loss(lm, ids, mask, mb, device, rt.world_size, rt.rank)
+    for epoch in range(at["epoch"], args.sft_epochs):
+        if epoch > at["epoch"] or at["perm"] is None:  # a new epoch: a new order, a new running NLL
+            at.update(epoch=epoch, next_start=0, perm=torch.randperm(len(ids)), sft_total=0.0, sft_count=0)
+        for start in range(at["next_start"], len(ids), args.sft_batch_size):
+            mb = at["perm"][start : start + args.sft_batch_size]  # the global minibatch (details 8)
+            width = int(mask[mb].sum(-1).max())  # right padding: drop its all-pad columns
+            n_targets = float(mask[mb, 1:width].sum().clamp(min=1))  # its predicted tokens: the loss is their mean
+            part = shard(mb, run.world_size, run.rank)  # this rank's share of it
+            loss = sft_minibatch_loss(lm, ids[part, :width].to(device), mask[part, :width].to(device), n_targets)
             optimizer.zero_grad()
             loss.backward()
-            if rt.world_size > 1:
-                allreduce_grads(list(lm.parameters()), rt.world_size)
+            run.sync_grads(lm.parameters())  # summed over ranks: the gradient of the global minibatch's loss
             torch.nn.utils.clip_grad_norm_(lm.parameters(), args.max_grad_norm)
             optimizer.step()
             scheduler.step()
-            loss_value, stop = loss.item(), rt.stop["signal"] is not None
-            if rt.world_size > 1:  # the global minibatch's NLL; Ctrl-C on any rank stops every rank (details 8)
-                loss_value, n_stop = sum_over_ranks([loss_value / rt.world_size, float(stop)], device)
-                stop = n_stop > 0
-            total, count = total + loss_value * len(mb), count + len(mb)
-            update = epoch * steps_per_epoch + start // args.sft_batch_size + 1
-            position = {"epoch": epoch, "next_start": start + args.sft_batch_size, "sft_total": total,
-                        "sft_count": count}  # fmt: skip
-            end_of_step(rt, args, update, "sft", lm, optimizer, scheduler, position, {"perm": perm}, stop)
-        epoch_nll = total / count
-        if writer is not None:
-            writer.add_scalar("losses/sft_nll", epoch_nll, epoch)
+            nll = run.global_sum(torch.tensor([loss.item()], dtype=torch.float64, device=device)).item()  # global
+            at.update(next_start=start + args.sft_batch_size, sft_total=at["sft_total"] + nll * len(mb),
+                      sft_count=at["sft_count"] + len(mb))  # fmt: skip
+            run.end_step(epoch * steps_per_epoch + start // args.sft_batch_size + 1, at, lm, optimizer, scheduler)
+        epoch_nll = at["sft_total"] / at["sft_count"]
+        run.log(epoch, {"losses/sft_nll": epoch_nll})
+        if run.rank == 0:
             print(f"[sft] epoch {epoch + 1}/{args.sft_epochs}: nll {epoch_nll:.4f}")
     return epoch_nll
 
 
-def load_reward_model(path: str, device):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+def main():
+    args = parse_args()
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    run = start_run(args)  # torchrun, device, run dir (or the resumed one), tensorboard, Ctrl-C handling
+    device, start_time = run.device, run.start_time
+    # held-out comparisons: K completions of held-out prompts, ranked by the same labeler (other seed)
+    heldout = preference.make_preference_dataset(
+        args.eval_episodes, args.k, args.seed + 10_000, args.temperature, args.flip_prob, split="heldout"
+    )
+    if args.eval_only:  # a saved reward model: evaluate it on the Bradley-Terry scale, nothing else
+        model, tokenizer = run.load_reward_model(args.checkpoint)
+        scale = float(getattr(model.config, "seqrl_reward_std", 1.0))
+        metrics, report = evaluate(model, tokenizer, heldout, args, device, scale=scale)
+        run.finish(metrics, report, step=0, n_seen=0)
+        return
 
-    p = Path(path)
-    if (p / "reward_model").is_dir():
-        p = p / "reward_model"
-    if not (p / "config.json").exists():
-        raise SystemExit(f"error: --checkpoint '{path}' is not a run dir or save_pretrained dir (no config.json)")
-    try:
-        model = AutoModelForSequenceClassification.from_pretrained(p)
-        tokenizer = AutoTokenizer.from_pretrained(p)
-    except (OSError, ValueError, KeyError) as e:
-        raise SystemExit(f"error: could not load reward model from '{p}': {str(e).splitlines()[0]}") from None
-    return model.to(device), tokenizer
+    # 1. data: K SFT-like completions per training prompt, ranked by the simulated labeler
+    data = preference.make_preference_dataset(
+        args.n_train_prompts, args.k, args.seed, args.temperature, args.flip_prob, split="train"
+    )
+    lm, tokenizer = build_lm(args, device)
+    run.broadcast_params(lm)
+    # 2. supervised fine-tuning on demonstrations; the reward model starts from the SFT model's backbone
+    sft_updates = args.sft_epochs * ((args.sft_examples + args.sft_batch_size - 1) // args.sft_batch_size)
+    sft_nll = None
+    if args.sft_epochs > 0 and not run.resuming("reward"):  # a run resumed in the reward phase is past SFT
+        sft_nll = supervised_fine_tune(lm, tokenizer, args, run)
+        if run.rank == 0:
+            print(f"SFT: {args.sft_examples} demos x {args.sft_epochs} epochs ({time.time() - start_time:.0f}s)")
+    model = reward_model_from(lm, tokenizer, device)
+    del lm
+    run.broadcast_params(model)
+    # 3. the comparisons as token ids: one group of G sequences per example, best first
+    if args.loss == "pairwise":  # every pair its own example: (prompt, chosen, rejected)
+        p, c, r = preference.to_pairs(data)
+        enc = encode(tokenizer, p + p, c + r)
+        ids = enc["input_ids"].view(2, len(p), -1).transpose(0, 1)  # (P, 2, L): [chosen, rejected]
+        mask = enc["attention_mask"].view(2, len(p), -1).transpose(0, 1)  # (P, 2, L)
+    else:  # one ranking per example, completions sorted best first
+        p = [d["prompt"] for d in data for _ in range(args.k)]
+        c = [d["completions"][j] for d in data for j in d["ranking"]]
+        enc = encode(tokenizer, p, c)
+        ids = enc["input_ids"].view(len(data), args.k, -1)  # (N, K, L)
+        mask = enc["attention_mask"].view(len(data), args.k, -1)  # (N, K, L)
+    n_examples, group = ids.shape[0], ids.shape[1]
+    steps_per_epoch = (n_examples + args.batch_size - 1) // args.batch_size
+    num_updates = args.epochs * steps_per_epoch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / num_updates)
+    if run.rank == 0:
+        print(f"{n_examples} training examples of {group} sequences, {num_updates} updates, device {device}")
+    # where the loop stands (with the weights, all a checkpoint holds): the start, or the --resume checkpoint's place
+    fresh = {"phase": "reward", "epoch": 0, "next_start": 0, "perm": None, "global_step": 0, "n_seen": 0,
+             "loss": float("nan"), "sft_nll": sft_nll}  # fmt: skip
+    at = run.restore(fresh, model, optimizer, scheduler)
+
+    # 4. fit r_psi by maximum likelihood of the preferences
+    for epoch in range(at["epoch"], args.epochs):
+        model.train()
+        if epoch > at["epoch"] or at["perm"] is None:  # a new epoch: a new order
+            at.update(epoch=epoch, next_start=0, perm=torch.randperm(n_examples))
+        for start in range(at["next_start"], n_examples, args.batch_size):
+            mb = at["perm"][start : start + args.batch_size]  # the global minibatch (details 8)
+            width = int(mask[mb].sum(-1).max())  # right padding: drop its all-pad columns
+            part = shard(mb, run.world_size, run.rank)  # this rank's share of it
+            loss, rewards = reward_minibatch_loss(model, ids[part, :, :width].to(device),
+                                                  mask[part, :, :width].to(device), args)  # fmt: skip
+            loss = loss * (len(part) / len(mb))  # weighted by its share: summed over ranks, the global mean
+            optimizer.zero_grad()
+            loss.backward()
+            run.sync_grads(model.parameters())  # summed over ranks: the gradient of the global minibatch's loss
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            # the global minibatch's loss and how often it scores the top-ranked completion above the second
+            stats = torch.tensor([loss.item(), (rewards[:, 0] > rewards[:, 1]).sum().item()], dtype=torch.float64)
+            loss_value, n_correct = run.global_sum(stats.to(device)).tolist()
+            step = at["global_step"] + 1
+            at.update(next_start=start + args.batch_size, global_step=step, n_seen=at["n_seen"] + len(mb) * group,
+                      loss=loss_value)  # fmt: skip
+            if step % LOG_EVERY == 0 or step == num_updates:
+                sps = at["n_seen"] / (time.time() - start_time)
+                run.log(step, {"losses/loss": loss_value, "losses/accuracy_top2": n_correct / len(mb),
+                               "charts/learning_rate": scheduler.get_last_lr()[0], "charts/SPS": sps})  # fmt: skip
+            run.end_step(sft_updates + step, at, model, optimizer, scheduler)  # a checkpoint when due or stopped
+        if run.rank == 0:
+            print(f"epoch {epoch + 1}/{args.epochs}: loss {at['loss']:.4f}  ({time.time() - start_time:.0f}s)")
+    run.end_training()  # Ctrl-C stops at once again; under torchrun, rank 0 alone goes on (details 8)
+
+    # 5. evaluate on the Bradley-Terry scale (calibration is not invariant to the normalization)
+    metrics, report = evaluate(model, tokenizer, heldout, args, device)
+    if at["sft_nll"] is not None:
+        metrics["model/sft_nll"] = at["sft_nll"]
+    # 6. normalize to mean 0 / std 1 on SFT demonstrations, folded into the saved weights
+    demos = preference.make_sft_dataset(args.n_norm_samples, seed=args.seed + 20_000)
+    raw = score_texts(model, tokenizer, [d[0] for d in demos], [d[1] for d in demos], device)
+    where = fold_normalization(model, float(raw.mean()), float(raw.std()))
+    normed = score_texts(model, tokenizer, [d[0] for d in demos], [d[1] for d in demos], device)
+    normed = normed + float(getattr(model.config, "seqrl_reward_offset", 0.0))
+    print(f"normalized on {len(demos)} SFT demos (shift in {where}): mean {normed.mean():+.4f} std {normed.std():.4f}")
+    metrics.update({"model/reward_mean_raw": float(raw.mean()), "model/reward_std_raw": float(raw.std())})
+    metrics.update({"model/reward_mean_normalized": float(normed.mean()), "model/reward_std_normalized": float(normed.std())})  # fmt: skip  # noqa: E501
+    score_metrics, score_report = lecture_scores(model, tokenizer, device)  # now on the normalized scale
+    metrics.update(score_metrics)
+    report = score_report + report[report.index("\n\ncalibration") :]
+    # 7. save the model (loadable with AutoModelForSequenceClassification.from_pretrained) and summary.json
+    run.finish(metrics, report, step=at["global_step"], n_seen=at["n_seen"], model=model, tokenizer=tokenizer)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -598,71 +675,264 @@ def lecture_scores(model, tokenizer, device) -> tuple[dict, str]:
     return metrics, f'scores for "{prompt}" (lecture examples best first, then probes):\n' + "\n".join(lines)
 
 
-def make_run_dir(args) -> tuple[str, Path]:
-    run_name = f"{TASK_ID}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir, i = Path(args.runs_dir) / run_name, 0
-    while True:  # never overwrite a run: mkdir is atomic, so runs started in the same second get -1, -2, ...
-        try:
-            run_dir.mkdir(parents=True, exist_ok=False)
-            break
-        except FileExistsError:
-            i += 1
-            run_dir = Path(args.runs_dir) / f"{run_name}-{i}"
-    return run_dir.name, run_dir
+# === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+TASK_ID = "seqrl-preference"  # run-name prefix
+SCRIPT = Path(__file__).stem  # named in summary.json and in every checkpoint's state.json
+RESUME_FREE = ("cuda", "runs_dir", "save_every", "resume")  # args a resumed run may change (the rest: the algorithm)
+DIST_TIMEOUT = timedelta(minutes=10)  # a rank waiting this long in a collective gives up (a failed rank never hangs)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# DISTRIBUTED (torchrun, details 8)
-# ------------------------------------------------------------------------------------------------------------
+def parse_args() -> Args:
+    """The command line, checked (one-line errors before any work); with --resume, the resumed run's args."""
+    args = tyro.cli(Args)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun
+    if args.save_every < 0:
+        raise SystemExit("error: need --save-every >= 0 (0 = checkpoint only on Ctrl-C)")
+    if args.resume is not None and args.eval_only:
+        raise SystemExit("error: --resume continues a training run; --eval-only has nothing to resume")
+    if args.eval_only and world_size > 1:
+        raise SystemExit("error: --eval-only runs in one process (not under torchrun)")
+    if args.resume is not None:  # the run's own args; the command line may only repeat them (details 9)
+        args = resume_args(args, load_checkpoint(Path(args.resume))["state"]["args"])
+    else:
+        check_writable_dir(Path(args.runs_dir), "--runs-dir")
+    if args.eval_only and args.checkpoint is None:
+        raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or its reward_model/ dir)")
+    if args.checkpoint is not None and not Path(args.checkpoint).exists():
+        raise SystemExit(f"error: --checkpoint '{args.checkpoint}' does not exist")
+    if args.sft_epochs < 0 or args.sft_examples < 1 or args.sft_batch_size < 1:
+        raise SystemExit("error: need --sft-epochs >= 0 and positive --sft-examples, --sft-batch-size")
+    if args.k < 2 or args.n_train_prompts < 1 or args.eval_episodes < 1 or args.epochs < 1 or args.batch_size < 1:
+        raise SystemExit("error: need --k >= 2 and positive --n-train-prompts, --eval-episodes, --epochs, --batch-size")
+    if args.n_center_samples < 1:
+        raise SystemExit("error: need --n-center-samples >= 1")
+    if args.temperature <= 0 or not 0 <= args.flip_prob <= 1:
+        raise SystemExit("error: need --temperature > 0 and 0 <= --flip-prob <= 1")
+    if args.loss == "kwise" and args.kwise_form == "softmax" and args.margin != 0:
+        raise SystemExit("error: --margin is defined for pairwise / kwise-pairs losses, not --kwise-form softmax")
+    for flag, n, batch in (("--sft-batch-size", args.sft_examples, args.sft_batch_size),
+                           ("--batch-size", n_train_examples(args), args.batch_size)):  # fmt: skip
+        if world_size > 1 and (batch % world_size or 0 < n % batch < world_size):  # every rank gets a share
+            raise SystemExit(f"error: {flag} {batch} (and a last minibatch of {n % batch}) must split over "
+                             f"{world_size} ranks")  # fmt: skip
+    return args
+
+
+def n_train_examples(args: Args) -> int:
+    """Examples of the preference step: rankings (kwise) or their C(K,2) pairs each (pairwise)."""
+    return args.n_train_prompts * (args.k * (args.k - 1) // 2 if args.loss == "pairwise" else 1)
+
+
+def resume_args(args: Args, saved: dict) -> Args:
+    """The resumed run's args: its saved ones. A field given on the command line (other than its default) must
+    agree with them, except the RESUME_FREE fields, which come from the command line."""
+    defaults, merged = asdict(Args()), {}
+    for name, value in asdict(args).items():
+        if name in RESUME_FREE or name not in saved:
+            merged[name] = value
+        elif value != defaults[name] and value != saved[name]:
+            raise SystemExit(
+                f"error: --{name.replace('_', '-')} {value} differs from the resumed run's {saved[name]} (drop it)"
+            )
+        else:
+            merged[name] = saved[name]
+    return Args(**merged)
+
+
+def start_run(args: Args) -> "Run":
+    """Join torchrun (when launched by it) and pick the device; make the run dir (--resume: reopen it, and load its
+    checkpoint); tensorboard on rank 0 (others: NullWriter); when training, Ctrl-C / SIGTERM set the stop flag."""
+    rank, world_size, device = init_torchrun(args.cuda)
+    resume = load_checkpoint(Path(args.resume)) if args.resume is not None else None
+    start_time = time.time() - (resume["state"]["elapsed_s"] if resume else 0.0)
+    if resume is not None:
+        run_dir = Path(args.resume)
+    else:
+        run_dir = new_run_dir(args.runs_dir, TASK_ID, args.exp_name, args.seed) if rank == 0 else None
+        if world_size > 1:  # rank 0 made the run dir; every rank learns its name
+            shared = [str(run_dir) if rank == 0 else None]
+            dist.broadcast_object_list(shared, src=0)
+            run_dir = Path(shared[0])
+    writer = NullWriter()
+    if rank == 0 and resume is None:
+        writer = open_writer(run_dir, args)
+    elif rank == 0:  # continue the curves: drop what the interrupted run logged after its checkpoint (details 9)
+        st = resume["state"]  # losses/sft_nll is logged per SFT epoch, the rest per reward-model update
+        purge_step = st["epoch"] if st["phase"] == "sft" else max(st["global_step"] + 1, args.sft_epochs)
+        writer = open_writer(run_dir, args, purge_step)
+        if purge_step == 0:  # the purge drops the hyperparameter table too (it is logged at step 0)
+            table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+            writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    sft_updates = args.sft_epochs * ((args.sft_examples + args.sft_batch_size - 1) // args.sft_batch_size)
+    total_updates = sft_updates + args.epochs * ((n_train_examples(args) + args.batch_size - 1) // args.batch_size)
+    stop = {"signal": None, "previous": {}} if args.eval_only else install_stop_handlers()
+    return Run(args, device, rank, world_size, run_dir, writer, resume, start_time, total_updates, stop)
+
+
 @dataclass
-class Runtime:
-    """What one process knows beyond Args: its place under torchrun, the run dir, the checkpoint it resumes."""
+class Run:
+    """What one process knows beyond Args: its place under torchrun, its device, the run dir, the tensorboard writer,
+    the checkpoint it resumes and the stop flag. `Run(args)`: one process on the CPU that writes nothing (tests)."""
 
-    world_size: int = 1
+    args: Args
+    device: torch.device = torch.device("cpu")
     rank: int = 0
-    run_dir: Path | None = None  # None: no checkpoints (e.g. a function called from a test)
+    world_size: int = 1
+    run_dir: Path | None = None  # None: no checkpoints
+    writer: SummaryWriter = field(default_factory=lambda: NullWriter())  # a NullWriter on ranks other than 0
     resume: dict | None = None  # `load_checkpoint` of --resume
-    start_time: float = 0.0  # time.time() at the run's start, moved back by the time before a resume
+    start_time: float = field(default_factory=time.time)  # moved back by the run's time before a resume
     total_updates: int = 0  # SFT + reward-model updates: the last one is always checkpointed
     stop: dict = field(default_factory=lambda: {"signal": None, "previous": {}})  # install_stop_handlers' flag
-    writer: SummaryWriter | None = None  # rank 0's tensorboard writer, flushed with every checkpoint
+
+    def resuming(self, phase: str) -> bool:
+        """Whether --resume continues a checkpoint written in `phase` ("sft" or "reward")."""
+        return self.resume is not None and self.resume["state"]["phase"] == phase
+
+    def broadcast_params(self, module: nn.Module) -> None:
+        broadcast_params(module, self.world_size)
+
+    def sync_grads(self, params) -> None:
+        sync_grads(list(params), self.world_size)
+
+    def global_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return global_sum(x, self.world_size)
+
+    def log(self, step: int, metrics: dict) -> None:
+        for tag, value in metrics.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def restore(self, fresh: dict, model, optimizer, scheduler) -> dict:
+        """Where a phase's loop starts: `fresh`, or, when --resume continues a checkpoint of fresh["phase"], the
+        checkpoint's place (its permutation included), with its model, optimizer, scheduler and every RNG loaded."""
+        if not self.resuming(fresh["phase"]):
+            return fresh
+        tensors = restore(self.resume, model, optimizer, scheduler, self.device)
+        return {**fresh, **{k: v for k, v in self.resume["state"].items() if k in fresh}, **tensors}
+
+    def end_step(self, update: int, at: dict, model, optimizer, scheduler) -> None:
+        """At a step boundary: checkpoint `at` (the loop's place) with the model, optimizer and scheduler when due
+        (every --save-every updates, and the last one) or when a stop signal reached any rank; after a stop, exit
+        with STOP_EXIT_CODE and the --resume command."""
+        stop = self.stop["signal"] is not None
+        if self.world_size > 1:  # a signal to any rank stops every rank at the same step (details 8)
+            stop = global_sum(torch.tensor([float(stop)], device=self.device), self.world_size).item() > 0
+        every = self.args.save_every
+        due = every > 0 and (update % every == 0 or update == self.total_updates)
+        if self.run_dir is None or not (due or stop):
+            return
+        if self.rank == 0:
+            tensors = {k: v for k, v in at.items() if isinstance(v, torch.Tensor)}
+            state = {**{k: v for k, v in at.items() if k not in tensors}, "update": update,
+                     "args": asdict(self.args), "elapsed_s": time.time() - self.start_time}  # fmt: skip
+            step_dir = save_checkpoint(self.run_dir, update, model, optimizer, scheduler, state, tensors)
+            self.writer.flush()  # the scalars logged so far reach the disk with the checkpoint
+        if stop:
+            if self.world_size > 1:
+                dist.barrier()  # no rank exits (torchrun would end the others) before rank 0's checkpoint is complete
+                dist.destroy_process_group()
+            if self.rank == 0:
+                self.writer.close()
+                launcher = "python" if self.world_size == 1 else f"torchrun --nproc_per_node {self.world_size}"
+                print(f"interrupted: saved {step_dir}; continue with: {launcher} {sys.argv[0]} --resume {self.run_dir}")
+            raise SystemExit(STOP_EXIT_CODE)
+
+    def end_training(self) -> None:
+        """After the last update: Ctrl-C stops at once again (a resume would redo the evaluation); under torchrun no
+        collective follows: every rank tears down together, and rank 0 alone evaluates, normalizes and saves."""
+        restore_signal_handlers(self.stop)
+        if self.world_size > 1:
+            dist.barrier()  # every rank tears down together (then each frees its gloo threads)
+            dist.destroy_process_group()
+            if self.rank != 0:
+                raise SystemExit(0)
+
+    def load_reward_model(self, path: str):
+        """--eval-only: the reward model and tokenizer of a run dir or of its reward_model/ (save_pretrained) dir."""
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        p = Path(path)
+        if (p / "reward_model").is_dir():
+            p = p / "reward_model"
+        if not (p / "config.json").exists():
+            raise SystemExit(f"error: --checkpoint '{path}' is not a run dir or save_pretrained dir (no config.json)")
+        try:
+            model = AutoModelForSequenceClassification.from_pretrained(p)
+            tokenizer = AutoTokenizer.from_pretrained(p)
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"error: could not load reward model from '{p}': {str(e).splitlines()[0]}") from None
+        return model.to(self.device), tokenizer
+
+    def finish(self, metrics: dict, report: str, step: int, n_seen: int, model=None, tokenizer=None) -> None:
+        """Rank 0 at the end: save the reward model and tokenizer (loadable with
+        AutoModelForSequenceClassification.from_pretrained), log the metrics and the report, write args.json and
+        then summary.json (last: its presence marks a finished run for --resume), close tensorboard."""
+        run_dir = self.run_dir
+        if model is not None:
+            model.save_pretrained(run_dir / "reward_model")
+            tokenizer.save_pretrained(run_dir / "reward_model")
+        wall = time.time() - self.start_time
+        self.log(step, metrics)
+        self.writer.add_text("eval/report", report)
+        print(report)
+        print(json.dumps({k: round(v, 4) for k, v in metrics.items()}, indent=1))
+        summary = {
+            "script": SCRIPT,
+            "run_name": run_dir.name,
+            "run_dir": str(run_dir),
+            "args": asdict(self.args),
+            "metrics": metrics,
+            "wall_time_s": wall,
+            "sps": n_seen / wall,
+        }
+        (run_dir / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
+        write_json_atomic(run_dir / "summary.json", summary)
+        self.writer.close()
 
 
-def shard(mb: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
-    """This rank's contiguous share of a global minibatch: mb[rank * n : (rank + 1) * n] with n = len(mb) / world_size
-    (a shorter last minibatch is split as evenly as it goes). One process: the whole minibatch."""
-    return mb if world_size == 1 else mb.tensor_split(world_size)[rank]
+def check_writable_dir(path: Path, flag: str) -> None:
+    """A one-line error, before any work, if `path` is a file, cannot be created, or is not writable."""
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"error: {flag} {path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"error: cannot create {flag} {path}: {err.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: {flag} {path} is not writable")
 
 
-def allreduce_grads(params: list, world_size: int) -> None:
-    """Average the gradients over ranks: flatten, one all-reduce (sum), divide, copy back."""
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    flat /= world_size
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+def new_run_dir(runs_dir: str, task: str, exp_name: str, seed: int) -> Path:
+    """Create and return runs_dir/{task}__{exp_name}__{seed}__{unix time}; never an existing directory: mkdir is
+    atomic, so runs started in the same second get -1, -2, ..."""
+    run_name = f"{task.replace('/', '-').replace(':', '-')}__{exp_name}__{seed}__{int(time.time())}"
+    run_dir, suffix = Path(runs_dir) / run_name, 0
+    while True:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            return run_dir
+        except FileExistsError:
+            suffix += 1
+            run_dir = Path(runs_dir) / f"{run_name}-{suffix}"
 
 
-def sum_over_ranks(values: list[float], device) -> list[float]:
-    """Sum a few scalars over ranks with one small all-reduce."""
-    total = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total.tolist()
+def open_writer(run_dir: Path, args, purge_step: int | None = None) -> SummaryWriter:
+    """tensorboard in the run dir with the hyperparameters as a markdown table (CleanRL). On a resume, purge_step (the
+    checkpoint's step + 1) drops what the killed run logged after its checkpoint, and the table is already there."""
+    writer = SummaryWriter(str(run_dir), purge_step=purge_step)
+    if purge_step is None:
+        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer
 
 
-def broadcast_params(model) -> None:
-    """Rank 0's weights on every rank (they are already equal when every rank seeded alike; this makes it certain)."""
-    with torch.no_grad():
-        for tensor in model.state_dict().values():
-            dist.broadcast(tensor, src=0)
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# CHECKPOINTS (--save-every / --resume / Ctrl-C, details 9)
-# ------------------------------------------------------------------------------------------------------------
 STOP_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C (a SIGTERM stop exits alike)
 
 
@@ -693,11 +963,60 @@ def restore_signal_handlers(stop: dict) -> None:
         signal.signal(sig, previous)
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
-    tmp = path.with_name(f".tmp_{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+def init_torchrun(cuda: bool) -> tuple[int, int, torch.device]:
+    """torchrun sets WORLD_SIZE / RANK / LOCAL_RANK: join the process group (nccl with --cuda on GPUs, gloo on CPU).
+    One process (no torchrun): rank 0 of 1 and no process group. Returns (rank, world_size, device)."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    use_cuda = torch.cuda.is_available() and cuda
+    if world_size == 1:
+        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=DIST_TIMEOUT)
+    return dist.get_rank(), world_size, torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+
+
+def sync_grads(params, world_size: int) -> None:
+    """SUM the gradients over ranks, one flat all-reduce after backward() and before clipping (CleanRL's
+    ppo_atari_multigpu.py averages instead): each rank's loss is already weighted by its share of the global batch,
+    so the sum is the gradient of the global batch's loss. Parameters without a gradient are skipped (identically on
+    every rank). One process: nothing."""
+    if world_size == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def global_sum(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The sum of x over ranks (a new tensor); x itself in one process."""
+    if world_size == 1:
+        return x
+    x = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def broadcast_params(module: nn.Module, world_size: int) -> None:
+    """Rank 0's parameters and floating-point buffers on every rank: identical starts whatever each rank's RNG use."""
+    if world_size > 1:
+        with torch.no_grad():
+            for t in [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]:
+                dist.broadcast(t.data, src=0)
+
+
+class NullWriter:
+    """What ranks other than 0 write to instead of tensorboard: SummaryWriter's calls as no-ops."""
+
+    def add_scalar(self, *args, **kwargs):
+        pass
+
+    add_text = add_histogram = flush = close = add_scalar
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, tensors: dict) -> Path:
@@ -786,264 +1105,5 @@ def restore(ckpt: dict, model, optimizer, scheduler, device) -> dict:
     return tensors
 
 
-def end_of_step(rt: Runtime, args, update: int, phase: str, model, optimizer, scheduler, position, tensors, stop):
-    """At a step boundary: checkpoint when due (every --save-every updates, and the last one) or when Ctrl-C was
-    pressed on any rank; in the latter case stop with the --resume command."""
-    due = args.save_every > 0 and (update % args.save_every == 0 or update == rt.total_updates)
-    if rt.run_dir is None or not (due or stop):
-        return
-    if rt.rank == 0:
-        state = {**position, "phase": phase, "update": update, "args": asdict(args),
-                 "elapsed_s": time.time() - rt.start_time}  # fmt: skip
-        step_dir = save_checkpoint(rt.run_dir, update, model, optimizer, scheduler, state, tensors)
-        rt.writer.flush()  # the scalars logged so far reach the disk with the checkpoint
-    if stop:
-        if rt.world_size > 1:
-            dist.barrier()  # no rank exits (torchrun would end the others) before rank 0's checkpoint is complete
-            dist.destroy_process_group()
-        if rt.rank == 0:
-            rt.writer.close()
-            launcher = "python" if rt.world_size == 1 else f"torchrun --nproc_per_node {rt.world_size}"
-            print(f"interrupted: saved {step_dir}; continue with: {launcher} {sys.argv[0]} --resume {rt.run_dir}")
-        raise SystemExit(STOP_EXIT_CODE)
-
-
-def resume_args(args: Args, saved: dict) -> Args:
-    """The resumed run's args: its saved ones. A field given on the command line (other than its default) must
-    agree with them, except the RESUME_FREE fields, which come from the command line."""
-    defaults, merged = asdict(Args()), {}
-    for name, value in asdict(args).items():
-        if name in RESUME_FREE or name not in saved:
-            merged[name] = value
-        elif value != defaults[name] and value != saved[name]:
-            raise SystemExit(
-                f"error: --{name.replace('_', '-')} {value} differs from the resumed run's {saved[name]} (drop it)"
-            )
-        else:
-            merged[name] = saved[name]
-    return Args(**merged)
-
-
-def check_runs_dir(runs_dir: str) -> None:
-    """A one-line error before any work when --runs-dir is a file or cannot be written."""
-    path = Path(runs_dir)
-    if path.exists() and not path.is_dir():
-        raise SystemExit(f"error: --runs-dir '{runs_dir}' is a file, not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise SystemExit(f"error: cannot create --runs-dir '{runs_dir}' ({e.strerror})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SystemExit(f"error: --runs-dir '{runs_dir}' is not writable")
-
-
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))  # set by torchrun
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    # validate early: one clear line instead of a traceback
-    if args.save_every < 0:
-        raise SystemExit("error: need --save-every >= 0 (0 = checkpoint only on Ctrl-C)")
-    if args.resume is not None and args.eval_only:
-        raise SystemExit("error: --resume continues a training run; --eval-only has nothing to resume")
-    if args.eval_only and world_size > 1:
-        raise SystemExit("error: --eval-only runs in one process (not under torchrun)")
-    ckpt = None
-    if args.resume is not None:  # the run's own args; the command line may only repeat them (details 9)
-        ckpt = load_checkpoint(Path(args.resume))
-        args = resume_args(args, ckpt["state"]["args"])
-    else:
-        check_runs_dir(args.runs_dir)
-    if args.eval_only and args.checkpoint is None:
-        raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or its reward_model/ dir)")
-    if args.checkpoint is not None and not Path(args.checkpoint).exists():
-        raise SystemExit(f"error: --checkpoint '{args.checkpoint}' does not exist")
-    if args.sft_epochs < 0 or args.sft_examples < 1 or args.sft_batch_size < 1:
-        raise SystemExit("error: need --sft-epochs >= 0 and positive --sft-examples, --sft-batch-size")
-    if args.k < 2 or args.n_train_prompts < 1 or args.eval_episodes < 1 or args.epochs < 1 or args.batch_size < 1:
-        raise SystemExit("error: need --k >= 2 and positive --n-train-prompts, --eval-episodes, --epochs, --batch-size")
-    if args.n_center_samples < 1:
-        raise SystemExit("error: need --n-center-samples >= 1")
-    if args.temperature <= 0 or not 0 <= args.flip_prob <= 1:
-        raise SystemExit("error: need --temperature > 0 and 0 <= --flip-prob <= 1")
-    if args.loss == "kwise" and args.kwise_form == "softmax" and args.margin != 0:
-        raise SystemExit("error: --margin is defined for pairwise / kwise-pairs losses, not --kwise-form softmax")
-    n_examples = args.n_train_prompts * (args.k * (args.k - 1) // 2 if args.loss == "pairwise" else 1)
-    for flag, n, batch in (("--sft-batch-size", args.sft_examples, args.sft_batch_size),
-                           ("--batch-size", n_examples, args.batch_size)):  # fmt: skip
-        if world_size > 1 and (batch % world_size or 0 < n % batch < world_size):  # every rank gets a share
-            raise SystemExit(f"error: {flag} {batch} (and a last minibatch of {n % batch}) must split over "
-                             f"{world_size} ranks")  # fmt: skip
-
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    if world_size > 1:  # data-parallel (details 8); nccl on GPUs, gloo on CPUs
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
-        if device.type == "cuda":
-            device = torch.device(f"cuda:{local_rank}")
-            torch.cuda.set_device(device)
-    start_time = time.time() - (ckpt["state"]["elapsed_s"] if ckpt else 0.0)
-
-    writer = None
-    if ckpt is not None:
-        run_dir = Path(args.resume)
-        run_name = run_dir.name
-    elif rank == 0:
-        run_name, run_dir = make_run_dir(args)
-    if world_size > 1 and ckpt is None:  # rank 0 made the run dir; every rank learns its name
-        shared = [str(run_dir) if rank == 0 else None]
-        dist.broadcast_object_list(shared, src=0)
-        run_dir = Path(shared[0])
-        run_name = run_dir.name
-    if rank == 0 and ckpt is None:
-        writer = SummaryWriter(str(run_dir))
-    elif rank == 0:  # continue the curves: drop what the interrupted run logged after its checkpoint (details 9)
-        st = ckpt["state"]  # losses/sft_nll is logged per SFT epoch, the rest per reward-model update
-        purge_step = st["epoch"] if st["phase"] == "sft" else max(st["global_step"] + 1, args.sft_epochs)
-        writer = SummaryWriter(str(run_dir), purge_step=purge_step)
-    if writer is not None and (ckpt is None or purge_step == 0):
-        table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-
-    # held-out comparisons: K completions of held-out prompts, ranked by the same labeler (other seed)
-    heldout = preference.make_preference_dataset(
-        args.eval_episodes, args.k, args.seed + 10_000, args.temperature, args.flip_prob, split="heldout"
-    )
-    n_seen, global_step = 0, 0
-    if args.eval_only:
-        model, tokenizer = load_reward_model(args.checkpoint, device)
-        scale = float(getattr(model.config, "seqrl_reward_std", 1.0))
-        metrics, report = evaluate(model, tokenizer, heldout, args, device, scale=scale)
-    else:
-        sft_updates = args.sft_epochs * ((args.sft_examples + args.sft_batch_size - 1) // args.sft_batch_size)
-        # every rank takes part in a checkpoint's timing; Ctrl-C / SIGTERM: checkpoint at the next step, then exit
-        rt = Runtime(world_size, rank, run_dir, ckpt, start_time, stop=install_stop_handlers(), writer=writer)
-        rt.total_updates = sft_updates + args.epochs * ((n_examples + args.batch_size - 1) // args.batch_size)
-        in_reward_phase = ckpt is not None and ckpt["state"]["phase"] == "reward"
-        # 1. data: K SFT-like completions per training prompt, ranked by the simulated labeler
-        data = preference.make_preference_dataset(
-            args.n_train_prompts, args.k, args.seed, args.temperature, args.flip_prob, split="train"
-        )
-        lm, tokenizer = build_lm(args, device)
-        if world_size > 1:
-            broadcast_params(lm)
-        # 1b. supervised fine-tuning on demonstrations; the reward model starts from the SFT model's backbone
-        sft_nll = ckpt["state"]["sft_nll"] if in_reward_phase else None
-        if args.sft_epochs > 0 and not in_reward_phase:
-            sft_nll = supervised_fine_tune(lm, tokenizer, args, device, writer, rt)
-            if rank == 0:
-                print(f"SFT: {args.sft_examples} demos x {args.sft_epochs} epochs ({time.time() - start_time:.0f}s)")
-        model = reward_model_from(lm, tokenizer, device)
-        del lm
-        if world_size > 1:
-            broadcast_params(model)
-        if args.loss == "pairwise":  # every pair its own example: (prompt, chosen, rejected)
-            p, c, r = preference.to_pairs(data)
-            enc = encode(tokenizer, p + p, c + r)
-            ids = enc["input_ids"].view(2, len(p), -1).transpose(0, 1)  # (P, 2, L): [chosen, rejected]
-            mask = enc["attention_mask"].view(2, len(p), -1).transpose(0, 1)  # (P, 2, L)
-        else:  # one ranking per example, completions sorted best first
-            p = [d["prompt"] for d in data for _ in range(args.k)]
-            c = [d["completions"][j] for d in data for j in d["ranking"]]
-            enc = encode(tokenizer, p, c)
-            ids = enc["input_ids"].view(len(data), args.k, -1)  # (N, K, L)
-            mask = enc["attention_mask"].view(len(data), args.k, -1)  # (N, K, L)
-        n_examples, group = ids.shape[0], ids.shape[1]
-        steps_per_epoch = (n_examples + args.batch_size - 1) // args.batch_size
-        num_updates = args.epochs * steps_per_epoch
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / num_updates)
-        if rank == 0:
-            print(f"{n_examples} training examples of {group} sequences, {num_updates} updates, device {device}")
-        first_epoch, first_start, loss_value = 0, 0, float("nan")
-        if in_reward_phase:  # continue inside the saved epoch, with its permutation (details 9)
-            perm = restore(ckpt, model, optimizer, scheduler, device)["perm"]
-            st = ckpt["state"]
-            first_epoch, first_start, loss_value = st["epoch"], st["next_start"], st["loss"]
-            global_step, n_seen = st["global_step"], st["n_seen"]
-
-        # 2. fit r_psi by maximum likelihood of the preferences
-        for epoch in range(first_epoch, args.epochs):
-            model.train()
-            if not in_reward_phase or epoch > first_epoch:
-                perm = torch.randperm(n_examples)
-            for start in range(first_start if epoch == first_epoch else 0, n_examples, args.batch_size):
-                mb = perm[start : start + args.batch_size]
-                loss, rewards = reward_minibatch_loss(model, ids, mask, mb, args, device, world_size, rank)
-                optimizer.zero_grad()
-                loss.backward()
-                if world_size > 1:
-                    allreduce_grads(list(model.parameters()), world_size)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                global_step += 1
-                n_seen += len(mb) * group
-                loss_value, stop = loss.item(), rt.stop["signal"] is not None
-                acc = (rewards[:, 0] > rewards[:, 1]).float().mean().item()  # top-1 vs top-2 on the batch
-                if world_size > 1:  # global minibatch statistics; Ctrl-C on any rank stops every rank (details 8)
-                    n_correct = float((rewards[:, 0] > rewards[:, 1]).sum())
-                    stats = [loss_value / world_size, n_correct, float(stop)]
-                    loss_value, n_correct, n_stop = sum_over_ranks(stats, device)
-                    acc, stop = n_correct / len(mb), n_stop > 0
-                if writer is not None and (global_step % LOG_EVERY == 0 or global_step == num_updates):
-                    writer.add_scalar("losses/loss", loss_value, global_step)
-                    writer.add_scalar("losses/accuracy_top2", acc, global_step)
-                    writer.add_scalar("charts/learning_rate", scheduler.get_last_lr()[0], global_step)
-                    writer.add_scalar("charts/SPS", n_seen / (time.time() - start_time), global_step)
-                position = {"epoch": epoch, "next_start": start + args.batch_size, "global_step": global_step,
-                            "n_seen": n_seen, "loss": loss_value, "sft_nll": sft_nll}  # fmt: skip
-                end_of_step(rt, args, sft_updates + global_step, "reward", model, optimizer, scheduler, position,
-                            {"perm": perm}, stop)  # fmt: skip
-            if rank == 0:
-                print(f"epoch {epoch + 1}/{args.epochs}: loss {loss_value:.4f}  ({time.time() - start_time:.0f}s)")
-        restore_signal_handlers(rt.stop)  # Ctrl-C from here on stops at once: a resume redoes the evaluation
-        if world_size > 1:  # no collective after training: rank 0 alone evaluates, normalizes and saves (details 8)
-            dist.barrier()  # every rank tears down together (then each frees its gloo threads)
-            dist.destroy_process_group()
-            if rank != 0:
-                raise SystemExit(0)
-
-        # 3. evaluate on the Bradley-Terry scale (calibration is not invariant to the normalization)
-        metrics, report = evaluate(model, tokenizer, heldout, args, device)
-        if sft_nll is not None:
-            metrics["model/sft_nll"] = sft_nll
-        # 4. normalize to mean 0 / std 1 on SFT demonstrations, folded into the saved weights
-        demos = preference.make_sft_dataset(args.n_norm_samples, seed=args.seed + 20_000)
-        raw = score_texts(model, tokenizer, [d[0] for d in demos], [d[1] for d in demos], device)
-        where = fold_normalization(model, float(raw.mean()), float(raw.std()))
-        normed = score_texts(model, tokenizer, [d[0] for d in demos], [d[1] for d in demos], device)
-        normed = normed + float(getattr(model.config, "seqrl_reward_offset", 0.0))
-        print(
-            f"normalized on {len(demos)} SFT demos (shift in {where}): mean {normed.mean():+.4f} std {normed.std():.4f}"
-        )
-        metrics.update({"model/reward_mean_raw": float(raw.mean()), "model/reward_std_raw": float(raw.std())})
-        metrics.update({"model/reward_mean_normalized": float(normed.mean()), "model/reward_std_normalized": float(normed.std())})  # fmt: skip  # noqa: E501
-        score_metrics, score_report = lecture_scores(model, tokenizer, device)  # now on the normalized scale
-        metrics.update(score_metrics)
-        report = score_report + report[report.index("\n\ncalibration") :]
-        # 5. save: model + tokenizer, loadable with AutoModelForSequenceClassification.from_pretrained
-        model.save_pretrained(run_dir / "reward_model")
-        tokenizer.save_pretrained(run_dir / "reward_model")
-
-    wall = time.time() - start_time
-    for key, value in metrics.items():
-        writer.add_scalar(key, value, global_step)
-    writer.add_text("eval/report", report)
-    print(report)
-    print(json.dumps({k: round(v, 4) for k, v in metrics.items()}, indent=1))
-    summary = {
-        "script": Path(__file__).stem,
-        "run_name": run_name,
-        "run_dir": str(run_dir),
-        "args": asdict(args),
-        "metrics": metrics,
-        "wall_time_s": wall,
-        "sps": n_seen / wall,
-    }
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-    write_json_atomic(run_dir / "summary.json", summary)  # last: its presence marks a finished run (--resume)
-    writer.close()
+    main()

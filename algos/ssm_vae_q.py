@@ -55,16 +55,12 @@ Implementation details:
    predicted p(done) of try j after its j - 1 failures, each failure filtered in as the observation in_room.
 7. Held-out one-step observation error: before the filter sees o_{t+1}, the prior predicts it from (s_t, a_t);
    the squared error (mean over dims) is logged online on fresh, not-yet-replayed data and in greedy eval.
-
-8. Observations: gymnasium's FlattenObservation (Discrete and each MultiDiscrete component one-hot, Box
-   flattened, Tuple/Dict parts concatenated). Evaluation env i of seed s runs on env seed 10 000 (s + 1) + i.
+8. Observations: gymnasium's FlattenObservation (one-hot Discrete/MultiDiscrete parts, flat Box, Tuple/Dict joined).
 9. Learning rates: Q's is annealed linearly to 0 (`--anneal-q-lr`), the world model's is not by default (the
-   ELBO is a stationary objective; annealing it too left a TwoDoors tuning seed without the door memory).
-   `--select-frequency N --keep-best`: the greedy policy is evaluated on `--select-episodes` episodes every N env
-   steps (env seeds 1e9 + 1e7 seed + global_step + i), the world model and Q of the best evaluation are kept (the
-   later one on ties, as SB3's EvalCallback) and saved; the last networks are evaluated on the same final episodes
-   (`eval/last_network_*`). Evaluations draw their z samples from their own seeded generator, so they do not
-   change the training run.
+   ELBO is a stationary objective; annealed, a TwoDoors tuning seed predicted p(pass) 0.92 after a failure).
+   `--select-frequency N --keep-best`: the world model and Q of the best greedy evaluation (every N env steps, on
+   env seeds disjoint from the final ones) are kept and saved (the later one on ties, as SB3's EvalCallback); the
+   last networks are reported too (`eval/last_network_*`). Evaluations draw z from their own seeded generator.
 
 Scaled down from the papers: vector observations (no CNN), tiny sizes (h 64, z 8), Gaussian z (not DreamerV2's
 categorical z), DQN instead of SAC/actor-critic in imagination, unit-variance reward likelihood, fixed obs_std.
@@ -105,7 +101,6 @@ from envs.pomdp import true_pass_probability  # noqa: E402  (importing envs regi
 MIN_STD = 0.1  # lower bound of the latent standard deviations (PlaNet's min_stddev), keeps the KL finite
 PROBE_PARTICLES = 1000  # Monte Carlo particles for the TwoDoors probe probabilities
 MAX_CODE_BITS = 12  # Markov baseline only for binary observations of at most 12 bits (4096 codes)
-ARCH_FIELDS = ("env_id", "env_kwargs", "deter_size", "stoch_size", "hidden_size")  # from args.json on --eval-only
 EVAL_SEED_STRIDE = 10_000  # eval env i of training seed s gets seed 10_000 (s + 1) + i: disjoint sets per seed
 SELECT_SEED_BASE = 10**9  # evaluations during training: env seeds 1e9 + 1e7 s + global_step + i, disjoint from
 SELECT_SEED_STRIDE = 10**7  # the final evaluation's and across training seeds (global_step + i < 1e7)
@@ -195,11 +190,9 @@ class Args:
     q_max_grad_norm: float = 10.0
     """gradient clipping of the Q-network"""
     anneal_q_lr: bool = True
-    """anneal the Q-network's learning rate linearly to 0 over training, so that Q settles and the evaluated policy
-    is the one training converged to (without it a TMaze-5 tuning seed learned, then collapsed late: 0 success)"""
+    """anneal the Q-network's learning rate linearly to 0 over training (without: a TMaze-5 seed ended at success 0)"""
     anneal_model_lr: bool = False
-    """anneal the world model's learning rate too (off: the ELBO is a stationary objective; annealing it left a
-    TwoDoors tuning seed with a model that predicts p(pass) 0.92 for both doors after a failure)"""
+    """anneal the world model's learning rate too (off: the ELBO is a stationary objective, detail 9)"""
     log_every: int = 100
     """updates between logging the losses"""
     select_frequency: int = 0
@@ -261,8 +254,7 @@ def elbo_terms(out: dict, batch: dict, mask: torch.Tensor, obs_std: float, free_
 
 
 def history_complete(is_first: torch.Tensor) -> torch.Tensor:
-    """(T, B) bool: an is_first entry at or before t in the chunk, so the filter from zeros saw the whole episode
-    up to t and its belief is exactly the one online acting computes."""
+    """(T, B) bool: an is_first at or before t, so the filter from zeros has the belief that online acting has."""
     return torch.cumsum(is_first.long(), dim=0) > 0
 
 
@@ -273,10 +265,8 @@ def valid_mask(is_first: torch.Tensor, burn_in: int) -> torch.Tensor:
 
 
 def q_loss_mask(is_first: torch.Tensor, q_burn_in: int = 0) -> torch.Tensor:
-    """(T-1, B) float: the transitions t -> t+1 Q is trained on: inside one episode (no is_first at t+1) and with a
-    complete history at t. A chunk that starts mid-episode is filtered from a zero state that online acting never
-    has there (in TMaze: a belief without the cue), so its beliefs before the next episode start are not used,
-    unless q_burn_in > 0 and t >= q_burn_in (the approximation of `--q-burn-in`)."""
+    """(T-1, B) float: the transitions t -> t+1 Q is trained on (detail 2): inside one episode (no is_first at t+1),
+    with a complete history at t or, if q_burn_in > 0, at t >= q_burn_in (the approximation of `--q-burn-in`)."""
     usable = valid_mask(is_first, q_burn_in) if q_burn_in > 0 else history_complete(is_first)
     return (usable[:-1] & ~is_first[1:]).float()
 
@@ -308,8 +298,7 @@ def markov_prob(counts: np.ndarray, code: int, action: int, next_code: int) -> f
 
 
 def eval_env_seed(seed: int) -> int:
-    """First env seed of the final evaluation of training seed `seed`; episode i uses eval_env_seed(seed) + i. Blocks
-    of EVAL_SEED_STRIDE seeds: disjoint across training seeds and from the training envs' seeds (seed + i)."""
+    """First env seed of the final evaluation of training seed `seed` (episode i: + i); see EVAL_SEED_STRIDE."""
     return EVAL_SEED_STRIDE * (seed + 1)
 
 
@@ -372,15 +361,8 @@ class WorldModel(nn.Module):
             post_mu.append(post[0]), post_std.append(post[1])
         h, z = torch.stack(hs), torch.stack(zs)  # (T, B, deter), (T, B, stoch)
         obs_mean, reward_mean, done_logit = self.decode(h, z)
-        return {
-            "h": h,
-            "z": z,
-            "prior": (torch.stack(prior_mu), torch.stack(prior_std)),
-            "post": (torch.stack(post_mu), torch.stack(post_std)),
-            "obs_mean": obs_mean,
-            "reward_mean": reward_mean,
-            "done_logit": done_logit,
-        }
+        prior, post = (torch.stack(prior_mu), torch.stack(prior_std)), (torch.stack(post_mu), torch.stack(post_std))
+        return dict(h=h, z=z, prior=prior, post=post, obs_mean=obs_mean, reward_mean=reward_mean, done_logit=done_logit)
 
 
 class QNetwork(nn.Module):
@@ -422,14 +404,8 @@ class SequenceReplay:
         starts = oldest + rng.integers(0, self.size() - seq_len + 1, size=batch_size)
         rows = (starts[None, :] + np.arange(seq_len)[:, None]) % self.cap  # (T, B)
         cols = rng.integers(0, self.num_envs, size=batch_size)[None, :]  # (1, B)
-        get = lambda x: torch.as_tensor(x[rows, cols], device=device)  # noqa: E731
-        return {
-            "obs": get(self.obs),
-            "prev_action": get(self.prev_action),
-            "reward": get(self.reward),
-            "terminated": get(self.terminated),
-            "is_first": get(self.is_first),
-        }
+        fields = ("obs", "prev_action", "reward", "terminated", "is_first")
+        return {k: torch.as_tensor(getattr(self, k)[rows, cols], device=device) for k in fields}
 
     def transitions(self, limit: int | None = None):
         """All (o, a, o') of the stored streams (chronological, first `limit` entries per env) as flat arrays."""
@@ -444,10 +420,9 @@ class SequenceReplay:
 def flattenable(space: gym.spaces.Space) -> bool:
     """True for the spaces gymnasium's `spaces.flatten` turns into one flat vector: Box, Discrete, MultiBinary,
     MultiDiscrete, and Tuple/Dict of these (nested)."""
-    if isinstance(space, gym.spaces.Tuple):
-        return all(flattenable(sub) for sub in space.spaces)
-    if isinstance(space, gym.spaces.Dict):
-        return all(flattenable(sub) for sub in space.spaces.values())
+    if isinstance(space, gym.spaces.Tuple | gym.spaces.Dict):
+        subs = space.spaces.values() if isinstance(space, gym.spaces.Dict) else space.spaces
+        return all(flattenable(sub) for sub in subs)
     return isinstance(space, FLAT_SPACES)
 
 
@@ -458,10 +433,8 @@ def make_env(env_id: str, env_kwargs: dict):
     def thunk():
         env = gym.make(env_id, **env_kwargs)
         if not flattenable(env.observation_space):
-            raise SystemExit(
-                f"error: {env_id} has observation space {env.observation_space}; supported: Box, Discrete, "
-                "MultiBinary, MultiDiscrete, and Tuple/Dict of these"
-            )
+            supported = "Box, Discrete, MultiBinary, MultiDiscrete, and Tuple/Dict of these"
+            raise SystemExit(f"error: {env_id} has observation space {env.observation_space}; supported: {supported}")
         return gym.wrappers.DtypeObservation(gym.wrappers.FlattenObservation(env), np.float32)
 
     return thunk
@@ -473,242 +446,38 @@ def make_vector_env(env_id: str, env_kwargs: dict, n: int):
         envs_ = gym.vector.SyncVectorEnv([make_env(env_id, env_kwargs) for _ in range(n)])
     except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as e:
         raise SystemExit(f"error: cannot make env {env_id!r} with kwargs {env_kwargs}: {e}") from None
-    act_space = envs_.single_action_space
-    if not isinstance(act_space, gym.spaces.Discrete):
-        raise SystemExit(f"error: ssm_vae_q supports Discrete action spaces only, got {act_space}")
+    if not isinstance(envs_.single_action_space, gym.spaces.Discrete):
+        raise SystemExit(f"error: ssm_vae_q supports Discrete action spaces only, got {envs_.single_action_space}")
     return envs_
 
 
-@torch.no_grad()
-def two_doors_probe(model: WorldModel, device, particles: int = PROBE_PARTICLES) -> dict:
-    """p(pass) predicted by the latent model after (reset), (reset, try d, fail), averaged over d in {left, right};
-    and p(pass within k tries of the same door), k = 1..MAX_TRIES (`within_same`, see `pass_within_k`)."""
-    in_room = torch.tensor([[1.0, 0.0]], device=device).expand(particles, 2)
-    zeros_a = torch.zeros(particles, model.num_actions, device=device)
-    first = torch.ones(particles, dtype=torch.bool, device=device)
-    not_first = torch.zeros(particles, dtype=torch.bool, device=device)
-    h0, z0 = torch.zeros(particles, model.deter, device=device), torch.zeros(particles, model.stoch, device=device)
-    h, z, _, _ = model.filter_step(h0, z0, zeros_a, in_room, first)  # reset: o_0 = in_room
-
-    def onehot(door):
-        return F.one_hot(torch.full((particles,), door, device=device), model.num_actions).float()
-
-    def predict(h, z, door):  # imagine one step under the prior: E[p(done)], E[passed bit]
-        h2, (mu, std) = model.transition(h, z, onehot(door))
-        obs_mean, _, done_logit = model.decode(h2, mu + std * torch.randn_like(std))
-        return torch.sigmoid(done_logit).mean().item(), obs_mean[:, 1].mean().item()
-
-    res = {"first_try": np.mean([predict(h, z, d)[0] for d in (0, 1)])}
-    same, other, same_obs, other_obs, within = [], [], [], [], []
-    for door in (0, 1):
-        # history: try `door`, fail (observe in_room again)
-        h1, z1, _, _ = model.filter_step(h, z, onehot(door), in_room, not_first)
-        (ps, os_), (po, oo) = predict(h1, z1, door), predict(h1, z1, 1 - door)
-        same.append(ps), other.append(po), same_obs.append(os_), other_obs.append(oo)
-        # k tries of `door` from the start: p(pass at try j | j - 1 failures), the failures filtered in as observations
-        hj, zj, per_try = h, z, []
-        for _ in range(MAX_TRIES):
-            per_try.append(predict(hj, zj, door)[0])
-            hj, zj, _, _ = model.filter_step(hj, zj, onehot(door), in_room, not_first)
-        within.append(pass_within_k(per_try))
-    res.update(same=np.mean(same), other=np.mean(other), same_obs=np.mean(same_obs), other_obs=np.mean(other_obs))
-    res.update(same_left=same[0], other_left=other[0], within_same=np.mean(within, axis=0))
-    return res
-
-
-def pass_within_k(per_try) -> np.ndarray:
-    """P(pass within k tries) = 1 - prod_{j<=k} (1 - p_j), k = 1..len, from p_j = P(pass at try j | j - 1 failures)."""
-    return 1.0 - np.cumprod(1.0 - np.asarray(per_try, dtype=np.float64))
-
-
-def true_pass_within_k(max_tries: int = MAX_TRIES) -> np.ndarray:
-    """The truth for "try the same door k times from the episode start", averaged over the door tried: the first
-    try passes with 1/2, a retry of a failed door never does (`envs.pomdp.true_pass_probability`), so 1/2 for all k."""
-    per_door = [pass_within_k([true_pass_probability(set() if j == 0 else {d}, d) for j in range(max_tries)])
-                for d in (0, 1)]  # fmt: skip
-    return np.mean(per_door, axis=0)
-
-
-def markov_probe(replay: SequenceReplay, num_actions: int, limit: int | None = None) -> dict | None:
-    """Markov model p(o'|o,a) on the replayed transitions; TwoDoors p(pass | in_room, door) for both doors."""
-    obs, act, next_obs = replay.transitions(limit)
-    codes, next_codes = binary_codes(obs), binary_codes(next_obs)
-    if codes is None or next_codes is None or len(codes) == 0:
-        return None
-    counts = markov_counts(codes, act, next_codes, 2 ** obs.shape[-1], num_actions)
-    in_room, passed = 1, 2  # binary codes of [1, 0] and [0, 1]
-    p = [markov_prob(counts, in_room, d, passed) for d in (0, 1)]
-    # history is ignored: "same door" after failing d is p(pass|in_room, d), "other door" is p(pass|in_room, 1-d)
-    # and every try of door d passes independently with p(pass|in_room, d): within k tries 1 - (1 - p)^k
-    within = np.mean([pass_within_k([pd] * MAX_TRIES) for pd in p], axis=0)
-    return {"same": float(np.mean(p)), "other": float(np.mean(p[::-1])), "same_left": p[0], "other_left": p[1],
-            "within_same": within}  # fmt: skip
-
-
-@torch.no_grad()
-def evaluate(model, q_net, env_id, env_kwargs, episodes: int, seed: int, device) -> dict:
-    """Greedy episodes (one per env of a vector env) + held-out one-step observation prediction error. The filter's
-    z samples come from a generator seeded with `seed` (same networks + seed: same result), and the training RNG
-    stream is left untouched (evaluations during training do not change what is trained)."""
-    with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
-        torch.manual_seed(seed)
-        return _evaluate(model, q_net, env_id, env_kwargs, episodes, seed, device)
-
-
-def _evaluate(model, q_net, env_id, env_kwargs, episodes: int, seed: int, device) -> dict:
-    venv = make_vector_env(env_id, env_kwargs, episodes)
-    obs, _ = venv.reset(seed=seed)
-    h = torch.zeros(episodes, model.deter, device=device)
-    z = torch.zeros(episodes, model.stoch, device=device)
-    a_prev = torch.zeros(episodes, dtype=torch.long, device=device)
-    is_first = torch.ones(episodes, dtype=torch.bool, device=device)
-    done = np.zeros(episodes, bool)
-    was_live = np.ones(episodes, bool)  # env was still in its first episode when it produced the current obs
-    returns, lengths, success = np.zeros(episodes), np.zeros(episodes), np.full(episodes, np.nan)
-    sq_err, copy_err, n_err = 0.0, 0.0, 0
-    prev_obs = torch.as_tensor(obs, device=device)
-    while not done.all():
-        o = torch.as_tensor(obs, device=device)
-        a1h = F.one_hot(a_prev, model.num_actions).float()
-        h, z, prior, post = model.filter_step(h, z, a1h, o, is_first)
-        if not is_first.all():  # prior prediction of o_t from (s_{t-1}, a_{t-1}) before the filter saw o_t
-            live = torch.as_tensor(was_live, device=device) & ~is_first
-            pred = model.decode(h, prior[0])[0]
-            sq_err += ((pred - o) ** 2).mean(-1)[live].sum().item()
-            copy_err += ((prev_obs - o) ** 2).mean(-1)[live].sum().item()
-            n_err += int(live.sum())
-        action = q_net(torch.cat([h, post[0]], -1)).argmax(-1)
-        obs, reward, term, trunc, info = venv.step(action.cpu().numpy())
-        live = ~done
-        was_live = live.copy()
-        returns[live] += reward[live]
-        lengths[live] += 1
-        ended = live & (term | trunc)
-        if "success" in info:
-            success[ended & info["_success"]] = info["success"][ended & info["_success"]]
-        done |= ended
-        prev_obs, a_prev, is_first = o, action, torch.zeros_like(is_first)
-    venv.close()
-    metrics = {
-        "eval/episodic_return": float(returns.mean()),
-        "eval/episodic_return_std": float(returns.std()),
-        "eval/episodic_length": float(lengths.mean()),
-        "eval/one_step_obs_error": sq_err / max(n_err, 1),
-        "eval/one_step_obs_error_copy_last": copy_err / max(n_err, 1),  # baseline: predict o_t = o_{t-1}
-    }
-    if not np.isnan(success).all():
-        metrics["eval/success_rate"] = float(np.nanmean(success))
-    return metrics
-
-
-def load_checkpoint(path: str | None, model: nn.Module, q_net: nn.Module):
-    if path is None:
-        raise SystemExit("error: --eval-only needs --checkpoint (a run dir or its model.safetensors)")
-    file = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
-    if not file.is_file():
-        raise SystemExit(f"error: checkpoint {file} not found")
-    try:
-        state = load_file(str(file))
-    except Exception as e:  # safetensors raises its own error types on corrupt files
-        raise SystemExit(f"error: checkpoint {file} is not a readable safetensors file ({e})") from None
-    for prefix, module in (("model.", model), ("q.", q_net)):
-        sub = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-        try:
-            module.load_state_dict(sub)
-        except RuntimeError as e:
-            first = str(e).strip().splitlines()[-1].strip()
-            raise SystemExit(f"error: checkpoint {file} does not match this architecture/env ({first})") from None
-
-
-def check_runs_dir(path_str: str) -> None:
-    """Fail before any work if `--runs-dir` is a file or cannot be written (not after minutes of training)."""
-    path = Path(path_str)
-    if path.exists() and not path.is_dir():
-        raise SystemExit(f"error: --runs-dir {path_str} is a file, not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise SystemExit(f"error: cannot create --runs-dir {path_str}: {err.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SystemExit(f"error: --runs-dir {path_str} is not writable")
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
-    tmp = path.with_name(f".tmp_{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
-
-
-if __name__ == "__main__":
-    args = tyro.cli(Args)
-    if args.eval_only and args.checkpoint is not None:  # take the architecture from the saved run if present
-        saved = (
-            Path(args.checkpoint) if Path(args.checkpoint).is_dir() else Path(args.checkpoint).parent
-        ) / "args.json"
-        if saved.is_file():
-            for k in ARCH_FIELDS:
-                setattr(args, k, json.loads(saved.read_text()).get(k, getattr(args, k)))
-    try:
-        env_kwargs = json.loads(args.env_kwargs)
-        assert isinstance(env_kwargs, dict)
-    except (json.JSONDecodeError, AssertionError):
-        raise SystemExit(f"error: --env-kwargs must be a JSON dict, got {args.env_kwargs!r}") from None
-    for name in ("num_envs", "total_timesteps", "eval_episodes", "batch_size", "seq_len", "train_frequency"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.eval_episodes > EVAL_SEED_STRIDE:
-        raise SystemExit(f"error: --eval-episodes must be <= {EVAL_SEED_STRIDE} (disjoint evaluation seeds)")
-    if args.seq_len < 2:
-        raise SystemExit("error: --seq-len must be >= 2 (a transition needs two entries)")
-    if args.select_frequency < 0 or not 1 <= args.select_episodes <= EVAL_SEED_STRIDE:
-        raise SystemExit(f"error: need --select-frequency >= 0 and 1 <= --select-episodes <= {EVAL_SEED_STRIDE}")
-    if args.total_timesteps >= SELECT_SEED_STRIDE // 2:
-        raise SystemExit(f"error: --total-timesteps must be < {SELECT_SEED_STRIDE // 2}")
-    if args.keep_best and args.select_frequency < 1:
-        raise SystemExit("error: --keep-best needs --select-frequency > 0")
-    capacity = args.buffer_size // args.num_envs
-    if not args.eval_only and capacity < args.seq_len + 1:
-        raise SystemExit(f"error: --buffer-size {args.buffer_size} too small for {args.num_envs} envs x seq-len")
-    check_runs_dir(args.runs_dir)
-
-    run_name = f"{args.env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.runs_dir) / run_name
-    suffix = 0
+def main():
+    args = parse_args()
+    env_kwargs = json.loads(args.env_kwargs)  # a JSON dict (parse_args checked it)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     rng = np.random.default_rng(args.seed)
+    eval_seed = eval_env_seed(args.seed)  # the final evaluation's env seeds: eval_seed + i
 
     venv = make_vector_env(args.env_id, env_kwargs, args.num_envs)
     args.obs_dim, args.num_actions = venv.single_observation_space.shape[0], int(venv.single_action_space.n)
-    model = WorldModel(args.obs_dim, args.num_actions, args.deter_size, args.stoch_size, args.hidden_size).to(device)
-    q_net = QNetwork(args.deter_size, args.stoch_size, args.hidden_size, args.num_actions).to(device)
-    target_net = QNetwork(args.deter_size, args.stoch_size, args.hidden_size, args.num_actions).to(device)
-    if args.eval_only:
-        load_checkpoint(args.checkpoint, model, q_net)
-    while True:  # never overwrite a run: mkdir is atomic, so runs started in the same second get -1, -2, ...
-        try:
-            run_dir.mkdir(parents=True, exist_ok=False)
-            break
-        except FileExistsError:
-            suffix += 1
-            run_dir = Path(args.runs_dir) / f"{run_name}-{suffix}"
-    writer = SummaryWriter(str(run_dir))
-    writer.add_text(
-        "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-    )
+    model = WorldModel(args.obs_dim, args.num_actions, args.deter_size, args.stoch_size, args.hidden_size)
+    q_net = QNetwork(args.deter_size, args.stoch_size, args.hidden_size, args.num_actions)
+    target_net = QNetwork(args.deter_size, args.stoch_size, args.hidden_size, args.num_actions)
+    run = start_run(args, model, q_net)  # --eval-only: model and q_net are loaded from --checkpoint here
+    device = run.device
+    model, q_net, target_net = model.to(device), q_net.to(device), target_net.to(device)
     target_net.load_state_dict(q_net.state_dict())
     model_opt = torch.optim.Adam(model.parameters(), lr=args.model_lr)
     q_opt = torch.optim.Adam(q_net.parameters(), lr=args.q_lr)
-    replay = SequenceReplay(max(capacity, args.seq_len + 1), args.num_envs, args.obs_dim)
-    start_time, global_step, updates, sps = time.time(), 0, 0, 0.0
-    metrics: dict[str, float] = {}
+    replay = SequenceReplay(max(args.buffer_size // args.num_envs, args.seq_len + 1), args.num_envs, args.obs_dim)
+    start_time, global_step, updates, metrics = time.time(), 0, 0, {}  # metrics: what summary.json reports
 
     # ALGO LOGIC: collect with the online filter, learn model + Q interleaved on replayed chunks
     num_iterations = 0 if args.eval_only else args.total_timesteps // args.num_envs
+    decay_steps = int(args.exploration_fraction * args.total_timesteps)  # epsilon decays linearly over these
     obs, _ = venv.reset(seed=args.seed)
     venv.action_space.seed(args.seed)
     h = torch.zeros(args.num_envs, args.deter_size, device=device)
@@ -735,11 +504,8 @@ if __name__ == "__main__":
                 online_err.extend(err.tolist())
             q_values = q_net(torch.cat([h, post[0]], -1))
         # 3. epsilon-greedy action
-        epsilon = linear_schedule(
-            args.start_e, args.end_e, int(args.exploration_fraction * args.total_timesteps), global_step
-        )
-        if global_step < args.learning_starts:
-            epsilon = 1.0
+        epsilon = linear_schedule(args.start_e, args.end_e, decay_steps, global_step)
+        epsilon = 1.0 if global_step < args.learning_starts else epsilon  # uniformly random warm-up
         explore = rng.random(args.num_envs) < epsilon
         actions = np.where(explore, rng.integers(0, args.num_actions, args.num_envs), q_values.argmax(-1).cpu().numpy())
         # 4. step. CRUCIAL (NEXT_STEP autoreset): an env that was done at the previous step() is reset by this
@@ -751,16 +517,11 @@ if __name__ == "__main__":
         ep_len += ~is_first
         done_prev = (terminated | truncated) & ~is_first
         for i in np.flatnonzero(done_prev):
-            writer.add_scalar("charts/episodic_return", ep_return[i], global_step)
-            writer.add_scalar("charts/episodic_length", ep_len[i], global_step)
+            run.log(global_step, {"charts/episodic_return": ep_return[i], "charts/episodic_length": ep_len[i]})
             ep_return[i], ep_len[i] = 0.0, 0
 
         # 5. learn: one ELBO step and one double-DQN step on the same replayed chunks
-        if (
-            global_step > args.learning_starts
-            and iteration % args.train_frequency == 0
-            and replay.size() > args.seq_len
-        ):
+        if global_step > args.learning_starts and not iteration % args.train_frequency and replay.size() > args.seq_len:
             frac = 1.0 - iteration / num_iterations  # linear annealing to 0 (--anneal-q-lr, --anneal-model-lr)
             if args.anneal_model_lr:
                 model_opt.param_groups[0]["lr"] = frac * args.model_lr
@@ -791,17 +552,18 @@ if __name__ == "__main__":
                 for tp, p in zip(target_net.parameters(), q_net.parameters(), strict=True):
                     tp.data.copy_(args.tau * p.data + (1.0 - args.tau) * tp.data)
             if updates % args.log_every == 0:
-                for k, v in terms.items():
-                    writer.add_scalar(f"losses/{k}", v.item(), global_step)
-                writer.add_scalar("losses/q_loss", q_loss.item(), global_step)
-                writer.add_scalar("losses/q_values", (q_taken * q_mask).sum().item() / q_mask.sum().item(), global_step)
-                writer.add_scalar("charts/epsilon", epsilon, global_step)
-                writer.add_scalar("charts/learning_rate", model_opt.param_groups[0]["lr"], global_step)
-                if online_err:
-                    writer.add_scalar("charts/one_step_obs_error_online", float(np.mean(online_err)), global_step)
-                    online_err = []
                 sps = global_step / (time.time() - start_time)
-                writer.add_scalar("charts/SPS", sps, global_step)
+                scalars = {f"losses/{k}": v.item() for k, v in terms.items()} | {
+                    "losses/q_loss": q_loss.item(),
+                    "losses/q_values": (q_taken * q_mask).sum().item() / q_mask.sum().item(),
+                    "charts/epsilon": epsilon,
+                    "charts/learning_rate": model_opt.param_groups[0]["lr"],
+                    "charts/SPS": sps,
+                }
+                if online_err:
+                    scalars["charts/one_step_obs_error_online"] = float(np.mean(online_err))
+                    online_err = []
+                run.log(global_step, scalars)
                 print(
                     f"step {global_step} neg_elbo {terms['neg_elbo'].item():.3f} obs {terms['recon_obs'].item():.3f} "
                     f"rew {terms['recon_reward'].item():.3f} done {terms['recon_done'].item():.3f} "
@@ -811,85 +573,325 @@ if __name__ == "__main__":
                     metrics.setdefault(f"losses/{k}_first", terms[k].item())
                     metrics[f"losses/{k}_last"] = terms[k].item()
 
-        # evaluation during training (--select-frequency), and the kept networks (--keep-best)
-        if (
-            args.select_frequency
-            and global_step // args.select_frequency != (global_step - args.num_envs) // args.select_frequency
-        ):
+        # 6. evaluation during training (--select-frequency), and the kept networks (--keep-best)
+        if args.select_frequency and global_step % args.select_frequency < args.num_envs:  # a multiple was crossed
             sel_seed = SELECT_SEED_BASE + SELECT_SEED_STRIDE * args.seed + global_step
-            sel_return = evaluate(model, q_net, args.env_id, env_kwargs, args.select_episodes, sel_seed, device)[
-                "eval/episodic_return"
-            ]
-            writer.add_scalar("select/episodic_return", sel_return, global_step)
+            sel = evaluate(model, q_net, args.env_id, env_kwargs, args.select_episodes, sel_seed, device)
+            sel_return = sel["eval/episodic_return"]
+            run.log(global_step, {"select/episodic_return": sel_return})
             print(f"SELECT step {global_step} return {sel_return:.3f}")
             if sel_return >= best_return:
                 best_return, best_step = sel_return, global_step
                 best_state = [{k: v.clone() for k, v in net.state_dict().items()} for net in (model, q_net)]
     venv.close()
     if args.keep_best and best_state is not None:  # evaluate the last networks, then switch to the kept ones
-        last = evaluate(model, q_net, args.env_id, env_kwargs, args.eval_episodes, eval_env_seed(args.seed), device)
+        last = evaluate(model, q_net, args.env_id, env_kwargs, args.eval_episodes, eval_seed, device)
         metrics.update({f"eval/last_network_{k[len('eval/') :]}": v for k, v in last.items()})
         metrics.update({"select/best_episodic_return": best_return, "select/best_global_step": float(best_step)})
         model.load_state_dict(best_state[0])
         q_net.load_state_dict(best_state[1])
 
-    # 6. the lecture's measurement (Problem 21.2): latent model vs Markovian model after a failed door
+    # 7. the lecture's measurement (Problem 21.2): latent model vs Markovian model after a failed door
     if args.env_id == "seqrl/TwoDoors-v0":
-        probe = two_doors_probe(model, device)
-        metrics["model/p_pass_retry_same_door"] = float(probe["same"])
-        metrics["model/p_pass_other_door"] = float(probe["other"])
-        metrics["model/p_pass_first_try"] = float(probe["first_try"])
-        metrics["model/obs_passed_retry_same_door"] = float(probe["same_obs"])
-        metrics["model/obs_passed_other_door"] = float(probe["other_obs"])
-        metrics["model/p_pass_retry_same_door_left"] = float(probe["same_left"])
-        metrics["model/p_pass_other_door_left"] = float(probe["other_left"])
-        for k, (latent, truth) in enumerate(zip(probe["within_same"], true_pass_within_k(), strict=True), start=1):
-            metrics[f"model/p_pass_within_{k}_tries"] = float(latent)
-            metrics[f"model/true_p_pass_within_{k}_tries"] = float(truth)
-        print(
-            f"latent model after (reset, try door, fail): p(pass | same door) = {probe['same']:.3f}, "
-            f"p(pass | other door) = {probe['other']:.3f}  (truth 0 and 1; first try {probe['first_try']:.3f})"
-        )
+        metrics.update(two_doors_probe(model, device))
+        warmup = args.learning_starts // args.num_envs  # entries per env of uniformly random actions (detail 5)
+        if not args.eval_only and not replay.full:  # (a full replay has overwritten them)
+            metrics.update(markov_probe(replay, args.num_actions, "markov", limit=warmup))
         if not args.eval_only:
-            warmup = markov_probe(replay, args.num_actions, limit=args.learning_starts // args.num_envs)
-            if replay.full:  # the random warm-up data were overwritten
-                warmup = None
-            allrep = markov_probe(replay, args.num_actions)
-            for tag, res in (("markov", warmup), ("markov_all_replay", allrep)):
-                if res is not None:
-                    metrics[f"model/{tag}_p_pass_same_door"] = res["same"]
-                    metrics[f"model/{tag}_p_pass_other_door"] = res["other"]
-                    metrics[f"model/{tag}_p_pass_left"] = res["same_left"]
-                    metrics[f"model/{tag}_p_pass_right"] = res["other_left"]
-                    for k, value in enumerate(res["within_same"], start=1):
-                        metrics[f"model/{tag}_p_pass_within_{k}_tries"] = float(value)
-                    print(
-                        f"{tag} p(o'|o,a): p(pass | same door) = {res['same']:.3f}, p(pass | other door) = "
-                        f"{res['other']:.3f}  (p(pass|in_room,L) = {res['same_left']:.3f}, R = {res['other_left']:.3f})"
-                    )
+            metrics.update(markov_probe(replay, args.num_actions, "markov_all_replay"))
     elif not args.eval_only and binary_codes(replay.obs[: replay.size()].reshape(-1, args.obs_dim)) is None:
         print("note: observations are not binary codes, so the count-based Markov baseline p(o'|o,a) is skipped")
 
-    # 7. greedy evaluation, summary.json, safetensors
-    eval_seed = eval_env_seed(args.seed)
+    # 8. greedy evaluation, then summary.json and the saved networks
     metrics.update(evaluate(model, q_net, args.env_id, env_kwargs, args.eval_episodes, eval_seed, device))
-    for k, v in metrics.items():
-        writer.add_scalar(k, v, global_step)
+    run.log(global_step, metrics)
     print(" ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith("eval/")))
-    wall = time.time() - start_time
-    summary = {
-        "script": Path(__file__).stem,
-        "run_name": run_dir.name,
-        "run_dir": str(run_dir),
-        "args": asdict(args),
-        "metrics": {k: float(v) for k, v in metrics.items()},
-        "wall_time_s": wall,
-        "sps": global_step / wall if global_step else 0.0,
+    run.finish(metrics, global_step, model, q_net)
+
+
+# ---------------------------------------------------------------- evaluation
+@torch.no_grad()
+def two_doors_probe(model: WorldModel, device, particles: int = PROBE_PARTICLES) -> dict:
+    """The latent model's TwoDoors metrics (detail 6): p(pass) predicted after (reset) and after (reset, try d, fail)
+    for the same and the other door, averaged over d in {left, right}; p(pass within k tries), next to the truth."""
+    in_room = torch.tensor([[1.0, 0.0]], device=device).expand(particles, 2)
+    zeros_a = torch.zeros(particles, model.num_actions, device=device)
+    first = torch.ones(particles, dtype=torch.bool, device=device)
+    not_first = torch.zeros(particles, dtype=torch.bool, device=device)
+    h0, z0 = torch.zeros(particles, model.deter, device=device), torch.zeros(particles, model.stoch, device=device)
+    h, z, _, _ = model.filter_step(h0, z0, zeros_a, in_room, first)  # reset: o_0 = in_room
+
+    def onehot(door):
+        return F.one_hot(torch.full((particles,), door, device=device), model.num_actions).float()
+
+    def predict(h, z, door):  # imagine one step under the prior: E[p(done)], E[passed bit]
+        h2, (mu, std) = model.transition(h, z, onehot(door))
+        obs_mean, _, done_logit = model.decode(h2, mu + std * torch.randn_like(std))
+        return torch.sigmoid(done_logit).mean().item(), obs_mean[:, 1].mean().item()
+
+    first_try = np.mean([predict(h, z, d)[0] for d in (0, 1)])
+    same, other, same_obs, other_obs, within = [], [], [], [], []
+    for door in (0, 1):
+        # history: try `door`, fail (observe in_room again)
+        h1, z1, _, _ = model.filter_step(h, z, onehot(door), in_room, not_first)
+        (ps, os_), (po, oo) = predict(h1, z1, door), predict(h1, z1, 1 - door)
+        same.append(ps), other.append(po), same_obs.append(os_), other_obs.append(oo)
+        # k tries of `door` from the start: p(pass at try j | j - 1 failures), the failures filtered in as observations
+        hj, zj, per_try = h, z, []
+        for _ in range(MAX_TRIES):
+            per_try.append(predict(hj, zj, door)[0])
+            hj, zj, _, _ = model.filter_step(hj, zj, onehot(door), in_room, not_first)
+        within.append(pass_within_k(per_try))
+    print(
+        f"latent model after (reset, try door, fail): p(pass | same door) = {np.mean(same):.3f}, "
+        f"p(pass | other door) = {np.mean(other):.3f}  (truth 0 and 1; first try {first_try:.3f})"
+    )
+    metrics = {
+        "model/p_pass_retry_same_door": float(np.mean(same)),
+        "model/p_pass_other_door": float(np.mean(other)),
+        "model/p_pass_first_try": float(first_try),
+        "model/obs_passed_retry_same_door": float(np.mean(same_obs)),
+        "model/obs_passed_other_door": float(np.mean(other_obs)),
+        "model/p_pass_retry_same_door_left": float(same[0]),
+        "model/p_pass_other_door_left": float(other[0]),
     }
-    write_json_atomic(run_dir / "summary.json", summary)
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-    state = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}
-    state.update({f"q.{k}": v.contiguous() for k, v in q_net.state_dict().items()})
-    save_file(state, str(run_dir / "model.safetensors"))
-    writer.close()
-    print(f"saved {run_dir}")
+    for k, (latent, truth) in enumerate(zip(np.mean(within, axis=0), true_pass_within_k(), strict=True), start=1):
+        metrics[f"model/p_pass_within_{k}_tries"] = float(latent)
+        metrics[f"model/true_p_pass_within_{k}_tries"] = float(truth)
+    return metrics
+
+
+def pass_within_k(per_try) -> np.ndarray:
+    """P(pass within k tries) = 1 - prod_{j<=k} (1 - p_j), k = 1..len, from p_j = P(pass at try j | j - 1 failures)."""
+    return 1.0 - np.cumprod(1.0 - np.asarray(per_try, dtype=np.float64))
+
+
+def true_pass_within_k(max_tries: int = MAX_TRIES) -> np.ndarray:
+    """The truth for "try the same door k times from the episode start" (detail 6), from the env's own
+    `envs.pomdp.true_pass_probability`: 1/2 for all k."""
+    per_door = [pass_within_k([true_pass_probability(set() if j == 0 else {d}, d) for j in range(max_tries)])
+                for d in (0, 1)]  # fmt: skip
+    return np.mean(per_door, axis=0)
+
+
+def markov_probe(replay: SequenceReplay, num_actions: int, tag: str, limit: int | None = None) -> dict:
+    """Markov model p(o'|o,a) on the replayed transitions (the first `limit` entries per env); TwoDoors metrics
+    model/{tag}_*: p(pass | in_room, door) for both doors and within k tries. {} if obs are not binary codes."""
+    obs, act, next_obs = replay.transitions(limit)
+    codes, next_codes = binary_codes(obs), binary_codes(next_obs)
+    if codes is None or next_codes is None or len(codes) == 0:
+        return {}
+    counts = markov_counts(codes, act, next_codes, 2 ** obs.shape[-1], num_actions)
+    in_room, passed = 1, 2  # binary codes of [1, 0] and [0, 1]
+    p = [markov_prob(counts, in_room, d, passed) for d in (0, 1)]
+    # history is ignored: "same door" after failing d is p(pass|in_room, d), "other door" is p(pass|in_room, 1-d)
+    # and every try of door d passes independently with p(pass|in_room, d): within k tries 1 - (1 - p)^k
+    within = np.mean([pass_within_k([pd] * MAX_TRIES) for pd in p], axis=0)
+    same, other = float(np.mean(p)), float(np.mean(p[::-1]))
+    print(
+        f"{tag} p(o'|o,a): p(pass | same door) = {same:.3f}, p(pass | other door) = "
+        f"{other:.3f}  (p(pass|in_room,L) = {p[0]:.3f}, R = {p[1]:.3f})"
+    )
+    metrics = {f"model/{tag}_p_pass_same_door": same, f"model/{tag}_p_pass_other_door": other}
+    metrics.update({f"model/{tag}_p_pass_left": p[0], f"model/{tag}_p_pass_right": p[1]})
+    return metrics | {f"model/{tag}_p_pass_within_{k}_tries": float(v) for k, v in enumerate(within, start=1)}
+
+
+@torch.no_grad()
+def evaluate(model, q_net, env_id, env_kwargs, episodes: int, seed: int, device) -> dict:
+    """Greedy episodes (one per env of a vector env) + held-out one-step observation prediction error. The z samples
+    come from a generator seeded with `seed`; the training RNG stream is left untouched (detail 9)."""
+    with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
+        torch.manual_seed(seed)
+        venv = make_vector_env(env_id, env_kwargs, episodes)
+        obs, _ = venv.reset(seed=seed)
+        h = torch.zeros(episodes, model.deter, device=device)
+        z = torch.zeros(episodes, model.stoch, device=device)
+        a_prev = torch.zeros(episodes, dtype=torch.long, device=device)
+        is_first = torch.ones(episodes, dtype=torch.bool, device=device)
+        done = np.zeros(episodes, bool)
+        was_live = np.ones(episodes, bool)  # env was still in its first episode when it produced the current obs
+        returns, lengths, success = np.zeros(episodes), np.zeros(episodes), np.full(episodes, np.nan)
+        sq_err, copy_err, n_err = 0.0, 0.0, 0
+        prev_obs = torch.as_tensor(obs, device=device)
+        while not done.all():
+            o = torch.as_tensor(obs, device=device)
+            a1h = F.one_hot(a_prev, model.num_actions).float()
+            h, z, prior, post = model.filter_step(h, z, a1h, o, is_first)
+            if not is_first.all():  # prior prediction of o_t from (s_{t-1}, a_{t-1}) before the filter saw o_t
+                live = torch.as_tensor(was_live, device=device) & ~is_first
+                pred = model.decode(h, prior[0])[0]
+                sq_err += ((pred - o) ** 2).mean(-1)[live].sum().item()
+                copy_err += ((prev_obs - o) ** 2).mean(-1)[live].sum().item()
+                n_err += int(live.sum())
+            action = q_net(torch.cat([h, post[0]], -1)).argmax(-1)
+            obs, reward, term, trunc, info = venv.step(action.cpu().numpy())
+            live = ~done
+            was_live = live.copy()
+            returns[live] += reward[live]
+            lengths[live] += 1
+            ended = live & (term | trunc)
+            if "success" in info:
+                success[ended & info["_success"]] = info["success"][ended & info["_success"]]
+            done |= ended
+            prev_obs, a_prev, is_first = o, action, torch.zeros_like(is_first)
+        venv.close()
+        metrics = {
+            "eval/episodic_return": float(returns.mean()),
+            "eval/episodic_return_std": float(returns.std()),
+            "eval/episodic_length": float(lengths.mean()),
+            "eval/one_step_obs_error": sq_err / max(n_err, 1),
+            "eval/one_step_obs_error_copy_last": copy_err / max(n_err, 1),  # baseline: predict o_t = o_{t-1}
+        }
+        if not np.isnan(success).all():
+            metrics["eval/success_rate"] = float(np.nanmean(success))
+        return metrics
+
+
+# === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+ARCH_FIELDS = ("env_id", "env_kwargs", "deter_size", "stoch_size", "hidden_size")  # from args.json on --eval-only
+
+
+def parse_args() -> Args:
+    """Args from the command line, every check a one-line error before any work; --eval-only takes the architecture
+    and the env (ARCH_FIELDS) from the saved run's args.json when there is one."""
+    args = tyro.cli(Args)
+    if args.eval_only and args.checkpoint is not None:  # take the architecture from the saved run if present
+        saved = (
+            Path(args.checkpoint) if Path(args.checkpoint).is_dir() else Path(args.checkpoint).parent
+        ) / "args.json"
+        if saved.is_file():
+            for k in ARCH_FIELDS:
+                setattr(args, k, json.loads(saved.read_text()).get(k, getattr(args, k)))
+    try:
+        env_kwargs = json.loads(args.env_kwargs)
+        assert isinstance(env_kwargs, dict)
+    except (json.JSONDecodeError, AssertionError):
+        raise SystemExit(f"error: --env-kwargs must be a JSON dict, got {args.env_kwargs!r}") from None
+    for name in ("num_envs", "total_timesteps", "eval_episodes", "batch_size", "seq_len", "train_frequency"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.eval_episodes > EVAL_SEED_STRIDE:
+        raise SystemExit(f"error: --eval-episodes must be <= {EVAL_SEED_STRIDE} (disjoint evaluation seeds)")
+    if args.seq_len < 2:
+        raise SystemExit("error: --seq-len must be >= 2 (a transition needs two entries)")
+    if args.select_frequency < 0 or not 1 <= args.select_episodes <= EVAL_SEED_STRIDE:
+        raise SystemExit(f"error: need --select-frequency >= 0 and 1 <= --select-episodes <= {EVAL_SEED_STRIDE}")
+    if args.total_timesteps >= SELECT_SEED_STRIDE // 2:
+        raise SystemExit(f"error: --total-timesteps must be < {SELECT_SEED_STRIDE // 2}")
+    if args.keep_best and args.select_frequency < 1:
+        raise SystemExit("error: --keep-best needs --select-frequency > 0")
+    if not args.eval_only and args.buffer_size // args.num_envs < args.seq_len + 1:
+        raise SystemExit(f"error: --buffer-size {args.buffer_size} too small for {args.num_envs} envs x seq-len")
+    if args.eval_only and args.checkpoint is None:
+        raise SystemExit("error: --eval-only needs --checkpoint (a run dir or its model.safetensors)")
+    check_writable_dir(Path(args.runs_dir), "--runs-dir")
+    return args
+
+
+class Run:
+    """One run: its device, run dir and tensorboard writer; main() logs through it and ends the run with finish()."""
+
+    def __init__(self, args: Args, run_dir: Path, writer: SummaryWriter, device: torch.device):
+        self.args, self.run_dir, self.writer, self.device = args, run_dir, writer, device
+        self.start_time = time.time()
+
+    def log(self, step: int, metrics: dict) -> None:
+        """tensorboard scalars: tag -> number, at `step` (environment steps)."""
+        for tag, value in metrics.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def finish(self, metrics: dict, global_step: int, model: nn.Module, q_net: nn.Module) -> None:
+        """summary.json (written atomically), args.json, both networks in model.safetensors; closes the writer."""
+        wall = time.time() - self.start_time
+        summary = {
+            "script": Path(__file__).stem,
+            "run_name": self.run_dir.name,
+            "run_dir": str(self.run_dir),
+            "args": asdict(self.args),
+            "metrics": {k: float(v) for k, v in metrics.items()},
+            "wall_time_s": wall,
+            "sps": global_step / wall if global_step else 0.0,
+        }
+        write_json_atomic(self.run_dir / "summary.json", summary)
+        (self.run_dir / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
+        state = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}
+        state.update({f"q.{k}": v.contiguous() for k, v in q_net.state_dict().items()})
+        save_file(state, str(self.run_dir / "model.safetensors"))
+        self.writer.close()
+        print(f"saved {self.run_dir}")
+
+
+def start_run(args: Args, model: nn.Module, q_net: nn.Module) -> Run:
+    """--eval-only: load model and q_net from --checkpoint first (a bad checkpoint is a one-line error that leaves no
+    run dir); then the device, a new run dir and its tensorboard writer with the hyperparameter table."""
+    if args.eval_only:
+        load_checkpoint(args.checkpoint, model, q_net)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    run_dir = new_run_dir(args.runs_dir, args.env_id, args.exp_name, args.seed)
+    return Run(args, run_dir, open_writer(run_dir, args), device)
+
+
+def load_checkpoint(path: str, model: nn.Module, q_net: nn.Module) -> None:
+    """The networks saved by finish() (a run dir or its model.safetensors), for --eval-only; one-line errors."""
+    file = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise SystemExit(f"error: checkpoint {file} not found")
+    try:
+        state = load_file(str(file))
+    except Exception as e:  # safetensors raises its own error types on corrupt files
+        raise SystemExit(f"error: checkpoint {file} is not a readable safetensors file ({e})") from None
+    for prefix, module in (("model.", model), ("q.", q_net)):
+        sub = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        try:
+            module.load_state_dict(sub)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[-1].strip()
+            raise SystemExit(f"error: checkpoint {file} does not match this architecture/env ({first})") from None
+
+
+def check_writable_dir(path: Path, flag: str) -> None:
+    """A one-line error, before any work, if `path` is a file, cannot be created, or is not writable."""
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"error: {flag} {path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"error: cannot create {flag} {path}: {err.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: {flag} {path} is not writable")
+
+
+def new_run_dir(runs_dir: str, task: str, exp_name: str, seed: int) -> Path:
+    """Create and return runs_dir/{task}__{exp_name}__{seed}__{unix time}; never an existing directory: mkdir is
+    atomic, so runs started in the same second get -1, -2, ..."""
+    run_name = f"{task.replace('/', '-').replace(':', '-')}__{exp_name}__{seed}__{int(time.time())}"
+    run_dir, suffix = Path(runs_dir) / run_name, 0
+    while True:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            return run_dir
+        except FileExistsError:
+            suffix += 1
+            run_dir = Path(runs_dir) / f"{run_name}-{suffix}"
+
+
+def open_writer(run_dir: Path, args, purge_step: int | None = None) -> SummaryWriter:
+    """tensorboard in the run dir with the hyperparameters as a markdown table (CleanRL). On a resume, purge_step (the
+    checkpoint's step + 1) drops what the killed run logged after its checkpoint, and the table is already there."""
+    writer = SummaryWriter(str(run_dir), purge_step=purge_step)
+    if purge_step is None:
+        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    main()

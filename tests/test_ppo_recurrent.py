@@ -192,9 +192,31 @@ def test_sequence_minibatches_replay_the_rollout(rnn):
 
 
 def run_main(monkeypatch, *args: str) -> dict:
-    """Run the script's `__main__` in this process (fast: no interpreter start); returns its globals."""
+    """Run the script's main() in this process (fast: no interpreter start); returns main()'s local variables as
+    they were when it returned, plus `run_dir` (the run's directory, from the `run` object)."""
     monkeypatch.setattr(sys, "argv", ["ppo_recurrent.py", *args])
-    return runpy.run_path(str(ROOT / "algos" / "ppo_recurrent.py"), run_name="__main__")
+    main = runpy.run_path(str(ROOT / "algos" / "ppo_recurrent.py"))["main"]  # defines the module, runs nothing
+    local_vars, previous = {}, sys.gettrace()
+
+    def trace_main(frame, event, arg):  # called for each new frame: trace main()'s only, for its "return" event
+        if frame.f_code is not main.__code__:
+            return None
+        frame.f_trace_lines = False
+
+        def on_return(frame, event, arg):
+            if event == "return":
+                local_vars.update(frame.f_locals)
+            return on_return
+
+        return on_return
+
+    sys.settrace(trace_main)
+    try:
+        main()
+    finally:
+        sys.settrace(previous)
+    local_vars["run_dir"] = local_vars["run"].run_dir
+    return local_vars
 
 
 class CounterEnv(gym.Env):

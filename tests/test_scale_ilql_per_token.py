@@ -221,7 +221,7 @@ def test_resume_refuses_other_scripts_and_bad_dirs(tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     with pytest.raises(SystemExit, match="is a file, not a directory"):
-        M.check_runs_dir(str(a_file / "runs"))
+        M.check_writable_dir(a_file, "--runs-dir")
 
 
 # ----------------------------------------------------------------------------------------------------- worker
@@ -232,8 +232,9 @@ if __name__ == "__main__":  # under torchrun: the 2 ranks of test_allreduced_gra
     rank, world_size = dist.get_rank(), dist.get_world_size()
     lm, heads, data, args = grad_problem()
     losses = shard_losses_and_grads(lm, heads, data, args, rank, world_size)
-    M.allreduce_grads([p for p in [*lm.parameters(), *heads.parameters()] if p.requires_grad])
-    losses, _ = M.global_sums(losses, False, torch.device("cpu"))
+    M.sync_grads([p for p in [*lm.parameters(), *heads.parameters()] if p.requires_grad], world_size)
+    summed = M.global_sum(torch.tensor([*losses.values()], dtype=torch.float64), world_size)
+    losses = dict(zip(losses, summed.tolist(), strict=True))
     if rank == 0:
         save_file(named_grads(lm, heads), str(Path(sys.argv[1]) / "grads.safetensors"))
         (Path(sys.argv[1]) / "losses.json").write_text(json.dumps(losses))

@@ -91,29 +91,32 @@ def gradient_worker(out_dir: str) -> None:
     def loss_of(rows):
         return M.ppo_minibatch_loss(policy, *(x[rows] for x in batch), args, 0, not_text)[0]
 
-    everything, mine = slice(0, B), slice(rank * B // world, (rank + 1) * B // world)
+    run = M.Run(M.Args(), rank, world)  # the script's collectives over the 2 ranks (no run dir)
+    everything, mine = slice(0, B), run.shard_rows(B)
     policy.zero_grad()
     loss_of(everything).backward()  # the one-process gradient of the whole minibatch (no collective involved)
     one_process = flat_grad(policy)
     policy.zero_grad()
-    (loss_of(mine) * M.token_share(mask[mine])).backward()  # what the script does under torchrun
-    M.allreduce_grads(policy.parameters(), world)
+    (loss_of(mine) * M.token_share(mask[mine], run.global_sum(mask[mine].sum()))).backward()  # as the script does
+    run.sync_grads(policy.parameters())
     data_parallel = flat_grad(policy)
     policy.zero_grad()
-    loss_of(mine).backward()  # without the token share: the mean of the shards' means
-    M.allreduce_grads(policy.parameters(), world)
+    loss_of(mine).backward()  # without the token share: the sum of the shards' means
+    run.sync_grads(policy.parameters())
     unweighted = flat_grad(policy)
 
     x = torch.randn(B, T)
-    mean, var = M.global_masked_mean_var(x[mine], mask[mine])
-    whitened = M.masked_whiten(x[mine], mask[mine])
-    gathered_whitened = M.gather_cat(whitened)
+    mean, var = run.masked_mean_var(x[mine], mask[mine])
+    whitened = M.masked_whiten(x[mine], mask[mine], mean_var=(mean, var))
+    gathered_whitened = run.gather(whitened)
     # issue 24: no rank leaves save_checkpoint before rank 0's checkpoint is complete (a rank that exits early makes
     # torchrun's agent stop the others, rank 0 mid-write); rank 0's write is slowed so that an early return shows
     write_checkpoint = M.write_checkpoint
     M.write_checkpoint = lambda *a: (time.sleep(SLOW_WRITE_S), write_checkpoint(*a))
     run_dir = Path(out_dir) / "run"
-    M.save_checkpoint(run_dir, 1, policy, torch.optim.Adam(policy.parameters()), None, torch.device("cpu"), {})
+    M.save_checkpoint(
+        run_dir, 1, policy, torch.optim.Adam(policy.parameters()), None, torch.device("cpu"), {}, rank, world
+    )
     checkpoint_complete_on_return = (run_dir / "checkpoints" / "latest.json").is_file()
     M.write_checkpoint = write_checkpoint
     dist.destroy_process_group()  # from here on the helpers see one process: the single-process reference values

@@ -49,23 +49,27 @@ def minibatch_gradients(kind: str, world_size: int, rank: int) -> dict:
     torch.manual_seed(0)
     lm, tok = rm.build_lm(args, "cpu")
     mb = torch.tensor([5, 0, 3, 8, 1, 2, 6])  # 7 of 9 examples, in a shuffled order
+    part = rm.shard(mb, world_size, rank)  # this rank's share, weighted at the call site as in the script's loops
     if kind == "sft":  # token-mean causal-LM loss over demonstrations of different lengths
         demos = preference.make_sft_dataset(9, seed=4)
         enc = rm.encode(tok, [d[0] for d in demos], [d[1] for d in demos])
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+        width = int(mask[mb].sum(-1).max())
         model = lm
-        loss = rm.sft_minibatch_loss(lm, enc["input_ids"], enc["attention_mask"], mb, "cpu", world_size, rank)
+        n_targets = float(mask[mb, 1:width].sum().clamp(min=1))
+        loss = rm.sft_minibatch_loss(lm, ids[part, :width], mask[part, :width], n_targets)
     else:  # K-wise reward loss over rankings
         data = preference.make_preference_dataset(9, args.k, 4, 1.0, 0.0, split="train")
         enc = rm.encode(tok, [d["prompt"] for d in data for _ in range(args.k)],
                         [d["completions"][j] for d in data for j in d["ranking"]])  # fmt: skip
         ids, mask = (enc[key].view(len(data), args.k, -1) for key in ("input_ids", "attention_mask"))  # (N, K, L)
+        width = int(mask[mb].sum(-1).max())
         model = rm.reward_model_from(lm, tok, "cpu")
-        loss, _ = rm.reward_minibatch_loss(model, ids, mask, mb, args, "cpu", world_size, rank)
+        loss, _ = rm.reward_minibatch_loss(model, ids[part, :, :width], mask[part, :, :width], args)
+        loss = loss * (len(part) / len(mb))
     loss.backward()
-    global_loss = loss.item()
-    if world_size > 1:
-        rm.allreduce_grads(list(model.parameters()), world_size)
-        global_loss = rm.sum_over_ranks([loss.item() / world_size], "cpu")[0]
+    rm.sync_grads(list(model.parameters()), world_size)
+    global_loss = rm.global_sum(torch.tensor([loss.item()], dtype=torch.float64), world_size).item()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     return {"grads": grads, "loss": torch.tensor(global_loss)}
 
@@ -238,15 +242,15 @@ def test_end_of_step_flushes_tensorboard_with_each_checkpoint_and_closes_it_on_a
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    rt = rm.Runtime(run_dir=tmp_path, total_updates=10, writer=Writer())
-    args = rm.Args(save_every=2)
-    parts = (model, optimizer, scheduler, {}, {})
-    rm.end_of_step(rt, args, 1, "sft", *parts, False)
-    rm.end_of_step(rt, args, 2, "sft", *parts, False)
+    run = rm.Run(rm.Args(save_every=2), run_dir=tmp_path, total_updates=10, writer=Writer())
+    parts = ({"phase": "sft"}, model, optimizer, scheduler)
+    run.end_step(1, *parts)
+    run.end_step(2, *parts)
+    run.stop["signal"] = "SIGINT"  # what the stop handler sets
     with pytest.raises(SystemExit) as ended:
-        rm.end_of_step(rt, args, 3, "sft", *parts, True)
+        run.end_step(3, *parts)
     assert ended.value.code == rm.STOP_EXIT_CODE
-    assert rt.writer.calls == ["flush", "flush", "close"]  # update 2 (due), update 3 (the stop), then closed
+    assert run.writer.calls == ["flush", "flush", "close"]  # update 2 (due), update 3 (the stop), then closed
     assert json.loads((tmp_path / "checkpoints" / "latest.json").read_text())["step"] == 3
 
 

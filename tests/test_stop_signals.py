@@ -4,9 +4,9 @@ stop the five checkpointing scripts alike, through one handler whose text is the
 cannot leave half a file. The end-to-end stops are in the resume tests (SIGINT: r2d2, dialogue CQL, ILQL, PPO-KL;
 SIGTERM: the reward model in one process and PPO-KL under torchrun)."""
 
-import inspect
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -16,17 +16,7 @@ from conftest import ROOT, load_script
 CHECKPOINTING = ["r2d2_rnnstate", "dialogue_cql_utterance", "ilql_per_token", "rlhf_ppo_kl", "rlhf_reward_model"]
 
 
-def stop_block(name: str) -> str:
-    """From `STOP_EXIT_CODE = ` to the end of `restore_signal_handlers`."""
-    text = (ROOT / "algos" / f"{name}.py").read_text()
-    start = text.index("STOP_EXIT_CODE = ")
-    return text[start : text.index("\n\n\n", text.index("def restore_signal_handlers", start))]
-
-
-def test_the_stop_handlers_are_the_same_text_in_every_checkpointing_script():
-    blocks = {name: stop_block(name) for name in CHECKPOINTING}
-    reference = blocks[CHECKPOINTING[0]]
-    assert [name for name, block in blocks.items() if block != reference] == []
+# The handlers are one text in every checkpointing script: tests/test_run_management.py diffs the copies.
 
 
 @pytest.mark.parametrize("name", CHECKPOINTING)
@@ -56,12 +46,7 @@ def test_summary_json_is_written_by_a_rename(name):
     """Every script writes summary.json to a temporary file and renames it into place (write_json_atomic)."""
     text = (ROOT / "algos" / f"{name}.py").read_text()
     assert '"summary.json").write_text' not in text
-    assert 'write_json_atomic(run_dir / "summary.json"' in text
-
-
-def test_write_json_atomic_is_the_same_text_in_every_script():
-    sources = {p.stem: inspect.getsource(load_script(p.stem).write_json_atomic) for p in (ROOT / "algos").glob("*.py")}
-    assert len(set(sources.values())) == 1, sorted(sources)
+    assert re.search(r'write_json_atomic\([^()]*"summary\.json"', text), "summary.json goes through write_json_atomic"
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "algos").glob("*.py")))

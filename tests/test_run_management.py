@@ -1,0 +1,122 @@
+"""The reading shape of every script (issue 25): the algorithm above a `# === RUN MANAGEMENT` marker, run management
+below it; the algorithm reaches run management only through `parse_args`, `start_run` and the methods of the `run`
+object; the training loop talks to it in at most 8 lines; the pieces of run management that several scripts share
+are the same text in each (a script added later joins these lists). Static checks: nothing is run."""
+
+import ast
+import re
+
+import pytest
+from conftest import ROOT
+
+MARKER = "# === RUN MANAGEMENT"
+ENTRY_POINTS = {"parse_args", "start_run"}  # the only names below the marker that main() calls directly
+MAX_LOOP_LINES = 8  # lines of a training loop that call run management
+READING_PATH = {  # lines above the marker, at most
+    "ppo_recurrent": 600, "dqn_framestack": 600, "ssm_vae_q": 750, "r2d2_rnnstate": 750,
+    "rlhf_reward_model": 950, "rlhf_ppo_kl": 950, "ilql_per_token": 950, "dialogue_cql_utterance": 950,
+}  # fmt: skip
+SCRIPTS = sorted(READING_PATH)
+CHECKPOINTING = ["dialogue_cql_utterance", "ilql_per_token", "r2d2_rnnstate", "rlhf_ppo_kl", "rlhf_reward_model"]
+TORCHRUN = ["ilql_per_token", "rlhf_ppo_kl", "rlhf_reward_model"]
+SHARED = {  # name -> the scripts that hold the same text of it
+    "check_writable_dir": SCRIPTS, "new_run_dir": SCRIPTS, "open_writer": SCRIPTS, "write_json_atomic": SCRIPTS,
+    "STOP_EXIT_CODE": CHECKPOINTING, "install_stop_handlers": CHECKPOINTING, "restore_signal_handlers": CHECKPOINTING,
+    "init_torchrun": TORCHRUN, "sync_grads": TORCHRUN, "global_sum": TORCHRUN, "broadcast_params": TORCHRUN,
+    "NullWriter": TORCHRUN,
+}  # fmt: skip
+
+
+def source(name: str) -> str:
+    return (ROOT / "algos" / f"{name}.py").read_text()
+
+
+def marker_line(text: str) -> int:
+    """1-based line number of the marker (the first line starting with it)."""
+    lines = [i + 1 for i, line in enumerate(text.splitlines()) if line.startswith(MARKER)]
+    assert len(lines) == 1, f"expected one line starting with {MARKER!r}, found {len(lines)}"
+    return lines[0]
+
+
+def top_level(tree: ast.Module) -> dict[str, ast.AST]:
+    """Module-level functions, classes and assigned constants by name."""
+    nodes = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            nodes[node.name] = node
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            nodes.update({t.id: node for t in targets if isinstance(t, ast.Name)})
+    return nodes
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_the_reading_path_ends_at_the_marker_within_its_length(name):
+    text = source(name)
+    above = marker_line(text) - 1
+    assert above <= READING_PATH[name], f"{name}: {above} lines above the marker, at most {READING_PATH[name]}"
+    assert text.rstrip().endswith('if __name__ == "__main__":\n    main()'), "the script ends by calling main()"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_the_algorithm_reaches_run_management_only_through_the_run_object(name):
+    text = source(name)
+    tree, marker = ast.parse(text), marker_line(text)
+    nodes = top_level(tree)
+    constants = ast.Assign | ast.AnnAssign
+    below = {n for n, node in nodes.items() if node.lineno > marker and not isinstance(node, constants)}
+    assert "main" in nodes and nodes["main"].lineno < marker, "main() is above the marker"
+    assert ENTRY_POINTS <= below, f"parse_args and start_run are defined below the marker ({ENTRY_POINTS - below})"
+    bad = []
+    for node in tree.body:
+        if node.lineno > marker or not isinstance(node, ast.FunctionDef | ast.ClassDef):
+            continue
+        for call in ast.walk(node):
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in below:
+                if call.func.id not in ENTRY_POINTS or node.name != "main":
+                    bad.append(f"{node.name} calls {call.func.id} (line {call.lineno})")
+    assert not bad, f"{name}: above the marker, calls into run management other than through `run`: {bad}"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_the_training_loop_calls_run_management_in_at_most_8_lines(name):
+    """main() has a top-level training loop; in every outermost loop of a function above the marker (main's, and a
+    training phase written as its own function, e.g. supervised fine-tuning), at most 8 lines use `run.`."""
+    text = source(name)
+    tree, marker = ast.parse(text), marker_line(text)
+    main = top_level(tree)["main"]
+    assert any(isinstance(node, ast.For | ast.While) for node in main.body), f"{name}: main() has no top-level loop"
+    for function in tree.body:
+        if not isinstance(function, ast.FunctionDef) or function.lineno > marker:
+            continue
+        outermost = [node for node in ast.walk(function) if isinstance(node, ast.For | ast.While)]
+        inner = {id(sub) for node in outermost for sub in ast.walk(node) if sub is not node}
+        for loop in (node for node in outermost if id(node) not in inner):
+            lines = {
+                node.lineno
+                for node in ast.walk(loop)
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "run"
+            }
+            assert len(lines) <= MAX_LOOP_LINES, f"{name}.{function.name}: the loop at line {loop.lineno} calls run " \
+                f"management in {len(lines)} lines ({sorted(lines)})"  # fmt: skip
+
+
+@pytest.mark.parametrize("shared", sorted(SHARED))
+def test_shared_run_management_is_the_same_text_in_every_script(shared):
+    texts = {}
+    for name in SHARED[shared]:
+        text = source(name)
+        node = top_level(ast.parse(text)).get(shared)
+        assert node is not None, f"{name} has no {shared}"
+        assert node.lineno > marker_line(text), f"{name}: {shared} belongs below the marker"
+        texts[name] = ast.get_source_segment(text, node)
+    first = SHARED[shared][0]
+    drifted = [name for name, text in texts.items() if text != texts[first]]
+    assert not drifted, f"{shared} differs from {first}'s copy in {drifted}"
+
+
+def test_the_shared_lists_name_every_script_that_has_the_feature():
+    for name in SCRIPTS:
+        text = source(name)
+        assert ("--save-every" in text or "save_every" in text) == (name in CHECKPOINTING), name
+        assert bool(re.search(r"\bdist\.init_process_group\b", text)) == (name in TORCHRUN), name
