@@ -856,7 +856,7 @@ def main():
                   f"approxkl {log['policy/approxkl_avg']:.4f}")  # fmt: skip
         # 9. checkpoint every --save-every updates, and on Ctrl-C / SIGTERM (then exit with STOP_EXIT_CODE)
         run.end_step(update, state, policy, optimizer, sample_gen)
-    run.restore_signal_handlers()  # training is over: Ctrl-C stops at once
+    run.end_training()  # Ctrl-C and SIGTERM stop the run at once again
 
     # best-of-n from pi_SFT at the KL of the final policy (n capped at --bon-max-n), by the same objective
     bon_n = matched_bon_n(state.metrics["eval/kl"], args.bon_max_n)
@@ -1164,7 +1164,8 @@ class Run:
         if self.checkpointing:
             self.stop = install_stop_handlers()
 
-    def restore_signal_handlers(self) -> None:
+    def end_training(self) -> None:
+        """Training is over: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows)."""
         restore_signal_handlers(self.stop)
 
     def end_step(self, update: int, state, policy, optimizer, generator) -> None:
