@@ -1,0 +1,1220 @@
+"""R2D2 with a gated Transformer-XL: the transformer's memory stored in replay like R2D2's LSTM state, refreshed by a
+burn-in.
+
+R2D2 [1] (r2d2_rnnstate.py) stores the actor's recurrent state with the replayed steps and starts each replayed
+sequence from it; the lecture says no one has found the analogous trick for transformers. Here it is built and
+measured. A Transformer-XL [2] carries a *memory* while acting: the inputs of each layer at the last M steps, which
+the next step's queries attend to (no gradient flows into it). That memory is a per-step quantity, so the replay
+stores, with every step, the actor's layer inputs there (O(T), like the LSTM state); the memory at a sequence's
+first trained step t0 is then the stored rows t0 - M .. t0 - 1: (a) `--memory zero`: an empty memory (what the
+memory is at an episode start), (b) `--memory stored --burn-in 0`: the stored memory, computed by an older network
+(stale), (c) `--memory stored`: the stored memory at t0 - B, then a burn-in of B steps that recomputes the B newest
+entries with the current network, (d) `--memory window`: no memory at all, each Q computed from the last `--window`
+steps (DTQN [4]). On TMaze with a 20-step corridor, longer than every replayed window and than the DTQN window, only
+the stored memory brings the cue into training: (c) solves it, (a) and (d) stay at chance.
+
+Key equations (gated Transformer-XL block, GTrXL [3], pre-norm, for layer l with input x_t^l at step t):
+    context of step t: c_t^l = [x_{t-M}^l .. x_{t-1}^l (the memory, no gradient), x_t^l], same episode only
+    y = ReLU(MultiHeadAttention(q = LN(x_t^l), k = v = LN(c_t^l)) + relative-position bias b_{head, offset}),
+    x' = g(x_t^l, y),   x_t^{l+1} = g(x', ReLU(MLP(LN(x'))))
+    g(x, y) = (1 - z) x + z h,  r = s(W_r y + U_r x),  z = s(W_z y + U_z x - b_g),  h = tanh(W_g y + U_g (r x))
+    Q(h_t, .) = dueling head on LN(x_t^L); the memory's reach is M x layers steps.
+    Targets, priorities, loss: as r2d2_rnnstate.py (n-step double Q on h-rescaled values, prioritized sequences):
+    y_t = h( sum_{k<n'} gamma^k r_{t+k} + gamma^n' (1 - terminal) h^-1(Q^-(t+n', argmax_a Q(t+n', a))) )
+    Delta-Q = ||q(memory; theta) - q(memory recomputed from the episode start; theta)||_2 / max_a |q_true_a|
+Implementation details:
+ 1. Attention is a band: step t attends to itself and to the M steps before it in its own episode. Acting one step
+    at a time with the memory of the last M layer inputs therefore gives exactly the Q-values of running the network
+    over the whole episode from its first step (`forward` with no memory, tested in float64): the "true" memory is
+    a recomputation from the episode start, as the true LSTM state is for R2D2.
+ 2. Storage: a ring buffer of rows (obs, action, reward, previous action and reward, flags first / final /
+    terminal, the step within the episode) and, in the memory modes, the actor's L layer inputs of the row
+    (L x width floats a row: 2 x 64 here, the size of the LSTM's (h, c)). The memory at t0 is rows t0 - M .. t0 - 1,
+    so overlapping sequences share it and nothing is stored twice.
+ 3. Sequences, autoreset handling, prioritized sampling, n-step double-Q targets, value rescaling, Ape-X epsilons:
+    as r2d2_rnnstate.py (same functions). A window of a sequence is the rows [t0 - lead, t0 + m + n): lead = B + M
+    (the memory at t0 - B and the burn-in) in the memory modes, k - 1 in the window mode. Rows before the episode's
+    first row are never attended to (`key_valid`); a row only attends to itself and earlier rows, so rows after the
+    episode's final row (masked out of the loss) cannot change the trained ones.
+ 4. Burn-in (`anchor_memory`): without gradient, the B rows before t0 run through the network from the memory at
+    t0 - B; their new layer inputs replace the B newest memory entries. Unlike an LSTM state, the M - B older entries
+    stay as stored: a burn-in refreshes only what it recomputes. The target network does the same with its weights.
+ 5. The trained rows t0 .. t0 + m + n - 1 run in one forward pass with the memory at t0 as keys and values
+    (detached). Gradient reaches how the memory is *read* (queries, keys, values, position bias), never how it was
+    written: the stored cue's layer-0 input came from the actor's embedding, then.
+ 6. Window mode (d): every trained and target row t gets its own context, rows t - k + 1 .. t, re-encoded from the
+    observations (`window_q`); acting re-encodes the last k rows each step. The network is the same, with span k - 1.
+ 7. `final_delta_q` is the ablation on ONE network, the last: on replayed sequences that start mid-episode, Q at the
+    first and last trained row from the empty memory, the stored memory, and the stored memory + burn-in, against Q
+    from the memory recomputed from the episode start.
+ 8. Replay bytes (`replay/bytes`): the rows as stored; `replay/memory_bytes_per_sequence` is what storing the memory
+    at each sequence's start would take instead (M x L x width floats, the figure to compare with the LSTM's 2 x width).
+ 9. Observations are flattened as in r2d2_rnnstate.py; evaluation seeds are disjoint blocks (10 000 (s + 1) + i).
+10. Long runs: a checkpoint every `--save-every` env steps and on Ctrl-C / SIGTERM; `--resume RUN_DIR` continues it
+    bit for bit on CPU (the class `Run`, below RUN MANAGEMENT).
+What was scaled down from GTrXL and why: 2 layers of width 64 with 4 heads and a learned relative-position bias (GTrXL:
+12 layers, sinusoidal relative encodings), a memory of M = 32 steps: reach 64, more than a TMaze-20 episode.
+References: [1] S. Kapturowski et al., "Recurrent Experience Replay in Distributed Reinforcement Learning", ICLR 2019.
+[2] Z. Dai et al., "Transformer-XL", ACL 2019. [3] E. Parisotto et al., "Stabilizing Transformers for Reinforcement
+Learning" (GTrXL), ICML 2020. [4] K. Esslinger et al., "Deep Transformer Q-Networks for Partially Observable
+Reinforcement Learning" (DTQN), 2022. [5] CleanRL ppo_trxl.py (github.com/vwxyzjn/cleanrl): a Transformer-XL memory
+kept per step in an on-policy rollout; here it is kept in an off-policy replay. [6] T. Pohlen et al., 2018 (h(x)).
+Reproduce (TMaze-20, the benchmark's full-mode lines):
+    python algos/r2d2_trxl_memory.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}'
+    (ablation runs: add `--memory stored --burn-in 0`, `--memory zero`, or `--memory window`)
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+import zipfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch.utils.tensorboard import SummaryWriter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
+import envs  # noqa: E402, F401  (registers the seqrl/ environments)
+
+NO_ACTION = -1  # "previous action" at an episode's first step: encoded as an all-zero one-hot
+DELTA_Q_EPS = 1e-6  # keeps the Delta-Q normalization finite when all true Q-values are 0
+EVAL_SEED_STRIDE = 10_000  # final evaluation: episode i of training seed s gets env seed 10_000 (s + 1) + i
+MAX_EVAL_STEPS = 10_000  # guard for envs without a time limit: an evaluation episode stops after this many steps
+GATE_BIAS = 2.0  # b_g of the GTrXL gate: z starts near sigmoid(-2) = 0.12, so each block starts near the identity
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (python, numpy, torch, and the envs)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = False
+    """use the GPU if `--cuda` and one is available (these tiny models run fastest on CPU)"""
+    threads: int = 1
+    """torch.set_num_threads: 1 is fastest for these small networks and leaves cores to parallel runs"""
+    runs_dir: str = "runs"
+    """the folder where run directories (tensorboard, summary.json, model) are written"""
+    eval_episodes: int = 100
+    """number of greedy evaluation episodes at the end of training"""
+    eval_only: bool = False
+    """skip training: load `--checkpoint` and evaluate it"""
+    checkpoint: str | None = None
+    """run dir or model.safetensors to load with `--eval-only` (env and architecture come from its args.json)"""
+    save_every: int = 25_000
+    """environment steps between checkpoints (all that `--resume` needs) in RUN_DIR/checkpoints, deleted when the run
+    ends (0 = none; Ctrl-C / SIGTERM always write one)"""
+    resume: str | None = None
+    """a run dir of this script with a checkpoint: continue that run there, with its own arguments"""
+
+    # Environment
+    env_id: str = "seqrl/TMaze-v0"
+    """any gymnasium id (also `module:EnvId`) with a Discrete action space; observations Box, Discrete, MultiBinary,
+    MultiDiscrete, or Tuple/Dict of these (flattened: one-hot per discrete component, concatenated)"""
+    env_kwargs: str = '{"corridor_length": 20}'
+    """keyword arguments for gym.make as a JSON object"""
+    num_envs: int = 8
+    """the number of parallel environments (the actors; each gets its own exploration epsilon)"""
+
+    # Model: a gated Transformer-XL
+    d_model: int = 64
+    """width of the embedding and of every layer's input (the numbers a memory entry holds per layer)"""
+    num_layers: int = 2
+    """transformer blocks; the memory's reach is memory_length x num_layers steps"""
+    num_heads: int = 4
+    """attention heads per block (d_model must be a multiple)"""
+    ff_size: int = 128
+    """hidden width of each block's MLP"""
+    memory: Literal["stored", "zero", "window"] = "stored"
+    """what a replayed sequence's first trained step sees before it: the memory the actor stored (refreshed by
+    --burn-in), an empty memory, or no memory at all: every Q from the last --window steps (DTQN)"""
+    memory_length: int = 32
+    """M: the steps of layer inputs each step attends to (memory modes)"""
+    window: int = 16
+    """k: steps of context of every Q in --memory window"""
+
+    # R2D2
+    total_timesteps: int = 150_000
+    """total environment steps of training (summed over envs)"""
+    learning_rate: float = 3e-4
+    """the Adam learning rate"""
+    adam_eps: float = 1e-3
+    """Adam epsilon (R2D2 uses 1e-3)"""
+    buffer_size: int = 30_000
+    """replay capacity in environment steps (rows), summed over envs"""
+    batch_size: int = 32
+    """sequences per gradient update"""
+    seq_len: int = 10
+    """m: trained steps per replayed sequence"""
+    seq_overlap: int = 5
+    """steps shared by the trained parts of consecutive sequences of an episode"""
+    burn_in: int = 4
+    """B: steps recomputed without gradient before the trained part, refreshing the B newest memory entries"""
+    n_step: int = 5
+    """n of the n-step double-Q targets"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    value_rescaling_eps: float = 1e-3
+    """eps of h(x) = sign(x)(sqrt(|x|+1)-1) + eps x; 0 switches the rescaling off (plain targets)"""
+    priority_exponent: float = 0.9
+    """alpha of prioritized replay, P(i) ~ p_i^alpha (paper 0.9)"""
+    importance_exponent: float = 0.6
+    """beta of the importance weights (N P(i))^-beta (paper 0.6)"""
+    priority_eta: float = 0.9
+    """eta of p = eta max|delta| + (1 - eta) mean|delta| over a sequence (paper 0.9)"""
+    target_network_frequency: int = 200
+    """gradient updates between copies of the online network into the target network (paper 2500)"""
+    train_frequency: int = 4
+    """vector-env steps between gradient updates (each vector step adds num_envs steps)"""
+    learning_starts: int = 5_000
+    """environment steps collected before learning starts"""
+    exploration_eps: float = 0.4
+    """Ape-X epsilon: env i explores with eps^(1 + alpha i / (N - 1))"""
+    exploration_alpha: float = 7.0
+    """Ape-X alpha (7 in Ape-X/R2D2): the spread of the per-env epsilons"""
+    max_grad_norm: float = 10.0
+    """global gradient-norm clipping"""
+    final_delta_q_sequences: int = 512
+    """replayed sequences for the last network's Delta-Q from zero / stored / stored + burn-in (`final_delta_q`)"""
+
+    # filled in at runtime
+    num_updates: int = 0
+    """the number of gradient updates (computed)"""
+
+
+# ALGO LOGIC: small pure functions (imported by the tests)
+def eval_env_seed(seed: int) -> int:
+    """First env seed of the final evaluation of training seed `seed`; episode i uses eval_env_seed(seed) + i. Blocks
+    of EVAL_SEED_STRIDE seeds: disjoint across training seeds and from the training envs' seeds (seed + i)."""
+    return EVAL_SEED_STRIDE * (seed + 1)
+
+
+def value_rescale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """h(x) = sign(x)(sqrt(|x| + 1) - 1) + eps x  (Pohlen et al. 2018), invertible for eps >= 0."""
+    return torch.sign(x) * (torch.sqrt(x.abs() + 1.0) - 1.0) + eps * x
+
+
+def inverse_value_rescale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """h^-1(x), the exact inverse of `value_rescale` (the positive root of a quadratic in sqrt(|y|+1))."""
+    if eps == 0.0:
+        return torch.sign(x) * ((x.abs() + 1.0) ** 2 - 1.0)
+    root = (torch.sqrt(1.0 + 4.0 * eps * (x.abs() + 1.0 + eps)) - 1.0) / (2.0 * eps)
+    return torch.sign(x) * (root**2 - 1.0)
+
+
+def ape_x_epsilons(num_envs: int, eps: float, alpha: float) -> np.ndarray:
+    """Per-env exploration epsilons eps_i = eps^(1 + alpha i / (N - 1)), i = 0..N-1 (N = 1: just eps)."""
+    i = np.arange(num_envs)
+    return eps ** (1.0 + alpha * i / max(num_envs - 1, 1))
+
+
+def nstep_rescaled_targets(rewards, final, terminal, boot_values, gamma: float, n: int, num_positions: int, eps: float):
+    """n-step double-Q targets y_t (in the rescaled space) for rows t = 0..num_positions-1 of a sequence.
+
+    All inputs are (T, B) with T >= num_positions + n; row j holds: rewards[j], the reward of the action taken at
+    row j; final[j] = 1 if row j is an episode's final observation (no action: its reward is ignored);
+    terminal[j] = 1 if that final observation is terminal (no bootstrap); boot_values[j] = h^-1(Q^-(j, a*_j)).
+    The return stops at the first final row f after t: bootstrap with gamma^(f-t) boot_values[f] if f was
+    truncated, nothing if terminal; otherwise bootstrap at t + n. Returns (num_positions, B).
+    """
+    P = num_positions
+    running = 1.0 - final[:P]  # (P, B) 1 while the episode of row t goes on
+    ret = torch.zeros_like(running)
+    boot = torch.zeros_like(running)
+    discount = torch.ones_like(running)
+    for k in range(n):
+        ret = ret + running * discount * rewards[k : k + P]
+        discount = discount * gamma
+        next_final = final[k + 1 : k + 1 + P]
+        ended = running * next_final  # the episode ends at row t+k+1
+        boot = boot + ended * discount * (1.0 - terminal[k + 1 : k + 1 + P]) * boot_values[k + 1 : k + 1 + P]
+        running = running * (1.0 - next_final)
+    boot = boot + running * discount * boot_values[n : n + P]
+    return value_rescale(ret + boot, eps)
+
+
+def sequence_priority(abs_td: torch.Tensor, mask: torch.Tensor, eta: float) -> torch.Tensor:
+    """p = eta max_t |delta_t| + (1 - eta) mean_t |delta_t| over the valid (mask = 1) steps; (T, B) -> (B,)."""
+    masked = abs_td * mask
+    mean = masked.sum(0) / mask.sum(0).clamp(min=1.0)
+    return eta * masked.max(0).values + (1.0 - eta) * mean
+
+
+def delta_q(q: torch.Tensor, q_true: torch.Tensor) -> torch.Tensor:
+    """Q-value discrepancy ||q - q_true||_2 / max_a |q_true_a| (R2D2 Sec. 3), (..., A) -> (...)."""
+    return (q - q_true).norm(dim=-1) / q_true.abs().max(-1).values.clamp(min=DELTA_Q_EPS)
+
+
+def attention_band(num_queries: int, key_valid: torch.Tensor, span: int):
+    """Which keys each query attends to. The keys are the M' memory entries, then the queries' own rows (S = M' + T):
+    query i is key M' + i and attends to key j iff 0 <= offset = M' + i - j <= span and key j is valid (same episode),
+    or j is i itself (a row before its episode's start attends to itself only: no empty softmax).
+    key_valid (S, B) bool -> allowed (B, T, S) bool, offset (T, S)."""
+    S, device = key_valid.shape[0], key_valid.device
+    offset = (S - num_queries + torch.arange(num_queries, device=device))[:, None] - torch.arange(S, device=device)
+    in_band = (offset >= 0) & (offset <= span)  # (T, S)
+    return in_band[None] & (key_valid.T[:, None, :] | (offset == 0)[None]), offset
+
+
+class GRUGate(nn.Module):
+    """GTrXL's gating layer g(x, y) = (1 - z) x + z h (see Key equations); b_g = GATE_BIAS > 0 starts it near x."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.w = nn.Linear(d_model, 3 * d_model, bias=False)  # W_r, W_z, W_g applied to y
+        self.u = nn.Linear(d_model, 2 * d_model, bias=False)  # U_r, U_z applied to x
+        self.u_g = nn.Linear(d_model, d_model, bias=False)  # U_g applied to r * x
+
+    def forward(self, x, y):
+        w_r, w_z, w_g = self.w(y).chunk(3, dim=-1)
+        u_r, u_z = self.u(x).chunk(2, dim=-1)
+        r = torch.sigmoid(w_r + u_r)
+        z = torch.sigmoid(w_z + u_z - GATE_BIAS)
+        return (1.0 - z) * x + z * torch.tanh(w_g + self.u_g(r * x))
+
+
+class GatedBlock(nn.Module):
+    """One pre-norm GTrXL block: gated attention over [memory, rows] with a learned bias per head and offset, then a
+    gated MLP."""
+
+    def __init__(self, d_model: int, num_heads: int, ff_size: int, span: int):
+        super().__init__()
+        self.num_heads, self.span = num_heads, span
+        self.norm_attn, self.norm_mlp = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.query, self.key_value = nn.Linear(d_model, d_model), nn.Linear(d_model, 2 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+        self.position_bias = nn.Parameter(torch.zeros(num_heads, span + 1))  # b_{head, offset}, offset 0..span
+        self.gate_attn, self.gate_mlp = GRUGate(d_model), GRUGate(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, ff_size), nn.ReLU(), nn.Linear(ff_size, d_model))
+
+    def forward(self, x, context, allowed, offset):
+        """x (T, B, D) the rows; context (S, B, D) = [memory, x]; allowed (B, T, S); offset (T, S) query - key."""
+        (T, B, D), S, H = x.shape, context.shape[0], self.num_heads
+        q = self.query(self.norm_attn(x)).view(T, B, H, D // H).permute(1, 2, 0, 3)  # (B, H, T, D/H)
+        k, v = self.key_value(self.norm_attn(context)).view(S, B, 2, H, D // H).permute(2, 1, 3, 0, 4)  # (B, H, S, D/H)
+        bias = self.position_bias[:, offset.clamp(0, self.span)]  # (H, T, S)
+        mask = bias[None].masked_fill(~allowed[:, None], float("-inf"))  # (B, H, T, S)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).permute(2, 0, 1, 3).reshape(T, B, D)
+        x = self.gate_attn(x, F.relu(self.out(y)))
+        return self.gate_mlp(x, F.relu(self.mlp(self.norm_mlp(x))))
+
+
+class TransformerXLQNetwork(nn.Module):
+    """[o_t, onehot(a_{t-1}), r_{t-1}] -> Linear -> gated blocks, each attending to the `span` steps before a row ->
+    LayerNorm -> dueling head Q(h_t, .)."""
+
+    def __init__(self, obs_dim, num_actions, d_model, num_layers, num_heads, ff_size, span):
+        super().__init__()
+        self.obs_dim, self.num_actions, self.d_model, self.span = obs_dim, num_actions, d_model, span
+        self.embed = nn.Linear(obs_dim + num_actions + 1, d_model)
+        self.blocks = nn.ModuleList(GatedBlock(d_model, num_heads, ff_size, span) for _ in range(num_layers))
+        self.norm_out = nn.LayerNorm(d_model)
+        self.value = nn.Sequential(nn.Linear(d_model, d_model), nn.ReLU(), nn.Linear(d_model, 1))
+        self.advantage = nn.Sequential(nn.Linear(d_model, d_model), nn.ReLU(), nn.Linear(d_model, num_actions))
+
+    def encode(self, obs, prev_action, prev_reward):
+        """(T, B, obs_dim), (T, B), (T, B) -> (T, B, D); prev_action = NO_ACTION gives a zero one-hot."""
+        onehot = F.one_hot(prev_action.clamp(min=0), self.num_actions).float() * (prev_action >= 0)[..., None]
+        return self.embed(torch.cat([obs, onehot, prev_reward[..., None]], dim=-1))
+
+    def forward(self, x, memory, key_valid):
+        """x (T, B, D) embedded rows; memory (L, M', B, D) the layer inputs of the M' rows before them (detached);
+        key_valid (M' + T, B) which memory entries and rows may be attended to. Returns Q (T, B, A) and the rows'
+        layer inputs (L, T, B, D), the memory entries they become."""
+        allowed, offset = attention_band(x.shape[0], key_valid, self.span)  # (B, T, S), (T, S)
+        inputs = []
+        for layer, block in enumerate(self.blocks):
+            inputs.append(x)
+            x = block(x, torch.cat([memory[layer], x]), allowed, offset)
+        adv = self.advantage(self.norm_out(x))
+        return self.value(self.norm_out(x)) + adv - adv.mean(-1, keepdim=True), torch.stack(inputs)
+
+
+class SequenceReplay:
+    """O(T) ring buffer of rows (capacity rows per env column) plus a prioritized table of sequences.
+
+    A sequence is identified by its env column, its anchor t0 (first trained row, absolute step index) and its
+    episode's first row; its window is rows [t0 - lead, t0 + seq_len + n_step): lead = burn_in + M in the memory
+    modes (the memory at t0 - burn_in, then the burn-in), window - 1 in the window mode.
+    """
+
+    def __init__(self, capacity, num_envs, obs_dim, stored_layers, d_model, seq_len, overlap, lead, n_step):
+        self.cap, self.E = capacity, num_envs
+        self.m, self.stride, self.lead, self.n = seq_len, seq_len - overlap, lead, n_step
+        self.obs = np.zeros((capacity, num_envs, obs_dim), dtype=np.float32)
+        self.action = np.zeros((capacity, num_envs), dtype=np.int64)
+        self.reward = np.zeros((capacity, num_envs), dtype=np.float32)
+        self.prev_action = np.full((capacity, num_envs), NO_ACTION, dtype=np.int64)
+        self.prev_reward = np.zeros((capacity, num_envs), dtype=np.float32)
+        self.first = np.zeros((capacity, num_envs), dtype=bool)
+        self.final = np.zeros((capacity, num_envs), dtype=bool)
+        self.terminal = np.zeros((capacity, num_envs), dtype=bool)
+        self.ep_step = np.zeros((capacity, num_envs), dtype=np.int32)  # step of the row within its episode
+        # the actor's layer inputs at the row (its memory entry); 0 layers in the window mode, which keeps none
+        self.layer_inputs = np.zeros((capacity, num_envs, stored_layers, d_model), dtype=np.float32)
+        self.t = 0  # absolute index of the next row (the same for every env column)
+        self.ep_start = np.zeros(num_envs, dtype=np.int64)  # absolute first row of each column's current episode
+        # sequence table: a ring as well; at most one anchor per 2 rows (an episode has >= 1 step + its final row)
+        self.seq_cap = capacity * num_envs // min(self.stride, 2) + num_envs
+        self.seq_env = np.zeros(self.seq_cap, dtype=np.int64)
+        self.seq_anchor = np.zeros(self.seq_cap, dtype=np.int64)
+        self.seq_ep_start = np.zeros(self.seq_cap, dtype=np.int64)
+        self.priority = np.zeros(self.seq_cap, dtype=np.float64)  # 0 = empty slot
+        self.seq_ptr, self.max_priority = 0, 1.0
+
+    def add(self, obs, first, final, terminal, prev_action, prev_reward, layer_inputs, action, reward):
+        """Write one row per env (all (E, ...) arrays) and register the sequences whose windows are complete."""
+        r = self.t % self.cap
+        self.ep_start[first] = self.t
+        for name, value in (("obs", obs), ("first", first), ("final", final), ("terminal", terminal),
+                            ("prev_action", prev_action), ("prev_reward", prev_reward), ("layer_inputs", layer_inputs),
+                            ("action", action), ("reward", reward), ("ep_step", self.t - self.ep_start)):  # fmt: skip
+            getattr(self, name)[r] = value
+        # a window is complete when its last row (t0 + m + n - 1) is written ...
+        span = self.m + self.n - 1
+        since_anchor = self.t - self.ep_start - span  # (E,) steps since the last row of anchor ep_start
+        done_envs = np.nonzero((since_anchor >= 0) & (since_anchor % self.stride == 0))[0]
+        for e in done_envs:
+            self._register(e, self.t - span)
+        # ... or when the episode's final row is written: register its remaining anchors (padded, masked windows)
+        for e in np.nonzero(final)[0]:
+            first_k = max(0, (self.t - span - self.ep_start[e]) // self.stride + 1)  # anchors > t - span
+            for anchor in range(self.ep_start[e] + first_k * self.stride, self.t, self.stride):
+                if anchor > self.t - span:
+                    self._register(e, anchor)
+        self.t += 1
+
+    def _register(self, env, anchor):
+        i = self.seq_ptr
+        self.seq_env[i], self.seq_anchor[i], self.seq_ep_start[i] = env, anchor, self.ep_start[env]
+        self.priority[i] = self.max_priority
+        self.seq_ptr = (self.seq_ptr + 1) % self.seq_cap
+
+    def valid(self) -> np.ndarray:
+        """Sequences whose needed rows (from max(t0 - lead, episode start)) are still in the ring."""
+        oldest = self.t - self.cap  # rows >= oldest are present
+        start = np.maximum(self.seq_anchor - self.lead, self.seq_ep_start)
+        return (self.priority > 0) & (start >= oldest)
+
+    def num_sequences(self) -> int:
+        return int(self.valid().sum())
+
+    def sample(self, batch_size, alpha, beta, rng):
+        """Proportional sampling: (sequence ids, importance weights (B,)), P(i) = p_i^alpha / sum_j p_j^alpha."""
+        p = np.where(self.valid(), self.priority, 0.0) ** alpha
+        probs = p / p.sum()
+        ids = rng.choice(self.seq_cap, size=batch_size, p=probs)
+        weights = (np.count_nonzero(p) * probs[ids]) ** -beta
+        return ids, weights / weights.max()
+
+    def update_priorities(self, ids, priorities):
+        self.priority[ids] = np.maximum(priorities, DELTA_Q_EPS)  # keep sampled sequences alive (p > 0)
+        self.max_priority = max(self.max_priority, float(priorities.max()))
+
+    def gather(self, ids, lead: int | None = None) -> dict:
+        """The windows of sequences `ids` as (W, B, ...) arrays: rows t0 - lead .. t0 + m + n - 1 (lead: the replay's
+        own by default). key_valid marks the rows of the sequence's episode or later (earlier rows: not attended)."""
+        lead = self.lead if lead is None else lead
+        absolute = self.seq_anchor[ids][None, :] + np.arange(-lead, self.m + self.n)[:, None]  # (W, B)
+        rows, cols = absolute % self.cap, np.broadcast_to(self.seq_env[ids][None, :], absolute.shape)
+        names = ("obs", "action", "reward", "prev_action", "prev_reward", "final", "terminal", "layer_inputs")
+        out = {name: getattr(self, name)[rows, cols] for name in names}  # (W, B, ...)
+        out["key_valid"] = absolute >= self.seq_ep_start[ids][None, :]
+        return out
+
+
+def to_torch(win: dict, device) -> dict:
+    return {key: torch.as_tensor(value, device=device) for key, value in win.items()}
+
+
+def no_memory(net, batch: int, device) -> torch.Tensor:
+    """An empty memory (L, 0, B, D): what the memory is at an episode's first step."""
+    return torch.zeros(len(net.blocks), 0, batch, net.d_model, device=device)
+
+
+def anchor_memory(net, win: dict, lead: int, memory: str, burn_in: int, memory_length: int):
+    """The memory at t0 (row `lead` of the window) that `net` starts the trained rows from: the stored layer inputs
+    of rows t0 - B - M .. t0 - B - 1 (`memory` = "stored") or nothing ("zero"), then, without gradient, a burn-in
+    that recomputes rows t0 - B .. t0 - 1 from it and replaces the B newest entries. Returns ((L, M', B, D), the
+    entries' key_valid (M', B))."""
+    P, M, B = lead, memory_length, win["obs"].shape[1]
+    if memory == "stored":
+        entries = win["layer_inputs"][P - burn_in - M : P - burn_in].permute(2, 0, 1, 3)  # (L, M, B, D)
+        valid = win["key_valid"][P - burn_in - M : P - burn_in]  # (M, B)
+    else:
+        entries, valid = no_memory(net, B, win["obs"].device), win["key_valid"][:0]
+    if burn_in > 0:
+        rows = slice(P - burn_in, P)
+        with torch.no_grad():
+            x = net.encode(win["obs"][rows], win["prev_action"][rows], win["prev_reward"][rows])  # (B_in, B, D)
+            _, fresh = net(x, entries, torch.cat([valid, win["key_valid"][rows]]))  # (L, B_in, B, D)
+        entries = torch.cat([entries, fresh], dim=1)[:, -M:]
+        valid = torch.cat([valid, win["key_valid"][rows]])[-M:]
+    return entries, valid
+
+
+def memory_q(net, win: dict, lead: int, memory: str, burn_in: int, memory_length: int) -> torch.Tensor:
+    """Q (W - lead, B, A) of the rows from t0 on, in one forward pass from the memory at t0 (`anchor_memory`)."""
+    entries, valid = anchor_memory(net, win, lead, memory, burn_in, memory_length)
+    x = net.encode(win["obs"][lead:], win["prev_action"][lead:], win["prev_reward"][lead:])  # (W - lead, B, D)
+    return net(x, entries, torch.cat([valid, win["key_valid"][lead:]]))[0]
+
+
+def window_q(net, win: dict, lead: int, window: int) -> torch.Tensor:
+    """DTQN: Q (W - lead, B, A) of the rows from t0 on, each from its own context of `window` rows (itself and the
+    window - 1 rows before it), re-encoded from the observations; no memory."""
+    x = net.encode(win["obs"], win["prev_action"], win["prev_reward"])  # (W, B, D): per row, so encoded once
+    (W, B, D), R = x.shape, x.shape[0] - lead
+    steps = torch.arange(window, device=x.device)
+    idx = torch.arange(lead - window + 1, W - window + 1, device=x.device)[:, None] + steps  # (R, k) context rows
+    contexts = x[idx].permute(1, 0, 2, 3).reshape(window, R * B, D)  # (k, R B, D)
+    valid = win["key_valid"][idx].permute(1, 0, 2).reshape(window, R * B)
+    q = net(contexts, no_memory(net, R * B, x.device), valid)[0][-1]  # (R B, A): each context's last row
+    return q.view(R, B, -1)
+
+
+def replay_q(net, win: dict, lead: int, args: Args) -> torch.Tensor:
+    """Q of a window's rows from t0 on, as this run's --memory mode computes them (learner and target network)."""
+    if args.memory == "window":
+        return window_q(net, win, lead, args.window)
+    return memory_q(net, win, lead, args.memory, args.burn_in, args.memory_length)
+
+
+@torch.no_grad()
+def final_delta_q(net, rb, rng: np.random.Generator, num_sequences: int, device, burn_in, memory_length) -> dict:
+    """The ablation on ONE network: Delta-Q of the same replayed sequences started three ways. On up to
+    `num_sequences` sequences that start mid-episode and whose episode start is stored, Q at the first and last
+    trained row from an empty memory at t0 (`zero`), the memory stored at t0 (`stored`), or the memory stored at
+    t0 - burn_in and the burn-in (`stored_burn_in`), against Q from the memory recomputed from the episode start."""
+    mid_episode = rb.seq_anchor > rb.seq_ep_start
+    ok = np.nonzero(rb.valid() & mid_episode & (rb.seq_ep_start >= rb.t - rb.cap))[0]
+    if len(ok) == 0:
+        return {}
+    ids = rng.choice(ok, size=min(num_sequences, len(ok)), replace=False)
+    prefix = int((rb.seq_anchor[ids] - rb.seq_ep_start[ids]).max())  # rows from the episode start to t0
+    full = to_torch(rb.gather(ids, lead=prefix), device)
+    # the true memory: the whole prefix as a burn-in from the episode start (m + n, b, A)
+    q_true = memory_q(net, full, prefix, "zero", prefix, memory_length)
+    win = to_torch(rb.gather(ids), device)
+    variants = {"zero": ("zero", 0), "stored": ("stored", 0), "stored_burn_in": ("stored", burn_in)}
+    mask = torch.cumprod(1.0 - win["final"][rb.lead : rb.lead + rb.m].float(), dim=0)  # (m, b) trained rows
+    last, col = (mask.sum(0).long() - 1).clamp(min=0), torch.arange(len(ids), device=device)
+    out = {"count": float(len(ids))}
+    for name, (memory, burn) in variants.items():
+        if name == "stored_burn_in" and burn_in == 0:
+            continue
+        q = memory_q(net, win, rb.lead, memory, burn, memory_length)
+        out[f"first_{name}"] = delta_q(q[0], q_true[0]).mean().item()
+        out[f"last_{name}"] = delta_q(q[last, col], q_true[last, col]).mean().item()
+    return out
+
+
+def replay_bytes(rb, memory_length: int) -> dict:
+    """Bytes of the replay's filled rows as stored (each step once, with its layer inputs), a row's bytes, and what
+    the memory at one sequence start takes (M x L x D floats; the LSTM's state is 2 x width)."""
+    per_row = sum(getattr(rb, name)[0, 0].nbytes for name in ROW_FIELDS)
+    return {"bytes": float(min(rb.t, rb.cap) * rb.E * per_row), "bytes_per_row": float(per_row),
+            "memory_bytes_per_sequence": float(memory_length * rb.layer_inputs[0, 0].nbytes)}  # fmt: skip
+
+
+ROW_FIELDS = ("obs", "action", "reward", "prev_action", "prev_reward", "first", "final", "terminal", "ep_step",
+              "layer_inputs")  # what the replay stores per row  # fmt: skip
+
+
+def next_row_flags(final, terminated, truncated):
+    """Flags (first, final, terminal) of the row that the obs returned by a NEXT_STEP-autoreset step() fills.
+
+    If the current row was final, that step() was the reset step: the new row is a reset obs (`first`), and
+    gymnasium reports terminated = truncated = False for it. Otherwise an ended episode makes the new row final.
+    """
+    done = (terminated | truncated) & ~final
+    return final.copy(), done, terminated & ~final
+
+
+def initial_context(net, memory: str, window: int, num_envs: int, device) -> dict:
+    """What the actor carries between steps, empty: the memory of the last M rows' layer inputs (memory modes), or
+    the last window - 1 rows' inputs to re-encode (window mode); `valid` marks entries of the current episode."""
+    if memory != "window":
+        return {"memory": torch.zeros(len(net.blocks), net.span, num_envs, net.d_model, device=device),
+                "valid": torch.zeros(net.span, num_envs, dtype=torch.bool, device=device)}  # fmt: skip
+    k = window - 1
+    return {"obs": torch.zeros(k, num_envs, net.obs_dim, device=device),
+            "prev_action": torch.full((k, num_envs), NO_ACTION, device=device),
+            "prev_reward": torch.zeros(k, num_envs, device=device),
+            "valid": torch.zeros(k, num_envs, dtype=torch.bool, device=device)}  # fmt: skip
+
+
+@torch.no_grad()
+def actor_step(net, context: dict, obs, prev_action, prev_reward, first):
+    """One acting step for E envs: forget the previous episode where one starts, then Q(h_t, .) of the new row from
+    the carried context. Returns (q (E, A), the new context, the row's layer inputs (E, L', D) as numpy: its
+    memory entry, stored in replay; L' = 0 in the window mode)."""
+    device, dtype, E = context["valid"].device, net.embed.weight.dtype, len(obs)
+    valid = context["valid"] & ~torch.as_tensor(first, device=device)[None]  # (K, E)
+    row = {"obs": torch.as_tensor(obs, dtype=dtype, device=device)[None],
+           "prev_action": torch.as_tensor(prev_action, device=device)[None],
+           "prev_reward": torch.as_tensor(prev_reward, dtype=dtype, device=device)[None]}  # fmt: skip
+    key_valid = torch.cat([valid, torch.ones(1, E, dtype=torch.bool, device=device)])
+    if "memory" in context:  # Transformer-XL: the new row attends to the memory of the last M rows
+        q, inputs = net(net.encode(**row), context["memory"], key_valid)  # (1, E, A), (L, 1, E, D)
+        new = {"memory": torch.cat([context["memory"][:, 1:], inputs], dim=1), "valid": key_valid[1:]}
+        return q[0], new, inputs[:, 0].permute(1, 0, 2).cpu().numpy()
+    rows = {key: torch.cat([context[key], value]) for key, value in row.items()}  # window: re-encode the last k rows
+    q, _ = net(net.encode(**rows), no_memory(net, E, device), key_valid)
+    new = {key: value[1:] for key, value in rows.items()} | {"valid": key_valid[1:]}
+    return q[-1], new, np.zeros((E, 0, net.d_model), dtype=np.float32)
+
+
+def make_vec_env(env_id: str, env_kwargs: dict, num_envs: int) -> gym.vector.SyncVectorEnv:
+    """`num_envs` copies of the flattened env with gymnasium's default NEXT_STEP autoreset."""
+    return gym.vector.SyncVectorEnv(
+        [lambda: make_flat_env(env_id, env_kwargs)] * num_envs, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP
+    )
+
+
+def make_flat_env(env_id: str, env_kwargs: dict) -> gym.Env:
+    """The env with a flat float32 observation: gymnasium's FlattenObservation one-hot encodes Discrete and each
+    MultiDiscrete component, flattens Box, and concatenates the parts of Tuple/Dict (Dict in sorted key order)."""
+    return gym.wrappers.DtypeObservation(gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs)), np.float32)
+
+
+def build_network(args: Args, obs_dim: int, num_actions: int) -> TransformerXLQNetwork:
+    """The Q-network of this run's mode: span M (memory modes) or k - 1 (window mode)."""
+    span = args.window - 1 if args.memory == "window" else args.memory_length
+    sizes = (args.d_model, args.num_layers, args.num_heads, args.ff_size)
+    return TransformerXLQNetwork(obs_dim, num_actions, *sizes, span)
+
+
+@dataclass
+class TrainState:
+    """What the training loop carries from one env step to the next; a checkpoint saves it as a unit."""
+
+    obs: np.ndarray  # (E, obs_dim) the observation of the current row
+    first: np.ndarray  # (E,) the row holds a reset observation
+    final: np.ndarray  # (E,) the row holds an episode's final observation (its action is ignored)
+    terminal: np.ndarray  # (E,) that final observation is terminal (no bootstrap)
+    prev_action: np.ndarray  # (E,) a_{t-1} (NO_ACTION at an episode's first step)
+    prev_reward: np.ndarray  # (E,) r_{t-1}
+    context: dict  # the actor's memory (or window of rows), `initial_context`
+    ep_return: np.ndarray  # (E,) return and length of each env's episode so far
+    ep_length: np.ndarray  # (E,)
+    ep_returns: list = field(default_factory=list)  # returns and lengths of the finished episodes
+    ep_lengths: list = field(default_factory=list)
+    num_updates_done: int = 0
+    start_time: float = field(default_factory=time.time)  # a resumed run's is moved back by the time already spent
+
+
+def main():
+    args = parse_args()
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(args.seed)
+
+    run = start_run(args)  # checks the env; the run dir (new, or the resumed run's), tensorboard, Ctrl-C handlers
+    device, env_kwargs = run.device, json.loads(args.env_kwargs)
+    vec_env = make_vec_env(args.env_id, env_kwargs, args.num_envs)
+    obs_dim, num_actions = vec_env.single_observation_space.shape[0], int(vec_env.single_action_space.n)
+    q_network = build_network(args, obs_dim, num_actions).to(device)
+    if args.eval_only:
+        run.load_model(q_network)  # the --checkpoint network: evaluated below, nothing is trained
+    target_network = build_network(args, obs_dim, num_actions).to(device)
+    target_network.load_state_dict(q_network.state_dict())
+    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, eps=args.adam_eps)
+    E, B, m, n = args.num_envs, args.batch_size, args.seq_len, args.n_step
+    lead = args.window - 1 if args.memory == "window" else args.burn_in + args.memory_length  # rows before t0
+    stored_layers = 0 if args.memory == "window" else args.num_layers
+    rb = SequenceReplay(args.buffer_size // E, E, obs_dim, stored_layers, args.d_model, m, args.seq_overlap, lead, n)
+    epsilons = ape_x_epsilons(E, args.exploration_eps, args.exploration_alpha)  # (E,)
+    eps_v = args.value_rescaling_eps
+
+    state = TrainState(
+        obs=vec_env.reset(seed=args.seed)[0], first=np.ones(E, dtype=bool), final=np.zeros(E, dtype=bool),
+        terminal=np.zeros(E, dtype=bool), prev_action=np.full(E, NO_ACTION, dtype=np.int64),
+        prev_reward=np.zeros(E, dtype=np.float32), ep_return=np.zeros(E), ep_length=np.zeros(E, dtype=int),
+        context=initial_context(q_network, args.memory, args.window, E, device))  # fmt: skip
+    global_step = run.restore(state, q_network, target_network, optimizer, rb, rng, vec_env)  # 0, or --resume's
+    num_vector_steps = 0 if args.eval_only else args.total_timesteps // E
+    for step in range(global_step // E, num_vector_steps):
+        # 1. act: forget the memory at episode starts, epsilon-greedy per env on Q(h_t, .) from the carried memory
+        state.prev_action[state.first], state.prev_reward[state.first] = NO_ACTION, 0.0
+        q, state.context, layer_inputs = actor_step(
+            q_network, state.context, state.obs, state.prev_action, state.prev_reward, state.first)  # fmt: skip
+        greedy = q.argmax(-1).cpu().numpy()  # (E,)
+        explore = rng.random(E) < epsilons
+        action = np.where(explore, rng.integers(num_actions, size=E), greedy)
+        run.track_episodes(state.final, action)  # what --resume replays to restore the envs
+
+        # 2. step the envs (NEXT_STEP autoreset: after a final row, this step is the reset step)
+        next_obs, reward, term, trunc, infos = vec_env.step(action)
+        reward = np.where(state.final, 0.0, reward).astype(np.float32)  # the reset step's reward is not a reward
+        rb.add(state.obs, state.first, state.final, state.terminal, state.prev_action, state.prev_reward, layer_inputs,
+               action, reward)  # fmt: skip
+        global_step += E
+        state.ep_return += reward
+        state.ep_length += ~state.final
+        for e in np.nonzero(state.final)[0]:  # the previous step ended these episodes; log them
+            state.ep_returns.append(state.ep_return[e])
+            state.ep_lengths.append(state.ep_length[e])
+            run.log(global_step, {"charts/episodic_return": state.ep_return[e],
+                                  "charts/episodic_length": state.ep_length[e]})  # fmt: skip
+            state.ep_return[e], state.ep_length[e] = 0.0, 0
+        state.first, state.final, state.terminal = next_row_flags(state.final, term, trunc)
+        state.obs, state.prev_action, state.prev_reward = next_obs, action, reward
+
+        # 3. learn: sample prioritized sequences, their memory at t0 (stored + burn-in, empty, or none: windows),
+        #    n-step double-Q targets on h-rescaled values
+        if global_step >= args.learning_starts and step % args.train_frequency == 0 and rb.num_sequences() > 0:
+            ids, weights = rb.sample(B, args.priority_exponent, args.importance_exponent, rng)
+            win = to_torch(rb.gather(ids), device)
+            q_all = replay_q(q_network, win, lead, args)  # (m + n, B, A) online Q of t0 .. end
+            with torch.no_grad():
+                q_target_all = replay_q(target_network, win, lead, args)  # (m + n, B, A)
+                best = q_all.argmax(-1, keepdim=True)  # double Q: online argmax, target evaluation
+                boot_values = inverse_value_rescale(q_target_all.gather(-1, best).squeeze(-1), eps_v)  # (m + n, B)
+                final_f, terminal_f = win["final"][lead:].float(), win["terminal"][lead:].float()
+                targets = nstep_rescaled_targets(
+                    win["reward"][lead:], final_f, terminal_f, boot_values, args.gamma, n, m, eps_v
+                )  # (m, B)
+                mask = torch.cumprod(1.0 - final_f[:m], dim=0)  # (m, B) 1 up to the episode's last action
+            q_taken = q_all[:m].gather(-1, win["action"][lead : lead + m, :, None]).squeeze(-1)  # (m, B)
+            td = targets - q_taken
+            w = torch.as_tensor(weights, dtype=torch.float32, device=device)
+            per_seq = 0.5 * (td**2 * mask).sum(0) / mask.sum(0).clamp(min=1.0)  # (B,)
+            loss = (w * per_seq).mean()
+
+            # 4. gradient step, new priorities, target network copy
+            optimizer.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(q_network.parameters(), args.max_grad_norm)
+            optimizer.step()
+            new_priorities = sequence_priority(td.detach().abs(), mask, args.priority_eta)
+            rb.update_priorities(ids, new_priorities.cpu().numpy().astype(np.float64))
+            state.num_updates_done += 1
+            if state.num_updates_done % args.target_network_frequency == 0:
+                target_network.load_state_dict(q_network.state_dict())
+
+            if state.num_updates_done % 100 == 0:
+                sps = int(global_step / (time.time() - state.start_time))
+                run.log(global_step, {"losses/td_loss": loss.item(), "losses/q_values": q_taken.mean().item(),
+                                      "charts/SPS": sps, "charts/learning_rate": args.learning_rate})  # fmt: skip
+                recent = np.mean(state.ep_returns[-50:]) if state.ep_returns else float("nan")
+                print(f"global_step={global_step} updates={state.num_updates_done} return(last 50)={recent:.2f} "
+                      f"loss={loss.item():.4f} SPS={sps}")  # fmt: skip
+        run.end_step(global_step, state)  # a checkpoint every --save-every env steps; on Ctrl-C / SIGTERM, then exit
+    run.end_training()  # Ctrl-C / SIGTERM stop at once again (a resume would redo what follows)
+    vec_env.close()
+
+    # after training: the one-network Delta-Q ablation (memory modes), then the greedy evaluation
+    final_dq = {}
+    if not args.eval_only and args.memory != "window":
+        final_dq = final_delta_q(q_network, rb, rng, args.final_delta_q_sequences, device, args.burn_in,
+                                 args.memory_length)  # fmt: skip
+    wall_time = time.time() - state.start_time
+    metrics = {"model/final_delta_q_" + key: value for key, value in final_dq.items() if key != "count"}
+    result = evaluate(q_network, args, env_kwargs, eval_env_seed(args.seed), device)
+    metrics |= {"eval/episodic_return": result["ret"].mean(), "eval/episodic_return_std": result["ret"].std(),
+                "eval/episodic_length": result["length"].mean()}  # fmt: skip
+    if not np.isnan(result["success"]).all():  # the env reports info["success"] (TMaze, Tiger)
+        metrics["eval/success_rate"] = np.nanmean(result["success"])
+    if not args.eval_only:  # the O(T) replay: each step once, with its memory entry
+        metrics.update({f"replay/{key}": value for key, value in replay_bytes(rb, args.memory_length).items()})
+    run.finish(metrics, q_network, global_step, wall_time)  # summary.json, the model; checkpoints deleted
+
+
+@torch.no_grad()
+def evaluate(net, args: Args, env_kwargs: dict, seed: int, device) -> dict:
+    """Greedy episodes, one after the other in a single env: returns, lengths, success (NaN where undefined)."""
+    env = make_flat_env(args.env_id, env_kwargs)
+    returns, lengths, successes = [], [], []
+    for ep in range(args.eval_episodes):
+        obs, _ = env.reset(seed=seed + ep)
+        context = initial_context(net, args.memory, args.window, 1, device)
+        prev_action, prev_reward, first, total, success = NO_ACTION, 0.0, True, 0.0, np.nan
+        for length in range(1, MAX_EVAL_STEPS + 1):  # noqa: B007  (read after the loop)
+            q, context, _ = actor_step(net, context, obs[None], [prev_action], [prev_reward], [first])
+            action = int(q[0].argmax())
+            obs, reward, terminated, truncated, info = env.step(action)
+            total, prev_action, prev_reward, first = total + float(reward), action, float(reward), False
+            if terminated or truncated:
+                success = float(info["success"]) if "success" in info else np.nan
+                break
+        returns.append(total)
+        lengths.append(length)
+        successes.append(success)
+    env.close()
+    return dict(ret=np.array(returns), length=np.array(lengths), success=np.array(successes))
+
+
+# === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
+ARCH_FIELDS = ("env_id", "env_kwargs", "d_model", "num_layers", "num_heads", "ff_size", "memory", "memory_length",
+               "window")  # read from a checkpoint's args.json for --eval-only  # fmt: skip
+SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
+RESUME_FREE_FIELDS = ("resume", "save_every", "threads", "runs_dir")  # may change on --resume; the rest is the run's
+
+
+def parse_args() -> Args:
+    """tyro's Args with every check (one-line `error:` exits); `--resume` takes the run's own arguments, `--eval-only`
+    the env and architecture of its checkpoint; derived sizes filled in."""
+    args = tyro.cli(Args)
+    if args.resume is not None:
+        if args.eval_only:
+            raise SystemExit("error: --resume continues a training run; it does not go with --eval-only")
+        args = resume_args(args)[0]
+    if args.eval_only:
+        if args.checkpoint is None:
+            raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or a model.safetensors file)")
+        ckpt_args = load_checkpoint(args.checkpoint)[1]
+        for name in ARCH_FIELDS:  # rebuild the env and the architecture the checkpoint was trained with
+            setattr(args, name, ckpt_args.get(name, getattr(args, name)))
+    try:
+        env_kwargs = json.loads(args.env_kwargs)
+        assert isinstance(env_kwargs, dict)
+    except (json.JSONDecodeError, AssertionError):
+        raise SystemExit(f"error: --env-kwargs must be a JSON object, got {args.env_kwargs!r}") from None
+    if not 0 <= args.seq_overlap < args.seq_len:
+        raise SystemExit(f"error: need 0 <= --seq-overlap < --seq-len, got {args.seq_overlap} and {args.seq_len}")
+    if min(args.d_model, args.num_heads, args.num_layers, args.ff_size) < 1 or args.d_model % args.num_heads:
+        raise SystemExit(f"error: need --num-layers, --ff-size >= 1 and --d-model a positive multiple of --num-heads, "
+                         f"got {args.num_layers}, {args.ff_size}, {args.d_model} and {args.num_heads}")  # fmt: skip
+    if args.memory_length < 1 or args.window < 1:
+        raise SystemExit(f"error: need --memory-length >= 1 and --window >= 1, got {args.memory_length} and "
+                         f"{args.window}")  # fmt: skip
+    if args.memory != "window" and args.burn_in > args.memory_length:
+        raise SystemExit(f"error: --burn-in {args.burn_in} is longer than the memory (--memory-length "
+                         f"{args.memory_length}): the burn-in refreshes memory entries, at most M")  # fmt: skip
+    if args.burn_in < 0 or args.n_step < 1 or args.num_envs < 1 or args.batch_size < 1:
+        raise SystemExit("error: need --burn-in >= 0, --n-step >= 1, --num-envs >= 1, --batch-size >= 1")
+    if not 1 <= args.eval_episodes <= EVAL_SEED_STRIDE:
+        raise SystemExit(f"error: need 1 <= --eval-episodes <= {EVAL_SEED_STRIDE} (disjoint evaluation seeds)")
+    lead = args.window - 1 if args.memory == "window" else args.burn_in + args.memory_length
+    window = lead + args.seq_len + args.n_step
+    capacity = args.buffer_size // args.num_envs  # rows per env column
+    if capacity < 4 * window:
+        raise SystemExit(f"error: --buffer-size {args.buffer_size} gives {capacity} rows per env; need at least "
+                         f"4 windows of {window} rows (lead + seq-len + n-step)")  # fmt: skip
+    if args.save_every < 0:
+        raise SystemExit(f"error: need --save-every >= 0 (0 = no periodic checkpoints), got {args.save_every}")
+    args.num_updates = max(0, (args.total_timesteps - args.learning_starts) // (args.num_envs * args.train_frequency))
+    return args
+
+
+def check_env(env_id: str, env_kwargs: dict) -> None:
+    """One-line errors for an env that cannot be made or whose spaces this script does not support."""
+    try:
+        probe = gym.make(env_id, **env_kwargs)
+    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # unknown id / kwargs
+        raise SystemExit(f"error: cannot make env {env_id!r} with kwargs {env_kwargs}: {err}") from None
+    obs_space, act_space = probe.observation_space, probe.action_space
+    probe.close()
+    if not isinstance(act_space, gym.spaces.Discrete):
+        raise SystemExit(f"error: {env_id} has action space {act_space}; only Discrete action spaces are supported")
+    if not flattenable(obs_space):
+        raise SystemExit(f"error: {env_id} has observation space {obs_space}; supported: Box, Discrete, MultiBinary, "
+                         "MultiDiscrete, and Tuple/Dict of these")  # fmt: skip
+
+
+def flattenable(space: gym.spaces.Space) -> bool:
+    """True for the spaces gymnasium's `spaces.flatten` turns into one flat vector: Box, Discrete, MultiBinary,
+    MultiDiscrete, and Tuple/Dict of these (nested)."""
+    if isinstance(space, gym.spaces.Tuple):
+        return all(flattenable(sub) for sub in space.spaces)
+    if isinstance(space, gym.spaces.Dict):
+        return all(flattenable(sub) for sub in space.spaces.values())
+    return isinstance(space, FLAT_SPACES)
+
+
+def start_run(args: Args) -> "Run":
+    """Check the env (after seeding, where making it always happened; before any run dir exists), then the run dir:
+    a new one in --runs-dir, or the resumed run's own with its checkpoint read; tensorboard there (a resume drops
+    what the killed run logged after its checkpoint); the device; Ctrl-C / SIGTERM handlers while training."""
+    check_env(args.env_id, json.loads(args.env_kwargs))
+    resume_dir = None if args.resume is None else Path(args.resume)
+    check_writable_dir(resume_dir or Path(args.runs_dir), "--resume" if resume_dir else "--runs-dir")
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    if resume_dir is None:
+        run_dir, checkpoint = new_run_dir(args.runs_dir, args.env_id, args.exp_name, args.seed), None
+        writer = open_writer(run_dir, args)
+    else:
+        run_dir, checkpoint = resume_dir, read_checkpoint_state(resume_dir)  # (step dir, state.json)
+        writer = open_writer(run_dir, args, purge_step=checkpoint[1]["global_step"] + 1)
+    stop = None if args.eval_only else install_stop_handlers()
+    return Run(args, run_dir, writer, device, checkpoint, stop)
+
+
+class Run:
+    """The run's dir, tensorboard writer and device, and the checkpoints of a long run (`end_step`, `restore`).
+
+    A checkpoint, written every `--save-every` env steps and on Ctrl-C / SIGTERM at the end of a step, is
+    RUN_DIR/checkpoints/step_<global step>/: the online and target networks (safetensors), Adam's state
+    (torch.save, read back with weights_only=True), the replay's rows and prioritized sequence table (replay.npz),
+    the TrainState's arrays (obs, flags, previous action and reward, the actor's memory, running returns, the curve
+    so far) with torch's RNG state (loop.npz), and state.json (counters, args, python and numpy RNG states, file
+    sizes); written into a temporary dir, os.replace'd into place, then named by latest.json (temp file +
+    os.replace), so a kill leaves the previous one; deleted when the run ends. Gymnasium vector envs cannot be saved
+    mid-episode: per env the loop records its np_random state just before the reset that began its episode and the
+    actions since (`track_episodes`; reading a state draws nothing), and `--resume` resets it from that state and
+    replays the actions (`restore_envs`, checked against the stored observation; exact for envs that draw their
+    randomness from np_random, as gymnasium's seeding contract asks). Saving draws no random number, so results do
+    not depend on --save-every.
+    """
+
+    def __init__(self, args: Args, run_dir: Path, writer: SummaryWriter, device, checkpoint, stop: dict | None):
+        self.args, self.run_dir, self.writer, self.device = args, run_dir, writer, device
+        self.checkpoint = checkpoint  # (step dir, state.json) that --resume continues from, or None
+        self.stop = stop  # install_stop_handlers' flag while training runs, else None
+        self.episodes = {"reset_rng": [None] * args.num_envs, "actions": [[] for _ in range(args.num_envs)]}
+
+    def log(self, step: int, metrics: dict) -> None:
+        """tensorboard scalars: tag -> number."""
+        for tag, value in metrics.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def load_model(self, net: nn.Module) -> None:
+        """--eval-only: the --checkpoint network's weights into `net`; a one-line error if they do not fit."""
+        try:
+            net.load_state_dict(load_checkpoint(self.args.checkpoint)[0])
+        except RuntimeError as err:
+            first_lines = " ".join(str(err).strip().splitlines()[:3])
+            self.writer.close()
+            shutil.rmtree(self.run_dir, ignore_errors=True)  # nothing was run
+            raise SystemExit(f"error: checkpoint does not fit this network on {self.args.env_id} (obs dim "
+                             f"{net.obs_dim}, {net.num_actions} actions, width {net.d_model}): {first_lines}"
+                             ) from None  # fmt: skip
+
+    def restore(self, state: TrainState, q_network, target_network, optimizer, rb, rng, vec_env) -> int:
+        """Keep what a checkpoint holds (end_step saves these objects); on --resume, load the checkpoint into them and
+        bring the envs back. Returns the global step the loop continues from (0 for a new run)."""
+        self.nets = {"model": q_network, "target_model": target_network}
+        self.optimizer, self.rb, self.rng, self.vec_env = optimizer, rb, rng, vec_env
+        if self.checkpoint is None:
+            return 0
+        step_dir, saved = self.checkpoint
+        loop = load_training_checkpoint(step_dir, saved, self.nets, optimizer, rb, rng)
+        for name in ("obs", "first", "final", "terminal", "prev_action", "prev_reward", "ep_return", "ep_length"):
+            setattr(state, name, loop[name])
+        state.context = {key[len("context_") :]: torch.as_tensor(value, device=self.device)
+                         for key, value in loop.items() if key.startswith("context_")}  # fmt: skip
+        state.ep_returns, state.ep_lengths = list(loop["ep_returns"]), list(loop["ep_lengths"])
+        state.num_updates_done = saved["num_updates_done"]
+        state.start_time = time.time() - saved["elapsed_s"]
+        self.episodes = saved["episodes"]
+        restore_envs(vec_env, self.args.seed, state.obs, state.final, self.episodes)
+        print(f"resumed {self.run_dir} at global_step={saved['global_step']} from {step_dir}")
+        return saved["global_step"]
+
+    def track_episodes(self, final: np.ndarray, action: np.ndarray) -> None:
+        """What `--resume` replays to bring the envs back (the module-level track_episodes)."""
+        track_episodes(self.episodes, self.vec_env, final, action)
+
+    def end_step(self, global_step: int, state: TrainState) -> None:
+        """At the end of an env step: a checkpoint when a multiple of --save-every env steps was passed (but not after
+        the last step: the run finishes) or a stop signal came, then, after a stop, the exit with STOP_EXIT_CODE."""
+        args, E = self.args, self.args.num_envs
+        last = global_step >= args.total_timesteps // E * E
+        due = args.save_every and global_step // args.save_every != (global_step - E) // args.save_every
+        if self.stop["signal"] or (due and not last):
+            step_dir = self.save_checkpoint(global_step, state)
+            self.writer.flush()
+            if self.stop["signal"]:
+                self.writer.close()
+                self.vec_env.close()
+                print(f"interrupted at global_step={global_step}: checkpoint {step_dir}; continue with: "
+                      f"python {sys.argv[0]} --resume {self.run_dir}", file=sys.stderr)  # fmt: skip
+                raise SystemExit(STOP_EXIT_CODE)
+
+    def save_checkpoint(self, global_step: int, state: TrainState) -> Path:
+        """The objects `restore` was given and `state` (split into arrays and counters), as save_training_checkpoint
+        writes them."""
+        nets = {name: net.state_dict() for name, net in self.nets.items()}
+        # TrainState's arrays, the actor's context as context_<name>
+        loop = dict(obs=state.obs, first=state.first, final=state.final, terminal=state.terminal,
+                    prev_action=state.prev_action, prev_reward=state.prev_reward, ep_return=state.ep_return,
+                    ep_length=state.ep_length, ep_returns=np.array(state.ep_returns, dtype=np.float64),
+                    ep_lengths=np.array(state.ep_lengths, dtype=np.int64),
+                    **{f"context_{key}": value.cpu().numpy() for key, value in state.context.items()})  # fmt: skip
+        counters = dict(num_updates_done=state.num_updates_done, elapsed_s=time.time() - state.start_time,
+                        episodes=self.episodes, args=asdict(self.args))  # fmt: skip
+        return save_training_checkpoint(self.run_dir, global_step, nets, self.optimizer, self.rb, self.rng, loop,
+                                        counters)  # fmt: skip
+
+    def end_training(self) -> None:
+        """Training is over: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows)."""
+        if self.stop is not None:
+            restore_signal_handlers(self.stop)
+            self.stop = None
+
+    def finish(self, metrics: dict, net: nn.Module, global_step: int, wall_time: float) -> None:
+        """The metrics as floats to tensorboard and summary.json (written last: it marks a finished run), args.json
+        and the model; the checkpoints deleted (a finished run is not resumed), the writer closed."""
+        self.end_training()
+        metrics = {key: float(value) for key, value in metrics.items()}
+        self.log(global_step, metrics)
+        run_dir, args = self.run_dir, self.args
+        summary = {
+            "script": SCRIPT, "run_name": run_dir.name, "run_dir": str(run_dir), "args": asdict(args),
+            "metrics": metrics, "wall_time_s": wall_time, "sps": global_step / max(wall_time, 1e-9),
+        }  # fmt: skip
+        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+        save_file(net.state_dict(), str(run_dir / "model.safetensors"))
+        write_json_atomic(run_dir / "summary.json", summary)  # written last: it marks a finished run
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a finished run is not resumed; the model is saved
+        self.writer.close()
+        print(json.dumps(metrics, indent=2))
+        print(f"run dir: {run_dir}")
+
+
+def load_checkpoint(path_str: str) -> tuple[dict, dict]:
+    """(state_dict, saved args or {}) from a run dir or a .safetensors file; clear errors for bad paths/files."""
+    path = Path(path_str)
+    model_path = path / "model.safetensors" if path.is_dir() else path
+    if not model_path.is_file():
+        raise SystemExit(f"error: checkpoint {model_path} not found (give a run dir or a model.safetensors file)")
+    try:
+        state_dict = load_file(str(model_path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise SystemExit(f"error: cannot read checkpoint {model_path}: {err}") from None
+    args_path = model_path.parent / "args.json"
+    return state_dict, json.loads(args_path.read_text()) if args_path.is_file() else {}
+
+
+def check_writable_dir(path: Path, flag: str) -> None:
+    """A one-line error, before any work, if `path` is a file, cannot be created, or is not writable."""
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"error: {flag} {path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"error: cannot create {flag} {path}: {err.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: {flag} {path} is not writable")
+
+
+def new_run_dir(runs_dir: str, task: str, exp_name: str, seed: int) -> Path:
+    """Create and return runs_dir/{task}__{exp_name}__{seed}__{unix time}; never an existing directory: mkdir is
+    atomic, so runs started in the same second get -1, -2, ..."""
+    run_name = f"{task.replace('/', '-').replace(':', '-')}__{exp_name}__{seed}__{int(time.time())}"
+    run_dir, suffix = Path(runs_dir) / run_name, 0
+    while True:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            return run_dir
+        except FileExistsError:
+            suffix += 1
+            run_dir = Path(runs_dir) / f"{run_name}-{suffix}"
+
+
+def open_writer(run_dir: Path, args, purge_step: int | None = None) -> SummaryWriter:
+    """tensorboard in the run dir with the hyperparameters as a markdown table (CleanRL). On a resume, purge_step (the
+    checkpoint's step + 1) drops what the killed run logged after its checkpoint, and the table is already there."""
+    writer = SummaryWriter(str(run_dir), purge_step=purge_step)
+    if purge_step is None:
+        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+STOP_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C (a SIGTERM stop exits alike)
+
+
+def install_stop_handlers() -> dict:
+    """Ctrl-C (SIGINT) and SIGTERM (what torchrun's agent, job schedulers and `kill` send) set stop["signal"] to the
+    signal's name; training reads it at the end of its current step, writes a checkpoint and exits with
+    STOP_EXIT_CODE. A second Ctrl-C stops at once; a repeated SIGTERM changes nothing (a scheduler that stops waiting
+    sends SIGKILL). stop["previous"] keeps the handlers before, which restore_signal_handlers puts back."""
+    stop = {"signal": None, "previous": {}}
+
+    def handler(signum, frame):
+        if signum == signal.SIGINT and stop["signal"] is not None:
+            raise KeyboardInterrupt
+        if stop["signal"] is None:
+            stop["signal"] = signal.Signals(signum).name
+            # os.write, not print: a handler that prints while the loop prints raises "reentrant call"
+            os.write(2, f"\n{stop['signal']}: a checkpoint follows this step, then the run exits (Ctrl-C again to "
+                        "stop now)\n".encode())  # fmt: skip
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        stop["previous"][sig] = signal.signal(sig, handler)
+    return stop
+
+
+def restore_signal_handlers(stop: dict) -> None:
+    """Training is over: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows)."""
+    for sig, previous in stop["previous"].items():
+        signal.signal(sig, previous)
+
+
+def track_episodes(episodes: dict, vec_env, final: np.ndarray, action: np.ndarray) -> None:
+    """Record per env what replaying its current episode needs (`restore_envs`): the env's RNG state just before its
+    autoreset (the step after a final row is the reset step) and the actions it took since. Reads, never draws."""
+    for e in range(len(final)):
+        if final[e]:
+            episodes["reset_rng"][e] = vec_env.envs[e].unwrapped.np_random.bit_generator.state
+            episodes["actions"][e] = []
+        else:
+            episodes["actions"][e].append(int(action[e]))
+
+
+def restore_envs(vec_env, seed: int, obs: np.ndarray, final: np.ndarray, episodes: dict) -> None:
+    """Bring the vector env back to the checkpoint: the seeded reset of the run's start, then per env in a later
+    episode its RNG state of just before that episode's reset and a reset, then the episode's actions replayed.
+    Exact for envs whose randomness comes from their `np_random` (gymnasium's seeding contract); checked against the
+    stored observation. Envs whose episode had ended reset on the next step() (gymnasium's NEXT_STEP flag)."""
+    reset_obs, _ = vec_env.reset(seed=seed)
+    for e, env in enumerate(vec_env.envs):
+        env_obs = reset_obs[e]
+        if episodes["reset_rng"][e] is not None:
+            env.unwrapped.np_random.bit_generator.state = episodes["reset_rng"][e]
+            env_obs, _ = env.reset()
+        for action in episodes["actions"][e]:
+            env_obs, *_ = env.step(action)
+        if not np.array_equal(env_obs, obs[e]):
+            raise SystemExit(f"error: cannot restore env {e} of the checkpoint: replaying its episode gives another "
+                             "observation (does the env draw randomness outside its np_random?)")  # fmt: skip
+    if not hasattr(vec_env, "_autoreset_envs"):
+        raise SystemExit(f"error: gymnasium {gym.__version__}'s SyncVectorEnv has no _autoreset_envs to restore")
+    vec_env._autoreset_envs = final.copy()  # no public setter: these envs reset on the next step()
+
+
+def save_training_checkpoint(run_dir: Path, global_step: int, nets: dict, optimizer, rb, rng, loop: dict, state: dict):
+    """Write RUN_DIR/checkpoints/step_<global_step>/ (returned) atomically: the files go into a temporary dir that
+    os.replace moves into place, then latest.json (temp file + os.replace) names it, then older step dirs are
+    deleted. A kill at any point leaves latest.json naming a complete checkpoint. Reads RNG states, never draws.
+
+    nets: name -> state_dict (safetensors); optimizer (torch.save, read back with weights_only=True); the replay's
+    ring and sequence table (replay.npz) and the loop's arrays `loop` (loop.npz, with the torch RNG state); `state`
+    (counters, env replay info) goes into state.json with the args, the RNG states and the file sizes.
+    """
+    root = run_dir / "checkpoints"
+    step_dir, tmp = root / f"step_{global_step}", root / f".tmp_step_{global_step}"
+    if not step_dir.is_dir():  # (it exists when a kill came between its os.replace and latest.json)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a kill during a save
+        tmp.mkdir(parents=True)
+        for name, state_dict in nets.items():
+            save_file(state_dict, str(tmp / f"{name}.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        np.savez(tmp / "replay.npz", **{name: np.asarray(value) for name, value in vars(rb).items()})
+        np.savez(tmp / "loop.npz", torch_rng=torch.get_rng_state().numpy(), **loop)
+        np_global = np.random.get_state()
+        state = state | {
+            "script": SCRIPT, "global_step": global_step,
+            "rng": {"python": random.getstate(), "numpy_global": [np_global[0], np_global[1].tolist(), *np_global[2:]],
+                    "numpy": rng.bit_generator.state},
+            "files": {path.name: path.stat().st_size for path in sorted(tmp.iterdir())},
+        }  # fmt: skip
+        (tmp / "state.json").write_text(json.dumps(state))
+        os.replace(tmp, step_dir)
+    write_json_atomic(root / "latest.json", {"step_dir": step_dir.name, "global_step": global_step})
+    for old in root.glob("step_*"):
+        if old != step_dir:
+            shutil.rmtree(old)
+    return step_dir
+
+
+def read_checkpoint_state(run_dir: Path) -> tuple[Path, dict]:
+    """(step dir, its state.json) of the checkpoint latest.json names, after checking that every file is complete
+    (the sizes recorded at save time) and that it is a checkpoint of this script; one-line errors otherwise."""
+    latest = run_dir / "checkpoints" / "latest.json"
+    if not latest.is_file():
+        raise SystemExit(f"error: {run_dir} has no checkpoint ({latest} not found)")
+    try:
+        step_dir = run_dir / "checkpoints" / json.loads(latest.read_text())["step_dir"]
+        state = json.loads((step_dir / "state.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f"error: checkpoint {latest} or its state.json is corrupt: {err}") from None
+    if state.get("script") != SCRIPT:
+        raise SystemExit(f"error: {run_dir} is a run of {state.get('script')}.py, not of {SCRIPT}.py")
+    for name, size in state["files"].items():
+        found = (step_dir / name).stat().st_size if (step_dir / name).is_file() else 0
+        if found != size:
+            raise SystemExit(f"error: checkpoint file {step_dir / name} is truncated or missing ({found} of {size} "
+                             "bytes); it cannot be resumed")  # fmt: skip
+    return step_dir, state
+
+
+def resume_args(cli: Args) -> tuple[Args, Path, Path, dict]:
+    """The run's own args for `--resume RUN_DIR` (plus RESUME_FREE_FIELDS given on the command line), its run dir,
+    checkpoint dir and state; one-line errors for a finished run, another script's run, or changed arguments."""
+    run_dir = Path(cli.resume)
+    if not run_dir.is_dir():
+        raise SystemExit(f"error: --resume {run_dir}: no such run directory")
+    if (run_dir / "summary.json").is_file():
+        try:
+            script = json.loads((run_dir / "summary.json").read_text()).get("script")
+        except ValueError:
+            script = None
+        if script is not None and script != SCRIPT:
+            raise SystemExit(f"error: {run_dir} is a run of {script}.py, not of {SCRIPT}.py")
+        raise SystemExit(f"error: run {run_dir} has finished (summary.json exists); there is nothing to resume")
+    step_dir, state = read_checkpoint_state(run_dir)
+    saved, defaults = state["args"], asdict(Args())
+    given = {key: value for key, value in asdict(cli).items() if value != defaults[key]}  # set on the command line
+    for key, value in given.items():
+        if key not in RESUME_FREE_FIELDS and value != saved.get(key):
+            raise SystemExit(f"error: --{key.replace('_', '-')} {value} differs from the run's {saved.get(key)}; "
+                             "--resume continues a run with its own arguments")  # fmt: skip
+    free = {key: value for key, value in given.items() if key in RESUME_FREE_FIELDS}
+    try:
+        return Args(**(saved | free)), run_dir, step_dir, state
+    except TypeError as err:
+        raise SystemExit(f"error: the arguments saved in {step_dir} do not fit this script: {err}") from None
+
+
+def load_training_checkpoint(step_dir: Path, state: dict, nets: dict, optimizer, rb, rng) -> dict:
+    """Load what save_training_checkpoint wrote into the networks (name -> module), optimizer, replay and RNGs;
+    returns the loop's arrays. One-line errors name a bad file."""
+    path = step_dir
+    try:
+        for name, net in nets.items():
+            path = step_dir / f"{name}.safetensors"
+            net.load_state_dict(load_file(str(path)))
+        path = step_dir / "optimizer.pt"
+        optimizer.load_state_dict(torch.load(path, weights_only=True))
+        path = step_dir / "replay.npz"
+        with np.load(path, allow_pickle=False) as data:
+            for name, old in vars(rb).items():
+                value = data[name]
+                if isinstance(old, np.ndarray) and (value.shape != old.shape or value.dtype != old.dtype):
+                    raise ValueError(f"{name}: {value.shape} {value.dtype}, the replay has {old.shape} {old.dtype}")
+                setattr(rb, name, value if isinstance(old, np.ndarray) else type(old)(value))
+        path = step_dir / "loop.npz"
+        with np.load(path, allow_pickle=False) as data:
+            loop = {name: data[name] for name in data.files}
+    except (SafetensorError, OSError, RuntimeError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
+        raise SystemExit(f"error: cannot load checkpoint file {path}: {str(err).splitlines()[0]}") from None
+    torch.set_rng_state(torch.from_numpy(loop.pop("torch_rng")))
+    random.setstate((state["rng"]["python"][0], tuple(state["rng"]["python"][1]), state["rng"]["python"][2]))
+    kind, keys, *rest = state["rng"]["numpy_global"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    rng.bit_generator.state = state["rng"]["numpy"]
+    return loop
+
+
+if __name__ == "__main__":
+    main()

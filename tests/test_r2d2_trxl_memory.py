@@ -1,0 +1,293 @@
+"""R2D2 with a gated Transformer-XL memory (algos/r2d2_trxl_memory.py): the attention band and its episode masks,
+memory carried while acting = recomputation from the episode start (float64), the window mode's contexts, the
+replay's stored memory and its burn-in refresh, the one-network Delta-Q ablation, smoke runs, clear errors."""
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from conftest import load_script, run_script
+
+trxl = load_script("r2d2_trxl_memory")
+rnn = load_script("r2d2_rnnstate")
+
+
+# ---------------------------------------------------------------- math shared with r2d2_rnnstate.py
+def test_targets_priorities_and_rescaling_are_r2d2_rnnstate_s():
+    """The R2D2 parts are the same functions as in r2d2_rnnstate.py (whose tests check them against plain loops)."""
+    rng = np.random.default_rng(0)
+    T, B, n = 20, 6, 4
+    final = torch.tensor(rng.random((T, B)) < 0.2).double()
+    terminal = final * torch.tensor(rng.random((T, B)) < 0.5).double()
+    rewards, boot = torch.tensor(rng.normal(size=(T, B))), torch.tensor(rng.normal(size=(T, B)) * 5)
+    for module in (trxl, rnn):
+        module.y = module.nstep_rescaled_targets(rewards, final, terminal, boot, 0.97, n, T - n, 1e-3)
+    torch.testing.assert_close(trxl.y, rnn.y, rtol=0, atol=0)
+    td, mask = torch.rand(T, B), (torch.rand(T, B) > 0.3).float()
+    torch.testing.assert_close(trxl.sequence_priority(td, mask, 0.9), rnn.sequence_priority(td, mask, 0.9))
+    x = torch.linspace(-50, 50, 101).double()
+    torch.testing.assert_close(trxl.inverse_value_rescale(trxl.value_rescale(x, 1e-3), 1e-3), x)
+    np.testing.assert_array_equal(trxl.ape_x_epsilons(8, 0.4, 7.0), rnn.ape_x_epsilons(8, 0.4, 7.0))
+
+
+def test_attention_band_by_hand():
+    """2 memory entries (the older one of another episode) then 3 rows, span 2: row i (key 2 + i) sees keys
+    2 + i - 2 .. 2 + i that are valid, and always itself."""
+    key_valid = torch.tensor([[False], [True], [True], [True], [False]])  # (S = 5, B = 1); row 2 before its episode
+    allowed, offset = trxl.attention_band(3, key_valid, 2)
+    expected = [
+        [0, 1, 1, 0, 0],  # row 0 = key 2: keys 0 (other episode), 1, 2
+        [0, 1, 1, 1, 0],  # row 1 = key 3: keys 1, 2, 3
+        [0, 0, 1, 1, 1],  # row 2 = key 4: keys 2, 3 and itself (invalid, but the diagonal is always allowed)
+    ]
+    np.testing.assert_array_equal(allowed[0].int().numpy(), expected)
+    np.testing.assert_array_equal(offset[0].numpy(), [2, 1, 0, -1, -2])
+
+
+def tiny_net(span, dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    net = trxl.TransformerXLQNetwork(3, 4, 16, 2, 2, 32, span).to(dtype)
+    with torch.no_grad():  # away from the near-identity gates of the initialization, so every part matters
+        for param in net.parameters():
+            param.normal_(0.0, 0.3)
+    return net
+
+
+def act(net, memory, window, obs, prev_action, prev_reward, first):
+    """Drive actor_step over (T, E) inputs; returns Q (T, E, A) and the stored layer inputs (T, E, L', D)."""
+    context = trxl.initial_context(net, memory, window, obs.shape[1], "cpu")
+    context = {key: value.to(torch.float64) if value.is_floating_point() else value for key, value in context.items()}
+    qs, stored = [], []
+    for t in range(obs.shape[0]):
+        q, context, inputs = trxl.actor_step(net, context, obs[t].numpy(), prev_action[t].numpy(),
+                                             prev_reward[t].numpy(), first[t])  # fmt: skip
+        qs.append(q)
+        stored.append(torch.as_tensor(inputs))
+    return torch.stack(qs), torch.stack(stored)
+
+
+def random_inputs(T=15, E=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    obs = torch.randn(T, E, 3, generator=g, dtype=torch.float64)
+    prev_action = torch.randint(-1, 4, (T, E), generator=g)
+    prev_reward = torch.randn(T, E, generator=g, dtype=torch.float64)
+    first = np.zeros((T, E), dtype=bool)
+    first[0] = True
+    first[7, 1] = True  # env 1 starts a new episode at step 7
+    return obs, prev_action, prev_reward, first
+
+
+def test_memory_carried_while_acting_equals_recomputing_from_the_episode_start_float64():
+    """The band (span M) makes acting with the memory of the last M layer inputs exact: the same Q as one forward
+    pass over the episode from its first step, at every step (the memory's reach, M x layers, is longer than M);
+    and the layer inputs the actor stores are those of the recomputation."""
+    M = 4
+    net = tiny_net(M)
+    obs, prev_action, prev_reward, first = random_inputs()
+    q_act, stored = act(net, "stored", 0, obs, prev_action, prev_reward, first)
+    x = net.encode(obs, prev_action, prev_reward)
+    with torch.no_grad():
+        for e, start in ((0, 0), (1, 7), (2, 0)):
+            rows = slice(start, 15 if e != 1 or start == 7 else 7)
+            q_full, inputs = net(x[rows, e : e + 1], trxl.no_memory(net, 1, "cpu").double(),
+                                 torch.ones(rows.stop - rows.start, 1, dtype=torch.bool))  # fmt: skip
+            torch.testing.assert_close(q_act[rows, e], q_full[:, 0], rtol=0, atol=1e-12)
+            torch.testing.assert_close(stored[rows, e], inputs[:, :, 0].permute(1, 0, 2), rtol=0, atol=1e-12)
+        # env 1 before its reset: the first episode, rows 0..6
+        q_full, _ = net(x[:7, 1:2], trxl.no_memory(net, 1, "cpu").double(), torch.ones(7, 1, dtype=torch.bool))
+        torch.testing.assert_close(q_act[:7, 1], q_full[:, 0], rtol=0, atol=1e-12)
+        # the memory matters: with a band of 1 the late steps' Q-values differ
+        q_short, _ = net.__class__.forward(net, x[:, :1], trxl.no_memory(net, 1, "cpu").double(),
+                                           torch.ones(15, 1, dtype=torch.bool))  # fmt: skip
+        net.span = 1
+        for block in net.blocks:
+            block.span = 1
+        q_band1, _ = net(x[:, :1], trxl.no_memory(net, 1, "cpu").double(), torch.ones(15, 1, dtype=torch.bool))
+        assert (q_band1[5:] - q_short[5:]).abs().max() > 1e-3
+
+
+def test_window_mode_acts_on_the_last_k_rows_and_window_q_matches():
+    """DTQN mode: each acting step's Q is the network over the last k rows of its episode (recomputed), and the
+    learner's window_q gives each replayed row the same context."""
+    k = 4
+    net = tiny_net(k - 1)
+    obs, prev_action, prev_reward, first = random_inputs()
+    q_act, stored = act(net, "window", k, obs, prev_action, prev_reward, first)
+    assert stored.shape[2] == 0  # nothing to store: no memory
+    x = net.encode(obs, prev_action, prev_reward)
+    with torch.no_grad():
+        for t in range(15):
+            lo = max(0, t - k + 1)
+            q, _ = net(x[lo : t + 1, :1], trxl.no_memory(net, 1, "cpu").double(), torch.ones(t + 1 - lo, 1).bool())
+            torch.testing.assert_close(q_act[t, 0], q[-1, 0], rtol=0, atol=1e-12)
+        # window_q over a replayed window of rows (lead k - 1): row t's context is rows t - k + 1 .. t of env 0
+        win = {"obs": obs[:, :1], "prev_action": prev_action[:, :1], "prev_reward": prev_reward[:, :1],
+               "key_valid": torch.ones(15, 1, dtype=torch.bool)}  # fmt: skip
+        q_win = trxl.window_q(net, win, k - 1, k)
+        torch.testing.assert_close(q_win[:, 0], q_act[k - 1 :, 0], rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------- replay with a real NEXT_STEP vector env
+class CounterEnv(gym.Env):
+    """obs = [episode id (> 0: never an empty row's 0), step in episode, 1]; random lengths 1..12, ends either way."""
+
+    def __init__(self, env_index):
+        self.observation_space = gym.spaces.Box(-1e9, 1e9, shape=(3,), dtype=np.float32)
+        self.action_space = gym.spaces.Discrete(2)
+        self.env_index, self.episode = env_index, -1
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.episode += 1
+        self.t, self.length = 0, int(self.np_random.integers(1, 13))
+        self.truncates = bool(self.np_random.random() < 0.5)
+        return self._obs(), {}
+
+    def _obs(self):
+        return np.array([(1000 * self.env_index + self.episode + 1) / 1000, self.t / 10, 1.0], dtype=np.float32)
+
+    def step(self, action):
+        self.t += 1
+        ended = self.t >= self.length
+        return self._obs(), 0.1 * self.t, ended and not self.truncates, ended and self.truncates, {}
+
+
+M_TEST, BURN_IN_TEST, SEQ_LEN_TEST, N_TEST = 5, 2, 4, 2
+
+
+def fill_replay(memory="stored", num_vector_steps=200, window=3):
+    """Drive the script's actor and replay exactly as its main loop does, on CounterEnvs (default NEXT_STEP)."""
+    E = 4
+    vec = gym.vector.SyncVectorEnv([lambda i=i: CounterEnv(i) for i in range(E)])
+    span = window - 1 if memory == "window" else M_TEST
+    torch.manual_seed(0)
+    net = trxl.TransformerXLQNetwork(3, 2, 16, 2, 2, 32, span)
+    lead = window - 1 if memory == "window" else BURN_IN_TEST + M_TEST
+    layers = 0 if memory == "window" else 2
+    rb = trxl.SequenceReplay(4000, E, 3, layers, 16, SEQ_LEN_TEST, 1, lead, N_TEST)
+    context = trxl.initial_context(net, memory, window, E, "cpu")
+    rng = np.random.default_rng(0)
+    obs, _ = vec.reset(seed=0)
+    first, final, terminal = np.ones(E, bool), np.zeros(E, bool), np.zeros(E, bool)
+    prev_action, prev_reward = np.full(E, trxl.NO_ACTION), np.zeros(E, np.float32)
+    for _ in range(num_vector_steps):
+        prev_action[first], prev_reward[first] = trxl.NO_ACTION, 0.0
+        _, context, inputs = trxl.actor_step(net, context, obs, prev_action, prev_reward, first)
+        action = rng.integers(2, size=E)
+        next_obs, reward, term, trunc, _ = vec.step(action)
+        reward = np.where(final, 0.0, reward).astype(np.float32)
+        rb.add(obs, first, final, terminal, prev_action, prev_reward, inputs, action, reward)
+        first, final, terminal = trxl.next_row_flags(final, term, trunc)
+        obs, prev_action, prev_reward = next_obs, action, reward
+    return rb, net
+
+
+def test_stored_memory_is_the_actor_s_and_replays_exactly_with_and_without_burn_in():
+    """An unchanged network: the stored memory at t0 (with or without a burn-in refresh) gives exactly the Q of the
+    recomputation from the episode start; the empty memory does not where t0 is mid-episode; key_valid masks the
+    rows before the episode."""
+    rb, net = fill_replay()
+    ids = np.nonzero(rb.valid())[0][:150]
+    anchors, starts = rb.seq_anchor[ids], rb.seq_ep_start[ids]
+    assert (anchors > starts).sum() > 30 and (anchors - starts).max() > M_TEST + BURN_IN_TEST
+    prefix = int((anchors - starts).max())
+    full = trxl.to_torch(rb.gather(ids, lead=prefix), "cpu")
+    win = trxl.to_torch(rb.gather(ids), "cpu")
+    # key_valid: rows of the sequence's episode (obs[0] is the episode id) from its start on
+    ep_id = win["obs"][rb.lead, :, 0]  # the anchor row's episode
+    same = win["obs"][: rb.lead + 1, :, 0] == ep_id
+    np.testing.assert_array_equal(win["key_valid"][: rb.lead + 1].numpy(), same.numpy())
+    with torch.no_grad():
+        q_true = trxl.memory_q(net, full, prefix, "zero", prefix, M_TEST)
+        for burn_in in (0, BURN_IN_TEST):
+            q_stored = trxl.memory_q(net, win, rb.lead, "stored", burn_in, M_TEST)
+            assert trxl.delta_q(q_stored, q_true).max() < 1e-5
+        q_zero = trxl.memory_q(net, win, rb.lead, "zero", 0, M_TEST)
+        dq = trxl.delta_q(q_zero[0], q_true[0])
+        assert dq[torch.tensor(anchors == starts)].max() < 1e-5 and dq[torch.tensor(anchors > starts)].mean() > 1e-3
+
+
+def test_burn_in_refreshes_the_newest_entries_and_final_delta_q_orders_the_three_starts():
+    """After a weight change the stored memory is stale; the burn-in recomputes its B newest entries (so it repairs
+    part of the error) and keeps the M - B older ones as stored. final_delta_q measures this on one network."""
+    rb, net = fill_replay()
+    dq = trxl.final_delta_q(net, rb, np.random.default_rng(0), 100, "cpu", BURN_IN_TEST, M_TEST)
+    assert dq["count"] == 100
+    assert max(dq["first_stored"], dq["last_stored"], dq["first_stored_burn_in"], dq["last_stored_burn_in"]) < 1e-5
+    assert dq["first_zero"] > 1e-3
+    ids = np.nonzero(rb.valid())[0][:50]
+    win = trxl.to_torch(rb.gather(ids), "cpu")
+    with torch.no_grad():
+        for param in net.parameters():  # a "training step": the stored memory is now stale
+            param.add_(0.05 * torch.randn_like(param))
+        entries, valid = trxl.anchor_memory(net, win, rb.lead, "stored", BURN_IN_TEST, M_TEST)
+        stored = win["layer_inputs"][rb.lead - M_TEST : rb.lead].permute(2, 0, 1, 3)
+        torch.testing.assert_close(entries[:, : M_TEST - BURN_IN_TEST], stored[:, : M_TEST - BURN_IN_TEST])
+        assert (entries[:, -BURN_IN_TEST:] - stored[:, -BURN_IN_TEST:]).abs().max() > 1e-3  # recomputed
+        np.testing.assert_array_equal(valid.numpy(), win["key_valid"][rb.lead - M_TEST : rb.lead].numpy())
+    dq = trxl.final_delta_q(net, rb, np.random.default_rng(0), 100, "cpu", BURN_IN_TEST, M_TEST)
+    assert dq["first_zero"] > dq["first_stored"] > dq["first_stored_burn_in"] > 1e-5
+
+
+def test_window_mode_stores_no_memory_and_replay_bytes_by_hand():
+    rb, _ = fill_replay("window", num_vector_steps=50)
+    assert rb.layer_inputs.shape == (4000, 4, 0, 16) and rb.lead == 2
+    sizes = trxl.replay_bytes(rb, M_TEST)
+    per_row = 3 * 4 + 8 + 4 + 8 + 4 + 3 * 1 + 4  # obs, action, reward, prev action, prev reward, flags, ep_step
+    assert sizes["bytes_per_row"] == per_row and sizes["bytes"] == 50 * 4 * per_row
+    rb, _ = fill_replay("stored", num_vector_steps=50)
+    sizes = trxl.replay_bytes(rb, M_TEST)
+    assert sizes["bytes_per_row"] == per_row + 2 * 16 * 4  # + L x D float32 layer inputs
+    assert sizes["memory_bytes_per_sequence"] == M_TEST * 2 * 16 * 4
+
+
+# ---------------------------------------------------------------- subprocess runs
+TINY = ["--total-timesteps", "2400", "--learning-starts", "800", "--num-envs", "4", "--buffer-size", "2000",
+        "--batch-size", "8", "--eval-episodes", "4", "--env-kwargs", '{"corridor_length": 3}', "--d-model", "16",
+        "--memory-length", "6", "--window", "4"]  # fmt: skip
+
+
+@pytest.mark.parametrize("memory", ["stored", "zero", "window"])
+def test_smoke_run_and_eval_only_round_trip(runs_dir, memory):
+    summary = run_script("r2d2_trxl_memory", *TINY, "--memory", memory, runs_dir=runs_dir, timeout=120)
+    metrics = summary["metrics"]
+    for key in ("eval/episodic_return", "eval/success_rate", "replay/bytes"):
+        assert np.isfinite(metrics[key]), key
+    assert ("model/final_delta_q_last_stored" in metrics) == (memory != "window")
+    again = run_script("r2d2_trxl_memory", "--eval-only", "--checkpoint", summary["run_dir"], "--eval-episodes", "4",
+                       runs_dir=runs_dir, timeout=120)  # fmt: skip
+    assert again["args"]["memory"] == memory and again["args"]["d_model"] == 16  # from the checkpoint
+    assert again["metrics"]["eval/episodic_return"] == pytest.approx(metrics["eval/episodic_return"])
+
+
+def test_learning_rate_zero_stored_memory_is_exact_in_the_main_loop(runs_dir):
+    """With a learning rate of 0 the network never changes: the stored memory is exact (Delta-Q 0), the empty one is
+    not (TMaze episodes are longer than a sequence when the agent wanders)."""
+    summary = run_script("r2d2_trxl_memory", *TINY, "--learning-rate", "0", runs_dir=runs_dir, timeout=120)
+    metrics = summary["metrics"]
+    assert metrics["model/final_delta_q_last_stored"] < 1e-5
+    assert metrics["model/final_delta_q_last_stored_burn_in"] < 1e-5
+    assert metrics["model/final_delta_q_last_zero"] > 1e-3
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--env-id", "Pendulum-v1", "--env-kwargs", "{}"], "only Discrete action spaces"),
+        (["--env-id", "seqrl/NoSuchEnv-v0"], "cannot make env"),
+        (["--memory-length", "0"], "--memory-length >= 1"),
+        (["--window", "0", "--memory", "window"], "--window >= 1"),
+        (["--burn-in", "40", "--memory-length", "32"], "longer than the memory"),
+        (["--burn-in", "-1"], "--burn-in >= 0"),
+        (["--d-model", "30", "--num-heads", "4"], "multiple of --num-heads"),
+        (["--buffer-size", "1000"], "buffer-size"),
+        (["--memory", "window", "--window", "200", "--buffer-size", "4000"], "buffer-size"),
+        (["--seq-len", "4", "--seq-overlap", "4"], "seq-overlap"),
+        (["--env-kwargs", "[1]"], "must be a JSON object"),
+        (["--eval-only"], "needs --checkpoint"),
+    ],
+)
+def test_clear_errors(runs_dir, args, message):
+    proc = run_script("r2d2_trxl_memory", *args, runs_dir=runs_dir, expect_fail=True, timeout=60)
+    assert message in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
