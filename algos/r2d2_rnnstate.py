@@ -563,6 +563,7 @@ class TrainState:
     ep_lengths: list = field(default_factory=list)
     delta_q_log: list = field(default_factory=list)  # (first, last, first at episode starts) per measurement (step 5)
     num_updates_done: int = 0
+    learner_seconds: float = 0.0  # wall time of the learning steps (sampling to target copy), for the cost study
     best_return: float = -np.inf  # --keep-best: the best evaluation during training, its step and its network
     best_step: int = 0
     best_model: dict | None = None
@@ -641,6 +642,7 @@ def main():
 
         # 4. learn: sample prioritized sequences, burn in, n-step double-Q targets on h-rescaled values
         if global_step >= args.learning_starts and step % args.train_frequency == 0 and rb.num_sequences() > 0:
+            learn_start = time.perf_counter()
             ids, weights = rb.sample(B, args.priority_exponent, args.importance_exponent, rng)
             win = to_torch(rb.gather(ids), device)
             if args.state_init == "stored":
@@ -681,15 +683,15 @@ def main():
             state.num_updates_done += 1
             if state.num_updates_done % args.target_network_frequency == 0:
                 target_network.load_state_dict(q_network.state_dict())
+            state.learner_seconds += time.perf_counter() - learn_start  # (with step 5's Delta-Q when it runs)
 
             if state.num_updates_done % 100 == 0:
                 sps = int(global_step / (time.time() - state.start_time))
                 run.log(global_step, {"losses/td_loss": loss.item(), "losses/q_values": q_taken.mean().item(),
                                       "charts/SPS": sps, "charts/learning_rate": args.learning_rate})  # fmt: skip
                 recent = np.mean(state.ep_returns[-50:]) if state.ep_returns else float("nan")
-                last_dq = state.delta_q_log[-1] if state.delta_q_log else None
                 print(f"global_step={global_step} updates={state.num_updates_done} return(last 50)={recent:.2f} "
-                      f"loss={loss.item():.4f} dq={last_dq} SPS={sps}")  # fmt: skip
+                      f"loss={loss.item():.4f} dq={state.delta_q_log[-1:]} SPS={sps}")  # fmt: skip
         run.end_step(global_step, state)  # a checkpoint every --save-every env steps; on Ctrl-C / SIGTERM, then exit
     run.end_training()  # Ctrl-C / SIGTERM stop at once again (a resume would redo what follows)
     vec_env.close()
@@ -700,9 +702,8 @@ def main():
     metrics = {"model/final_delta_q_" + key: value for key, value in final_dq.items() if key != "count"}
     if args.keep_best and state.best_model is not None:  # evaluate the last network too, then switch to the kept one
         last = evaluate(q_network, args.env_id, env_kwargs, args.eval_episodes, eval_env_seed(args.seed), device)
-        metrics = {"eval/last_network_episodic_return": last["ret"].mean(),
-                   "select/best_episodic_return": state.best_return,
-                   "select/best_global_step": state.best_step}  # fmt: skip
+        metrics |= {"eval/last_network_episodic_return": last["ret"].mean(), "select/best_global_step": state.best_step,
+                    "select/best_episodic_return": state.best_return}  # fmt: skip
         q_network.load_state_dict(state.best_model)
     result = evaluate(q_network, args.env_id, env_kwargs, args.eval_episodes, eval_env_seed(args.seed), device)
     metrics |= {"eval/episodic_return": result["ret"].mean(), "eval/episodic_return_std": result["ret"].std(),
@@ -711,13 +712,12 @@ def main():
         metrics["eval/success_rate"] = np.nanmean(result["success"])
     if state.delta_q_log:  # averaged over the last quarter of training's measurements
         tail = np.array(state.delta_q_log[-max(1, len(state.delta_q_log) // 4) :])
-        metrics["model/delta_q"] = tail[:, 0].mean()
-        metrics["model/delta_q_first"] = tail[:, 0].mean()
-        metrics["model/delta_q_last"] = tail[:, 1].mean()
+        metrics |= {"model/delta_q_first": tail[:, 0].mean(), "model/delta_q_last": tail[:, 1].mean()}
         if not np.isnan(tail[:, 2]).all():
             metrics["model/delta_q_first_episode_start"] = np.nanmean(tail[:, 2])
-    if not args.eval_only:  # the O(T) replay and what full histories per step would need (O(T^2))
+    if not args.eval_only:  # the O(T) replay and what full histories per step would need (O(T^2)); learner time
         metrics.update({f"replay/{key}": value for key, value in replay_bytes(rb).items()})
+        metrics["perf/learner_ms_per_update"] = 1000.0 * state.learner_seconds / max(state.num_updates_done, 1)
     run.finish(metrics, q_network, global_step, wall_time)  # summary.json, the model; checkpoints deleted
 
 
@@ -895,6 +895,7 @@ class Run:
         state.ep_returns, state.ep_lengths = list(loop["ep_returns"]), list(loop["ep_lengths"])
         state.delta_q_log = [tuple(row) for row in loop["delta_q_log"]]
         state.best_model, state.num_updates_done = loop["best_model"], saved["num_updates_done"]
+        state.learner_seconds = saved["learner_seconds"]
         state.best_return, state.best_step = saved["best_return"], saved["best_step"]
         state.start_time = time.time() - saved["elapsed_s"]
         self.episodes = saved["episodes"]
@@ -935,9 +936,9 @@ class Run:
                     ep_returns=np.array(state.ep_returns, dtype=np.float64),
                     ep_lengths=np.array(state.ep_lengths, dtype=np.int64),
                     delta_q_log=np.array(state.delta_q_log, dtype=np.float64).reshape(-1, 3))  # fmt: skip
-        counters = dict(num_updates_done=state.num_updates_done, best_return=state.best_return,
-                        best_step=state.best_step, elapsed_s=time.time() - state.start_time, episodes=self.episodes,
-                        args=asdict(self.args))  # fmt: skip
+        counters = dict(num_updates_done=state.num_updates_done, learner_seconds=state.learner_seconds,
+                        best_return=state.best_return, best_step=state.best_step, episodes=self.episodes,
+                        elapsed_s=time.time() - state.start_time, args=asdict(self.args))  # fmt: skip
         return save_training_checkpoint(self.run_dir, global_step, nets, self.optimizer, self.rb, self.rng, loop,
                                         counters)  # fmt: skip
 

@@ -140,9 +140,10 @@ class Args:
     """attention heads per block (d_model must be a multiple)"""
     ff_size: int = 128
     """hidden width of each block's MLP"""
-    memory: Literal["stored", "zero", "window"] = "stored"
+    memory: Literal["stored", "zero", "window", "episode"] = "stored"
     """what a replayed sequence's first trained step sees before it: the memory the actor stored (refreshed by
-    --burn-in), an empty memory, or no memory at all: every Q from the last --window steps (DTQN)"""
+    --burn-in), an empty memory, no memory at all: every Q from the last --window steps (DTQN), or the memory
+    recomputed from the episode's first step for every replayed sequence (AMAGO-style full-episode replay)"""
     memory_length: int = 32
     """M: the steps of layer inputs each step attends to (memory modes)"""
     window: int = 16
@@ -350,23 +351,19 @@ class SequenceReplay:
 
     A sequence is identified by its env column, its anchor t0 (first trained row, absolute step index) and its
     episode's first row; its window is rows [t0 - lead, t0 + seq_len + n_step): lead = burn_in + M in the memory
-    modes (the memory at t0 - burn_in, then the burn-in), window - 1 in the window mode.
+    modes (the memory at t0 - burn_in, then the burn-in), window - 1 in the window mode, back to the episode's first
+    row in the episode mode (lead None).
     """
 
     def __init__(self, capacity, num_envs, obs_dim, stored_layers, d_model, seq_len, overlap, lead, n_step):
         self.cap, self.E = capacity, num_envs
         self.m, self.stride, self.lead, self.n = seq_len, seq_len - overlap, lead, n_step
-        self.obs = np.zeros((capacity, num_envs, obs_dim), dtype=np.float32)
-        self.action = np.zeros((capacity, num_envs), dtype=np.int64)
-        self.reward = np.zeros((capacity, num_envs), dtype=np.float32)
-        self.prev_action = np.full((capacity, num_envs), NO_ACTION, dtype=np.int64)
-        self.prev_reward = np.zeros((capacity, num_envs), dtype=np.float32)
-        self.first = np.zeros((capacity, num_envs), dtype=bool)
-        self.final = np.zeros((capacity, num_envs), dtype=bool)
-        self.terminal = np.zeros((capacity, num_envs), dtype=bool)
-        self.ep_step = np.zeros((capacity, num_envs), dtype=np.int32)  # step of the row within its episode
-        # the actor's layer inputs at the row (its memory entry); 0 layers in the window mode, which keeps none
-        self.layer_inputs = np.zeros((capacity, num_envs, stored_layers, d_model), dtype=np.float32)
+        row_layout = {"obs": ((obs_dim,), np.float32), "action": ((), np.int64), "reward": ((), np.float32),
+                      "prev_action": ((), np.int64), "prev_reward": ((), np.float32), "first": ((), bool),
+                      "final": ((), bool), "terminal": ((), bool), "ep_step": ((), np.int32),  # step in the episode
+                      "layer_inputs": ((stored_layers, d_model), np.float32)}  # the actor's memory entry  # fmt: skip
+        for name, (shape, dtype) in row_layout.items():  # ROW_FIELDS: (capacity, num_envs, *shape) arrays
+            setattr(self, name, np.zeros((capacity, num_envs, *shape), dtype=dtype))
         self.t = 0  # absolute index of the next row (the same for every env column)
         self.ep_start = np.zeros(num_envs, dtype=np.int64)  # absolute first row of each column's current episode
         # sequence table: a ring as well; at most one anchor per 2 rows (an episode has >= 1 step + its final row)
@@ -381,6 +378,7 @@ class SequenceReplay:
         """Write one row per env (all (E, ...) arrays) and register the sequences whose windows are complete."""
         r = self.t % self.cap
         self.ep_start[first] = self.t
+        layer_inputs = layer_inputs[:, : self.layer_inputs.shape[2]]  # all layers, or none (window, episode modes)
         for name, value in (("obs", obs), ("first", first), ("final", final), ("terminal", terminal),
                             ("prev_action", prev_action), ("prev_reward", prev_reward), ("layer_inputs", layer_inputs),
                             ("action", action), ("reward", reward), ("ep_step", self.t - self.ep_start)):  # fmt: skip
@@ -408,11 +406,9 @@ class SequenceReplay:
     def valid(self) -> np.ndarray:
         """Sequences whose needed rows (from max(t0 - lead, episode start)) are still in the ring."""
         oldest = self.t - self.cap  # rows >= oldest are present
-        start = np.maximum(self.seq_anchor - self.lead, self.seq_ep_start)
+        lead = self.cap if self.lead is None else self.lead
+        start = np.maximum(self.seq_anchor - lead, self.seq_ep_start)
         return (self.priority > 0) & (start >= oldest)
-
-    def num_sequences(self) -> int:
-        return int(self.valid().sum())
 
     def sample(self, batch_size, alpha, beta, rng):
         """Proportional sampling: (sequence ids, importance weights (B,)), P(i) = p_i^alpha / sum_j p_j^alpha."""
@@ -426,10 +422,15 @@ class SequenceReplay:
         self.priority[ids] = np.maximum(priorities, DELTA_Q_EPS)  # keep sampled sequences alive (p > 0)
         self.max_priority = max(self.max_priority, float(priorities.max()))
 
+    def lead_of(self, ids) -> int:
+        """Rows before t0 that the windows of sequences `ids` need: the replay's lead, or back to the earliest episode
+        start (lead None, --memory episode)."""
+        return self.lead if self.lead is not None else int((self.seq_anchor[ids] - self.seq_ep_start[ids]).max())
+
     def gather(self, ids, lead: int | None = None) -> dict:
-        """The windows of sequences `ids` as (W, B, ...) arrays: rows t0 - lead .. t0 + m + n - 1 (lead: the replay's
-        own by default). key_valid marks the rows of the sequence's episode or later (earlier rows: not attended)."""
-        lead = self.lead if lead is None else lead
+        """The windows of sequences `ids` as (W, B, ...) arrays: rows t0 - lead .. t0 + m + n - 1 (lead: `lead_of`
+        by default). key_valid marks the rows of the sequence's episode or later (earlier rows: not attended)."""
+        lead = self.lead_of(ids) if lead is None else lead
         absolute = self.seq_anchor[ids][None, :] + np.arange(-lead, self.m + self.n)[:, None]  # (W, B)
         rows, cols = absolute % self.cap, np.broadcast_to(self.seq_env[ids][None, :], absolute.shape)
         names = ("obs", "action", "reward", "prev_action", "prev_reward", "final", "terminal", "layer_inputs")
@@ -458,11 +459,11 @@ def anchor_memory(net, win: dict, lead: int, memory: str, burn_in: int, memory_l
         valid = win["key_valid"][P - burn_in - M : P - burn_in]  # (M, B)
     else:
         entries, valid = no_memory(net, B, win["obs"].device), win["key_valid"][:0]
-    if burn_in > 0:
-        rows = slice(P - burn_in, P)
+    for start in range(P - burn_in, P, M):  # segments of at most M rows, each from the memory before it (TrXL)
+        rows = slice(start, min(start + M, P))
         with torch.no_grad():
-            x = net.encode(win["obs"][rows], win["prev_action"][rows], win["prev_reward"][rows])  # (B_in, B, D)
-            _, fresh = net(x, entries, torch.cat([valid, win["key_valid"][rows]]))  # (L, B_in, B, D)
+            x = net.encode(win["obs"][rows], win["prev_action"][rows], win["prev_reward"][rows])  # (rows, B, D)
+            _, fresh = net(x, entries, torch.cat([valid, win["key_valid"][rows]]))  # (L, rows, B, D)
         entries = torch.cat([entries, fresh], dim=1)[:, -M:]
         valid = torch.cat([valid, win["key_valid"][rows]])[-M:]
     return entries, valid
@@ -492,6 +493,8 @@ def replay_q(net, win: dict, lead: int, args: Args) -> torch.Tensor:
     """Q of a window's rows from t0 on, as this run's --memory mode computes them (learner and target network)."""
     if args.memory == "window":
         return window_q(net, win, lead, args.window)
+    if args.memory == "episode":  # (e): the memory recomputed from the episode's first row, the whole prefix a burn-in
+        return memory_q(net, win, lead, "zero", lead, args.memory_length)
     return memory_q(net, win, lead, args.memory, args.burn_in, args.memory_length)
 
 
@@ -593,6 +596,12 @@ def make_flat_env(env_id: str, env_kwargs: dict) -> gym.Env:
     return gym.wrappers.DtypeObservation(gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs)), np.float32)
 
 
+def replay_lead(args: Args) -> int | None:
+    """Rows a replayed window needs before t0: the stored memory at t0 - B and the burn-in, the DTQN window, or (None)
+    everything back to the episode's first row."""
+    return {"window": args.window - 1, "episode": None}.get(args.memory, args.burn_in + args.memory_length)
+
+
 def build_network(args: Args, obs_dim: int, num_actions: int) -> TransformerXLQNetwork:
     """The Q-network of this run's mode: span M (memory modes) or k - 1 (window mode)."""
     span = args.window - 1 if args.memory == "window" else args.memory_length
@@ -616,6 +625,7 @@ class TrainState:
     ep_returns: list = field(default_factory=list)  # returns and lengths of the finished episodes
     ep_lengths: list = field(default_factory=list)
     num_updates_done: int = 0
+    learner_seconds: float = 0.0  # wall time of the learning steps (sampling to priorities), for the cost study
     start_time: float = field(default_factory=time.time)  # a resumed run's is moved back by the time already spent
 
 
@@ -640,9 +650,9 @@ def main():
     target_network.load_state_dict(q_network.state_dict())
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, eps=args.adam_eps)
     E, B, m, n = args.num_envs, args.batch_size, args.seq_len, args.n_step
-    lead = args.window - 1 if args.memory == "window" else args.burn_in + args.memory_length  # rows before t0
-    stored_layers = 0 if args.memory == "window" else args.num_layers
-    rb = SequenceReplay(args.buffer_size // E, E, obs_dim, stored_layers, args.d_model, m, args.seq_overlap, lead, n)
+    stored_layers = args.num_layers if args.memory in ("stored", "zero") else 0  # window, episode: no memory stored
+    rb = SequenceReplay(args.buffer_size // E, E, obs_dim, stored_layers, args.d_model, m, args.seq_overlap,
+                        replay_lead(args), n)  # fmt: skip
     epsilons = ape_x_epsilons(E, args.exploration_eps, args.exploration_alpha)  # (E,)
     eps_v = args.value_rescaling_eps
 
@@ -682,9 +692,11 @@ def main():
 
         # 3. learn: sample prioritized sequences, their memory at t0 (stored + burn-in, empty, or none: windows),
         #    n-step double-Q targets on h-rescaled values
-        if global_step >= args.learning_starts and step % args.train_frequency == 0 and rb.num_sequences() > 0:
+        if global_step >= args.learning_starts and step % args.train_frequency == 0 and rb.valid().any():
+            learn_start = time.perf_counter()
             ids, weights = rb.sample(B, args.priority_exponent, args.importance_exponent, rng)
-            win = to_torch(rb.gather(ids), device)
+            lead = rb.lead_of(ids)  # rows before t0 in the windows
+            win = to_torch(rb.gather(ids, lead), device)
             q_all = replay_q(q_network, win, lead, args)  # (m + n, B, A) online Q of t0 .. end
             with torch.no_grad():
                 q_target_all = replay_q(target_network, win, lead, args)  # (m + n, B, A)
@@ -711,6 +723,7 @@ def main():
             state.num_updates_done += 1
             if state.num_updates_done % args.target_network_frequency == 0:
                 target_network.load_state_dict(q_network.state_dict())
+            state.learner_seconds += time.perf_counter() - learn_start
 
             if state.num_updates_done % 100 == 0:
                 sps = int(global_step / (time.time() - state.start_time))
@@ -725,7 +738,7 @@ def main():
 
     # after training: the one-network Delta-Q ablation (memory modes), then the greedy evaluation
     final_dq = {}
-    if not args.eval_only and args.memory != "window":
+    if not args.eval_only and args.memory in ("stored", "zero"):
         final_dq = final_delta_q(q_network, rb, rng, args.final_delta_q_sequences, device, args.burn_in,
                                  args.memory_length)  # fmt: skip
     wall_time = time.time() - state.start_time
@@ -735,8 +748,9 @@ def main():
                 "eval/episodic_length": result["length"].mean()}  # fmt: skip
     if not np.isnan(result["success"]).all():  # the env reports info["success"] (TMaze, Tiger)
         metrics["eval/success_rate"] = np.nanmean(result["success"])
-    if not args.eval_only:  # the O(T) replay: each step once, with its memory entry
+    if not args.eval_only:  # the O(T) replay: each step once, with its memory entry; the learner's time per update
         metrics.update({f"replay/{key}": value for key, value in replay_bytes(rb, args.memory_length).items()})
+        metrics["perf/learner_ms_per_update"] = 1000.0 * state.learner_seconds / max(state.num_updates_done, 1)
     run.finish(metrics, q_network, global_step, wall_time)  # summary.json, the model; checkpoints deleted
 
 
@@ -799,15 +813,14 @@ def parse_args() -> Args:
     if args.memory_length < 1 or args.window < 1:
         raise SystemExit(f"error: need --memory-length >= 1 and --window >= 1, got {args.memory_length} and "
                          f"{args.window}")  # fmt: skip
-    if args.memory != "window" and args.burn_in > args.memory_length:
+    if args.memory in ("stored", "zero") and args.burn_in > args.memory_length:
         raise SystemExit(f"error: --burn-in {args.burn_in} is longer than the memory (--memory-length "
                          f"{args.memory_length}): the burn-in refreshes memory entries, at most M")  # fmt: skip
     if args.burn_in < 0 or args.n_step < 1 or args.num_envs < 1 or args.batch_size < 1:
         raise SystemExit("error: need --burn-in >= 0, --n-step >= 1, --num-envs >= 1, --batch-size >= 1")
     if not 1 <= args.eval_episodes <= EVAL_SEED_STRIDE:
         raise SystemExit(f"error: need 1 <= --eval-episodes <= {EVAL_SEED_STRIDE} (disjoint evaluation seeds)")
-    lead = args.window - 1 if args.memory == "window" else args.burn_in + args.memory_length
-    window = lead + args.seq_len + args.n_step
+    window = (replay_lead(args) or 0) + args.seq_len + args.n_step
     capacity = args.buffer_size // args.num_envs  # rows per env column
     if capacity < 4 * window:
         raise SystemExit(f"error: --buffer-size {args.buffer_size} gives {capacity} rows per env; need at least "
@@ -915,7 +928,7 @@ class Run:
         state.context = {key[len("context_") :]: torch.as_tensor(value, device=self.device)
                          for key, value in loop.items() if key.startswith("context_")}  # fmt: skip
         state.ep_returns, state.ep_lengths = list(loop["ep_returns"]), list(loop["ep_lengths"])
-        state.num_updates_done = saved["num_updates_done"]
+        state.num_updates_done, state.learner_seconds = saved["num_updates_done"], saved["learner_seconds"]
         state.start_time = time.time() - saved["elapsed_s"]
         self.episodes = saved["episodes"]
         restore_envs(vec_env, self.args.seed, state.obs, state.final, self.episodes)
@@ -952,8 +965,9 @@ class Run:
                     ep_length=state.ep_length, ep_returns=np.array(state.ep_returns, dtype=np.float64),
                     ep_lengths=np.array(state.ep_lengths, dtype=np.int64),
                     **{f"context_{key}": value.cpu().numpy() for key, value in state.context.items()})  # fmt: skip
-        counters = dict(num_updates_done=state.num_updates_done, elapsed_s=time.time() - state.start_time,
-                        episodes=self.episodes, args=asdict(self.args))  # fmt: skip
+        counters = dict(num_updates_done=state.num_updates_done, learner_seconds=state.learner_seconds,
+                        elapsed_s=time.time() - state.start_time, episodes=self.episodes,
+                        args=asdict(self.args))  # fmt: skip
         return save_training_checkpoint(self.run_dir, global_step, nets, self.optimizer, self.rb, self.rng, loop,
                                         counters)  # fmt: skip
 

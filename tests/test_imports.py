@@ -17,6 +17,7 @@ SCRIPTS = [
     "rlhf_ppo_kl",
     "ilql_per_token",
     "dialogue_cql_utterance",
+    "r2d2_trxl_memory",
 ]
 
 
@@ -30,9 +31,11 @@ def imported_top_level_names(path: Path) -> list[tuple[int, str]]:
     return names
 
 
-def test_algos_holds_exactly_the_eight_scripts():
+def test_algos_holds_exactly_the_nine_scripts():
     present = sorted(p.stem for p in (ROOT / "algos").glob("*.py"))
-    assert set(present) <= set(SCRIPTS), f"unexpected scripts in algos/: {set(present) - set(SCRIPTS)}"
+    assert set(present) == set(SCRIPTS), (
+        f"algos/ differs: extra {set(present) - set(SCRIPTS)}, missing {set(SCRIPTS) - set(present)}"
+    )
 
 
 @pytest.mark.parametrize("script", sorted((ROOT / "algos").glob("*.py")), ids=lambda p: p.name)

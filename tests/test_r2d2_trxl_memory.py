@@ -229,6 +229,25 @@ def test_burn_in_refreshes_the_newest_entries_and_final_delta_q_orders_the_three
     assert dq["first_zero"] > dq["first_stored"] > dq["first_stored_burn_in"] > 1e-5
 
 
+def test_episode_mode_recomputes_from_the_episode_start_in_segments():
+    """--memory episode: every window reaches back to its episode's first row (lead_of), and the prefix, run as a
+    burn-in in segments of M rows, gives the Q of one pass over the whole episode: exact, with any weights."""
+    rb, net = fill_replay()
+    rb.lead = None  # as the episode mode builds it
+    ids = np.nonzero(rb.valid())[0][:100]
+    lead = rb.lead_of(ids)
+    assert lead == (rb.seq_anchor[ids] - rb.seq_ep_start[ids]).max() > 2 * M_TEST  # several segments
+    win = trxl.to_torch(rb.gather(ids), "cpu")
+    args = trxl.Args(memory="episode", memory_length=M_TEST)
+    with torch.no_grad():
+        for param in net.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+        q = trxl.replay_q(net, win, lead, args)
+        x = net.encode(win["obs"], win["prev_action"], win["prev_reward"])
+        q_one_pass, _ = net(x, trxl.no_memory(net, len(ids), "cpu"), win["key_valid"])
+    torch.testing.assert_close(q, q_one_pass[lead:], rtol=0, atol=1e-5)
+
+
 def test_window_mode_stores_no_memory_and_replay_bytes_by_hand():
     rb, _ = fill_replay("window", num_vector_steps=50)
     assert rb.layer_inputs.shape == (4000, 4, 0, 16) and rb.lead == 2
@@ -247,13 +266,15 @@ TINY = ["--total-timesteps", "2400", "--learning-starts", "800", "--num-envs", "
         "--memory-length", "6", "--window", "4"]  # fmt: skip
 
 
-@pytest.mark.parametrize("memory", ["stored", "zero", "window"])
+@pytest.mark.parametrize("memory", ["stored", "zero", "window", "episode"])
 def test_smoke_run_and_eval_only_round_trip(runs_dir, memory):
     summary = run_script("r2d2_trxl_memory", *TINY, "--memory", memory, runs_dir=runs_dir, timeout=120)
     metrics = summary["metrics"]
-    for key in ("eval/episodic_return", "eval/success_rate", "replay/bytes"):
+    for key in ("eval/episodic_return", "eval/success_rate", "replay/bytes", "perf/learner_ms_per_update"):
         assert np.isfinite(metrics[key]), key
-    assert ("model/final_delta_q_last_stored" in metrics) == (memory != "window")
+    assert ("model/final_delta_q_last_stored" in metrics) == (memory in ("stored", "zero"))
+    per_row = metrics["replay/bytes_per_row"]
+    assert per_row == 3 * 4 + 8 + 4 + 8 + 4 + 3 + 4 + (2 * 16 * 4 if memory in ("stored", "zero") else 0)
     again = run_script("r2d2_trxl_memory", "--eval-only", "--checkpoint", summary["run_dir"], "--eval-episodes", "4",
                        runs_dir=runs_dir, timeout=120)  # fmt: skip
     assert again["args"]["memory"] == memory and again["args"]["d_model"] == 16  # from the checkpoint

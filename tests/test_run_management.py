@@ -13,11 +13,12 @@ MARKER = "# === RUN MANAGEMENT"
 ENTRY_POINTS = {"parse_args", "start_run"}  # the only names below the marker that main() calls directly
 MAX_LOOP_LINES = 8  # lines of a training loop that call run management
 READING_PATH = {  # lines above the marker, at most
-    "ppo_recurrent": 600, "dqn_framestack": 600, "ssm_vae_q": 750, "r2d2_rnnstate": 750,
+    "ppo_recurrent": 600, "dqn_framestack": 600, "ssm_vae_q": 750, "r2d2_rnnstate": 750, "r2d2_trxl_memory": 750,
     "rlhf_reward_model": 950, "rlhf_ppo_kl": 950, "ilql_per_token": 950, "dialogue_cql_utterance": 950,
 }  # fmt: skip
 SCRIPTS = sorted(READING_PATH)
-CHECKPOINTING = ["dialogue_cql_utterance", "ilql_per_token", "r2d2_rnnstate", "rlhf_ppo_kl", "rlhf_reward_model"]
+CHECKPOINTING = ["dialogue_cql_utterance", "ilql_per_token", "r2d2_rnnstate", "r2d2_trxl_memory", "rlhf_ppo_kl",
+                 "rlhf_reward_model"]  # fmt: skip
 TORCHRUN = ["ilql_per_token", "rlhf_ppo_kl", "rlhf_reward_model"]
 SHARED = {  # name -> the scripts that hold the same text of it
     "check_writable_dir": SCRIPTS, "new_run_dir": SCRIPTS, "open_writer": SCRIPTS, "write_json_atomic": SCRIPTS,
