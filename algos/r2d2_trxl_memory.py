@@ -142,12 +142,12 @@ class Args:
     """hidden width of each block's MLP"""
     memory: Literal["stored", "zero", "window", "episode"] = "stored"
     """what a replayed sequence's first trained step sees before it: the memory the actor stored (refreshed by
-    --burn-in), an empty memory, no memory at all: every Q from the last --window steps (DTQN), or the memory
+    --burn-in), an empty memory, nothing (DTQN: no memory; the agent acts on its last --window steps), or the memory
     recomputed from the episode's first step for every replayed sequence (AMAGO-style full-episode replay)"""
     memory_length: int = 32
     """M: the steps of layer inputs each step attends to (memory modes)"""
     window: int = 16
-    """k: steps of context of every Q in --memory window"""
+    """k: the steps the agent acts on in --memory window (it trains on windows of seq_len + n_step <= k steps)"""
 
     # R2D2
     total_timesteps: int = 150_000
@@ -476,23 +476,10 @@ def memory_q(net, win: dict, lead: int, memory: str, burn_in: int, memory_length
     return net(x, entries, torch.cat([valid, win["key_valid"][lead:]]))[0]
 
 
-def window_q(net, win: dict, lead: int, window: int) -> torch.Tensor:
-    """DTQN: Q (W - lead, B, A) of the rows from t0 on, each from its own context of `window` rows (itself and the
-    window - 1 rows before it), re-encoded from the observations; no memory."""
-    x = net.encode(win["obs"], win["prev_action"], win["prev_reward"])  # (W, B, D): per row, so encoded once
-    (W, B, D), R = x.shape, x.shape[0] - lead
-    steps = torch.arange(window, device=x.device)
-    idx = torch.arange(lead - window + 1, W - window + 1, device=x.device)[:, None] + steps  # (R, k) context rows
-    contexts = x[idx].permute(1, 0, 2, 3).reshape(window, R * B, D)  # (k, R B, D)
-    valid = win["key_valid"][idx].permute(1, 0, 2).reshape(window, R * B)
-    q = net(contexts, no_memory(net, R * B, x.device), valid)[0][-1]  # (R B, A): each context's last row
-    return q.view(R, B, -1)
-
-
 def replay_q(net, win: dict, lead: int, args: Args) -> torch.Tensor:
     """Q of a window's rows from t0 on, as this run's --memory mode computes them (learner and target network)."""
-    if args.memory == "window":
-        return window_q(net, win, lead, args.window)
+    if args.memory == "window":  # (d) DTQN: each window of m + n <= k rows from its first row, no memory before it
+        return memory_q(net, win, lead, "zero", 0, args.memory_length)
     if args.memory == "episode":  # (e): the memory recomputed from the episode's first row, the whole prefix a burn-in
         return memory_q(net, win, lead, "zero", lead, args.memory_length)
     return memory_q(net, win, lead, args.memory, args.burn_in, args.memory_length)
@@ -597,9 +584,9 @@ def make_flat_env(env_id: str, env_kwargs: dict) -> gym.Env:
 
 
 def replay_lead(args: Args) -> int | None:
-    """Rows a replayed window needs before t0: the stored memory at t0 - B and the burn-in, the DTQN window, or (None)
+    """Rows a replayed window needs before t0: the stored memory at t0 - B and the burn-in, none (DTQN), or (None)
     everything back to the episode's first row."""
-    return {"window": args.window - 1, "episode": None}.get(args.memory, args.burn_in + args.memory_length)
+    return {"window": 0, "episode": None}.get(args.memory, args.burn_in + args.memory_length)
 
 
 def build_network(args: Args, obs_dim: int, num_actions: int) -> TransformerXLQNetwork:
@@ -813,6 +800,9 @@ def parse_args() -> Args:
     if args.memory_length < 1 or args.window < 1:
         raise SystemExit(f"error: need --memory-length >= 1 and --window >= 1, got {args.memory_length} and "
                          f"{args.window}")  # fmt: skip
+    if args.memory == "window" and args.seq_len + args.n_step > args.window:
+        raise SystemExit(f"error: --memory window trains on windows of --seq-len + --n-step = "
+                         f"{args.seq_len + args.n_step} rows, more than --window {args.window}")  # fmt: skip
     if args.memory in ("stored", "zero") and args.burn_in > args.memory_length:
         raise SystemExit(f"error: --burn-in {args.burn_in} is longer than the memory (--memory-length "
                          f"{args.memory_length}): the burn-in refreshes memory entries, at most M")  # fmt: skip

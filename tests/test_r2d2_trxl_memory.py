@@ -106,9 +106,9 @@ def test_memory_carried_while_acting_equals_recomputing_from_the_episode_start_f
         assert (q_band1[5:] - q_short[5:]).abs().max() > 1e-3
 
 
-def test_window_mode_acts_on_the_last_k_rows_and_window_q_matches():
-    """DTQN mode: each acting step's Q is the network over the last k rows of its episode (recomputed), and the
-    learner's window_q gives each replayed row the same context."""
+def test_window_mode_acts_on_the_last_k_rows_and_trains_on_windows_from_their_first_row():
+    """DTQN mode: each acting step's Q is the network over the last k rows of its episode (recomputed); a replayed
+    window of rows t0 .. t0 + m + n - 1 (m + n <= k) is trained from its first row, no memory before it."""
     k = 4
     net = tiny_net(k - 1)
     obs, prev_action, prev_reward, first = random_inputs()
@@ -120,11 +120,12 @@ def test_window_mode_acts_on_the_last_k_rows_and_window_q_matches():
             lo = max(0, t - k + 1)
             q, _ = net(x[lo : t + 1, :1], trxl.no_memory(net, 1, "cpu").double(), torch.ones(t + 1 - lo, 1).bool())
             torch.testing.assert_close(q_act[t, 0], q[-1, 0], rtol=0, atol=1e-12)
-        # window_q over a replayed window of rows (lead k - 1): row t's context is rows t - k + 1 .. t of env 0
-        win = {"obs": obs[:, :1], "prev_action": prev_action[:, :1], "prev_reward": prev_reward[:, :1],
-               "key_valid": torch.ones(15, 1, dtype=torch.bool)}  # fmt: skip
-        q_win = trxl.window_q(net, win, k - 1, k)
-        torch.testing.assert_close(q_win[:, 0], q_act[k - 1 :, 0], rtol=0, atol=1e-12)
+        win = {"obs": obs[3:7], "prev_action": prev_action[3:7], "prev_reward": prev_reward[3:7],
+               "key_valid": torch.ones(4, 3, dtype=torch.bool)}  # fmt: skip
+        q_train = trxl.replay_q(net, win, 0, trxl.Args(memory="window", window=k, memory_length=k - 1))
+        q_first_row_on, _ = net(x[3:7], trxl.no_memory(net, 3, "cpu").double(), torch.ones(4, 3).bool())
+        torch.testing.assert_close(q_train, q_first_row_on, rtol=0, atol=1e-12)
+        torch.testing.assert_close(q_train[-1, 0], q_act[6, 0], rtol=0, atol=1e-12)  # a full window: as when acting
 
 
 # ---------------------------------------------------------------- replay with a real NEXT_STEP vector env
@@ -155,14 +156,14 @@ class CounterEnv(gym.Env):
 M_TEST, BURN_IN_TEST, SEQ_LEN_TEST, N_TEST = 5, 2, 4, 2
 
 
-def fill_replay(memory="stored", num_vector_steps=200, window=3):
+def fill_replay(memory="stored", num_vector_steps=200, window=SEQ_LEN_TEST + N_TEST):
     """Drive the script's actor and replay exactly as its main loop does, on CounterEnvs (default NEXT_STEP)."""
     E = 4
     vec = gym.vector.SyncVectorEnv([lambda i=i: CounterEnv(i) for i in range(E)])
     span = window - 1 if memory == "window" else M_TEST
     torch.manual_seed(0)
     net = trxl.TransformerXLQNetwork(3, 2, 16, 2, 2, 32, span)
-    lead = window - 1 if memory == "window" else BURN_IN_TEST + M_TEST
+    lead = 0 if memory == "window" else BURN_IN_TEST + M_TEST
     layers = 0 if memory == "window" else 2
     rb = trxl.SequenceReplay(4000, E, 3, layers, 16, SEQ_LEN_TEST, 1, lead, N_TEST)
     context = trxl.initial_context(net, memory, window, E, "cpu")
@@ -234,9 +235,10 @@ def test_episode_mode_recomputes_from_the_episode_start_in_segments():
     burn-in in segments of M rows, gives the Q of one pass over the whole episode: exact, with any weights."""
     rb, net = fill_replay()
     rb.lead = None  # as the episode mode builds it
-    ids = np.nonzero(rb.valid())[0][:100]
+    ids = np.nonzero(rb.valid())[0]
+    ids = ids[np.argsort(rb.seq_ep_start[ids] - rb.seq_anchor[ids])[:100]]  # the longest prefixes
     lead = rb.lead_of(ids)
-    assert lead == (rb.seq_anchor[ids] - rb.seq_ep_start[ids]).max() > 2 * M_TEST  # several segments
+    assert lead == (rb.seq_anchor[ids] - rb.seq_ep_start[ids]).max() > M_TEST  # two segments or more
     win = trxl.to_torch(rb.gather(ids), "cpu")
     args = trxl.Args(memory="episode", memory_length=M_TEST)
     with torch.no_grad():
@@ -250,7 +252,7 @@ def test_episode_mode_recomputes_from_the_episode_start_in_segments():
 
 def test_window_mode_stores_no_memory_and_replay_bytes_by_hand():
     rb, _ = fill_replay("window", num_vector_steps=50)
-    assert rb.layer_inputs.shape == (4000, 4, 0, 16) and rb.lead == 2
+    assert rb.layer_inputs.shape == (4000, 4, 0, 16) and rb.lead == 0
     sizes = trxl.replay_bytes(rb, M_TEST)
     per_row = 3 * 4 + 8 + 4 + 8 + 4 + 3 * 1 + 4  # obs, action, reward, prev action, prev reward, flags, ep_step
     assert sizes["bytes_per_row"] == per_row and sizes["bytes"] == 50 * 4 * per_row
@@ -263,7 +265,7 @@ def test_window_mode_stores_no_memory_and_replay_bytes_by_hand():
 # ---------------------------------------------------------------- subprocess runs
 TINY = ["--total-timesteps", "2400", "--learning-starts", "800", "--num-envs", "4", "--buffer-size", "2000",
         "--batch-size", "8", "--eval-episodes", "4", "--env-kwargs", '{"corridor_length": 3}', "--d-model", "16",
-        "--memory-length", "6", "--window", "4"]  # fmt: skip
+        "--memory-length", "6", "--window", "15"]  # fmt: skip
 
 
 @pytest.mark.parametrize("memory", ["stored", "zero", "window", "episode"])
@@ -302,7 +304,7 @@ def test_learning_rate_zero_stored_memory_is_exact_in_the_main_loop(runs_dir):
         (["--burn-in", "-1"], "--burn-in >= 0"),
         (["--d-model", "30", "--num-heads", "4"], "multiple of --num-heads"),
         (["--buffer-size", "1000"], "buffer-size"),
-        (["--memory", "window", "--window", "200", "--buffer-size", "4000"], "buffer-size"),
+        (["--memory", "window", "--window", "8"], "more than --window 8"),
         (["--seq-len", "4", "--seq-overlap", "4"], "seq-overlap"),
         (["--env-kwargs", "[1]"], "must be a JSON object"),
         (["--eval-only"], "needs --checkpoint"),

@@ -12,7 +12,7 @@ from conftest import ROOT, run_script, script_command, start_script, subprocess_
 
 TINY = ["--total-timesteps", "2400", "--learning-starts", "400", "--num-envs", "4", "--buffer-size", "2000",
         "--batch-size", "8", "--eval-episodes", "4", "--target-network-frequency", "20", "--d-model", "16",
-        "--memory-length", "6", "--window", "4", "--final-delta-q-sequences", "64",
+        "--memory-length", "6", "--window", "15", "--final-delta-q-sequences", "64",
         "--env-kwargs", '{"corridor_length": 3}']  # fmt: skip
 TIMEOUT = 180  # seconds for one subprocess run (a tiny run takes seconds)
 
