@@ -4,14 +4,16 @@ burn-in.
 R2D2 [1] (r2d2_rnnstate.py) stores the actor's recurrent state with the replayed steps and starts each replayed
 sequence from it; the lecture says no one has found the analogous trick for transformers. Here it is built and
 measured. A Transformer-XL [2] carries a *memory* while acting: the inputs of each layer at the last M steps, which
-the next step's queries attend to (no gradient flows into it). That memory is a per-step quantity, so the replay
-stores, with every step, the actor's layer inputs there (O(T), like the LSTM state); the memory at a sequence's
-first trained step t0 is then the stored rows t0 - M .. t0 - 1: (a) `--memory zero`: an empty memory (what the
-memory is at an episode start), (b) `--memory stored --burn-in 0`: the stored memory, computed by an older network
-(stale), (c) `--memory stored`: the stored memory at t0 - B, then a burn-in of B steps that recomputes the B newest
-entries with the current network, (d) `--memory window`: no memory at all, each Q computed from the last `--window`
-steps (DTQN [4]). On TMaze with a 20-step corridor, longer than every replayed window and than the DTQN window, only
-the stored memory brings the cue into training: (c) solves it, (a) and (d) stay at chance.
+the next step's queries attend to (no gradient flows into it). A memory entry is a per-step quantity, so the replay
+stores with every step the actor's layer inputs there (O(T), like the LSTM state), and the memory at a sequence's
+first trained step t0 is the stored rows t0 - M .. t0 - 1. A replayed sequence starts from (a) `--memory zero`: an
+empty memory (what it is at an episode start), (b) `--memory stored --burn-in 0`: the stored memory, written by an
+older network (stale), (c) `--memory stored` (default): the memory stored at t0 - B, then a burn-in of B steps that
+recomputes the B newest entries with the current network; (d) `--memory window`: DTQN [4], no memory, the agent
+acts on its last k = `--window` steps and trains on windows of m + n <= k steps; (e) `--memory episode`: every
+replayed sequence re-encoded from its episode's first step (AMAGO [6]-style full-episode replay: exact, no stored
+state, a cost that grows with the episode). On TMaze with a 20-step corridor, longer than every replayed window and
+than the DTQN window, only the stored memory brings the cue into training: (c) solves it, (a) and (d) stay at chance.
 
 Key equations (gated Transformer-XL block, GTrXL [3], pre-norm, for layer l with input x_t^l at step t):
     context of step t: c_t^l = [x_{t-M}^l .. x_{t-1}^l (the memory, no gradient), x_t^l], same episode only
@@ -25,43 +27,44 @@ Key equations (gated Transformer-XL block, GTrXL [3], pre-norm, for layer l with
 Implementation details:
  1. Attention is a band: step t attends to itself and to the M steps before it in its own episode. Acting one step
     at a time with the memory of the last M layer inputs therefore gives exactly the Q-values of running the network
-    over the whole episode from its first step (`forward` with no memory, tested in float64): the "true" memory is
-    a recomputation from the episode start, as the true LSTM state is for R2D2.
+    over the whole episode from its first step (tested in float64): the "true" memory is a recomputation from the
+    episode start, as the true LSTM state is for R2D2.
  2. Storage: a ring buffer of rows (obs, action, reward, previous action and reward, flags first / final /
-    terminal, the step within the episode) and, in the memory modes, the actor's L layer inputs of the row
-    (L x width floats a row: 2 x 64 here, the size of the LSTM's (h, c)). The memory at t0 is rows t0 - M .. t0 - 1,
-    so overlapping sequences share it and nothing is stored twice.
+    terminal, the step within the episode) and, in modes (a)-(c), the actor's layer inputs of the row: L x width
+    floats (2 x 64 here), the size of the LSTM's (h, c). Overlapping sequences share their memory rows.
  3. Sequences, autoreset handling, prioritized sampling, n-step double-Q targets, value rescaling, Ape-X epsilons:
-    as r2d2_rnnstate.py (same functions). A window of a sequence is the rows [t0 - lead, t0 + m + n): lead = B + M
-    (the memory at t0 - B and the burn-in) in the memory modes, k - 1 in the window mode. Rows before the episode's
-    first row are never attended to (`key_valid`); a row only attends to itself and earlier rows, so rows after the
-    episode's final row (masked out of the loss) cannot change the trained ones.
+    as r2d2_rnnstate.py (the same functions). A window is the rows [t0 - lead, t0 + m + n): lead = B + M in modes
+    (a)-(c), 0 in (d), back to the episode's first row in (e). Rows before the episode's first row are never attended
+    to (`key_valid`); a row attends only to itself and earlier rows, so rows after the episode's final row (masked out
+    of the loss) cannot change the trained ones.
  4. Burn-in (`anchor_memory`): without gradient, the B rows before t0 run through the network from the memory at
-    t0 - B; their new layer inputs replace the B newest memory entries. Unlike an LSTM state, the M - B older entries
-    stay as stored: a burn-in refreshes only what it recomputes. The target network does the same with its weights.
+    t0 - B, in segments of at most M rows (Transformer-XL's recurrence); their new layer inputs replace the B newest
+    entries. Unlike an LSTM state, the M - B older entries stay as stored: a burn-in refreshes only what it
+    recomputes. The target network does the same with its own weights. Mode (e) is a burn-in of the whole prefix.
  5. The trained rows t0 .. t0 + m + n - 1 run in one forward pass with the memory at t0 as keys and values
     (detached). Gradient reaches how the memory is *read* (queries, keys, values, position bias), never how it was
-    written: the stored cue's layer-0 input came from the actor's embedding, then.
- 6. Window mode (d): every trained and target row t gets its own context, rows t - k + 1 .. t, re-encoded from the
-    observations (`window_q`); acting re-encodes the last k rows each step. The network is the same, with span k - 1.
- 7. `final_delta_q` is the ablation on ONE network, the last: on replayed sequences that start mid-episode, Q at the
+    written: the cue's layer-0 entry is the actor's embedding of it, from when it acted.
+ 6. `final_delta_q` is the ablation on ONE network, the last: on replayed sequences that start mid-episode, Q at the
     first and last trained row from the empty memory, the stored memory, and the stored memory + burn-in, against Q
     from the memory recomputed from the episode start.
- 8. Replay bytes (`replay/bytes`): the rows as stored; `replay/memory_bytes_per_sequence` is what storing the memory
-    at each sequence's start would take instead (M x L x width floats, the figure to compare with the LSTM's 2 x width).
- 9. Observations are flattened as in r2d2_rnnstate.py; evaluation seeds are disjoint blocks (10 000 (s + 1) + i).
-10. Long runs: a checkpoint every `--save-every` env steps and on Ctrl-C / SIGTERM; `--resume RUN_DIR` continues it
+ 7. Cost (`perf/learner_ms_per_update`: sampling to target copy; `replay/bytes_per_row`): (c) encodes B + M + m + n
+    rows per sequence whatever the episode length, (e) up to the whole episode; the README's cost table.
+ 8. Observations are flattened as in r2d2_rnnstate.py; evaluation seeds are disjoint blocks (10 000 (s + 1) + i).
+ 9. Long runs: a checkpoint every `--save-every` env steps and on Ctrl-C / SIGTERM; `--resume RUN_DIR` continues it
     bit for bit on CPU (the class `Run`, below RUN MANAGEMENT).
-What was scaled down from GTrXL and why: 2 layers of width 64 with 4 heads and a learned relative-position bias (GTrXL:
-12 layers, sinusoidal relative encodings), a memory of M = 32 steps: reach 64, more than a TMaze-20 episode.
+What was scaled down from GTrXL and why: 2 layers of width 64 with 4 heads and a learned bias per relative offset
+(GTrXL: 12 layers, sinusoidal relative encodings); M = 32 (reach 64, more than a TMaze-20 episode); m = 10 trained
+rows, overlap 5, burn-in 4, n = 5, so that burn-in + trained + target rows (19) are fewer than the 21 steps from the
+cue to the junction; learning rate 3e-4 (r2d2_rnnstate.py: 1e-3); the rest as r2d2_rnnstate.py.
 References: [1] S. Kapturowski et al., "Recurrent Experience Replay in Distributed Reinforcement Learning", ICLR 2019.
 [2] Z. Dai et al., "Transformer-XL", ACL 2019. [3] E. Parisotto et al., "Stabilizing Transformers for Reinforcement
 Learning" (GTrXL), ICML 2020. [4] K. Esslinger et al., "Deep Transformer Q-Networks for Partially Observable
 Reinforcement Learning" (DTQN), 2022. [5] CleanRL ppo_trxl.py (github.com/vwxyzjn/cleanrl): a Transformer-XL memory
-kept per step in an on-policy rollout; here it is kept in an off-policy replay. [6] T. Pohlen et al., 2018 (h(x)).
-Reproduce (TMaze-20, the benchmark's full-mode lines):
+kept per step in an on-policy rollout; here it is kept in an off-policy replay. [6] J. Grigsby et al., "AMAGO:
+Scalable In-Context Reinforcement Learning for Adaptive Agents", 2023. [7] T. Pohlen et al., 2018 (h(x)).
+Reproduce (TMaze-20, the benchmark's full-mode lines; TUNING):
     python algos/r2d2_trxl_memory.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}'
-    (ablation runs: add `--memory stored --burn-in 0`, `--memory zero`, or `--memory window`)
+    (ablation runs: add `--memory zero` or `--memory window`)
 """
 
 import json
