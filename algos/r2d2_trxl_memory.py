@@ -741,6 +741,7 @@ def main():
     if not args.eval_only:  # the O(T) replay: each step once, with its memory entry; the learner's time per update
         metrics.update({f"replay/{key}": value for key, value in replay_bytes(rb, args.memory_length).items()})
         metrics["perf/learner_ms_per_update"] = 1000.0 * state.learner_seconds / max(state.num_updates_done, 1)
+        metrics["charts/mean_episodic_length"] = np.mean(state.ep_lengths) if state.ep_lengths else np.nan  # T
     run.finish(metrics, q_network, global_step, wall_time)  # summary.json, the model; checkpoints deleted
 
 

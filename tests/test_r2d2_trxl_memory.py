@@ -5,6 +5,7 @@ replay's stored memory and its burn-in refresh, the one-network Delta-Q ablation
 import gymnasium as gym
 import numpy as np
 import pytest
+import spaces_env
 import torch
 from conftest import load_script, run_script
 
@@ -281,6 +282,21 @@ def test_smoke_run_and_eval_only_round_trip(runs_dir, memory):
                        runs_dir=runs_dir, timeout=120)  # fmt: skip
     assert again["args"]["memory"] == memory and again["args"]["d_model"] == 16  # from the checkpoint
     assert again["metrics"]["eval/episodic_return"] == pytest.approx(metrics["eval/episodic_return"])
+
+
+@pytest.mark.parametrize("env_id", spaces_env.MODULE_IDS)
+def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
+    env = trxl.make_flat_env(env_id, {})
+    raw = gym.make(env_id)
+    obs, _ = env.reset(seed=0)
+    raw_obs, _ = raw.reset(seed=0)
+    assert obs.dtype == np.float32
+    np.testing.assert_array_equal(obs, spaces_env.expected_flat(raw_obs))
+    tiny = ["--total-timesteps", "600", "--learning-starts", "200", "--num-envs", "2", "--buffer-size", "1200",
+            "--batch-size", "4", "--eval-episodes", "2", "--seq-len", "4", "--seq-overlap", "2", "--burn-in", "2",
+            "--memory-length", "4", "--d-model", "16", "--env-kwargs", "{}"]  # fmt: skip
+    summary = run_script("r2d2_trxl_memory", "--env-id", env_id, *tiny, runs_dir=runs_dir, timeout=120)
+    assert 0.0 <= summary["metrics"]["eval/episodic_return"] <= spaces_env.EPISODE_LENGTH
 
 
 def test_learning_rate_zero_stored_memory_is_exact_in_the_main_loop(runs_dir):
