@@ -107,6 +107,24 @@ def test_memory_carried_while_acting_equals_recomputing_from_the_episode_start_f
         assert (q_band1[5:] - q_short[5:]).abs().max() > 1e-3
 
 
+def test_the_memory_reaches_exactly_memory_length_times_layers_steps_back():
+    """Reach: a change of the first observation changes Q up to M x L steps later and never after (the band of each
+    layer passes information at most M steps on): what a corridor longer than M x L cannot get past."""
+    M, layers, T = 3, 2, 12
+    net = tiny_net(M)
+    assert len(net.blocks) == layers
+    obs, prev_action, prev_reward, _ = (value[:, :1] for value in random_inputs(T=T, E=2))  # one episode
+    changed = obs.clone()
+    changed[0] += 1.0
+    with torch.no_grad():
+        q, _ = net(net.encode(obs, prev_action, prev_reward), trxl.no_memory(net, 1, "cpu").double(),
+                   torch.ones(T, 1, dtype=torch.bool))  # fmt: skip
+        q_changed, _ = net(net.encode(changed, prev_action, prev_reward), trxl.no_memory(net, 1, "cpu").double(),
+                           torch.ones(T, 1, dtype=torch.bool))  # fmt: skip
+    moved = (q - q_changed).abs().amax(dim=(1, 2))  # (T,)
+    assert (moved[: M * layers + 1] > 1e-6).all() and (moved[M * layers + 1 :] == 0).all()
+
+
 def test_window_mode_acts_on_the_last_k_rows_and_trains_on_windows_from_their_first_row():
     """DTQN mode: each acting step's Q is the network over the last k rows of its episode (recomputed); a replayed
     window of rows t0 .. t0 + m + n - 1 (m + n <= k) is trained from its first row, no memory before it."""
