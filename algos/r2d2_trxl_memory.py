@@ -345,9 +345,8 @@ class TransformerXLQNetwork(nn.Module):
         for layer, block in enumerate(self.blocks):
             inputs.append(x)
             x = block(x, torch.cat([memory[layer], x]), allowed, offset)
-        out = self.norm_out(x)
-        adv = self.advantage(out)
-        return self.value(out) + adv - adv.mean(-1, keepdim=True), torch.stack(inputs)
+        adv = self.advantage(self.norm_out(x))
+        return self.value(self.norm_out(x)) + adv - adv.mean(-1, keepdim=True), torch.stack(inputs)
 
 
 class SequenceReplay:
