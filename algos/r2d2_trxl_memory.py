@@ -355,7 +355,7 @@ class SequenceReplay:
 
     A sequence is identified by its env column, its anchor t0 (first trained row, absolute step index) and its
     episode's first row; its window is rows [t0 - lead, t0 + seq_len + n_step): lead = burn_in + M in the memory
-    modes (the memory at t0 - burn_in, then the burn-in), window - 1 in the window mode, back to the episode's first
+    modes (the memory at t0 - burn_in, then the burn-in), 0 in the window mode (DTQN), back to the episode's first
     row in the episode mode (lead None).
     """
 
