@@ -92,6 +92,7 @@ import envs as seqrl_envs  # noqa: E402, F401  (registers the seqrl/ environment
 EVAL_SEED_STRIDE = 10_000  # eval env i of training seed s gets seed 10_000 (s + 1) + i: disjoint sets per seed
 SELECT_SEED_BASE = 10**9  # evaluations during training: env seeds 1e9 + 1e7 s + global_step + i, disjoint from
 SELECT_SEED_STRIDE = 10**7  # the final evaluation's and across training seeds (global_step + i < 1e7)
+LATE_TRAINING_FRACTION = 0.1  # `select/late_episodic_return`: mean of the evaluations in the last 10% of the steps
 FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
 LOG_EVERY_UPDATES = 100  # write losses/SPS to tensorboard every 100 gradient steps
 
@@ -118,7 +119,8 @@ class Args:
     """run directory or model.safetensors file to load for `--eval-only` (the env, --frame-stack, --scale-obs and
     --hidden-size come from its args.json when present)"""
     select_frequency: int = 0
-    """environment steps between greedy evaluations during training (0 = none), logged as select/episodic_return"""
+    """environment steps between greedy evaluations during training (0 = none), logged as select/episodic_return;
+    summary.json gets their mean over the last 10% of the steps (`select/late_episodic_return`)"""
     select_episodes: int = 10
     """episodes per evaluation during training (env seeds disjoint from the training and the final evaluation)"""
     keep_best: bool = False
@@ -443,6 +445,7 @@ def main():
     ep_return, ep_length = np.zeros(args.num_envs), np.zeros(args.num_envs, dtype=np.int64)
     num_updates = 0
     best_return, best_step, best_state = -float("inf"), 0, None  # --keep-best
+    late_selects = []  # returns of the evaluations during the last 10% of the steps: where the curve ends
     for iteration in range(num_iterations):
         # 1. act epsilon-greedily on the k-frame stacks built from the replay's newest slots
         epsilon = linear_schedule(
@@ -517,6 +520,8 @@ def main():
             sel_return = sel["eval/episodic_return"]
             run.log(global_step, {"select/episodic_return": sel_return})
             print(f"SELECT global_step={global_step} return={sel_return:.1f}")
+            if global_step > (1.0 - LATE_TRAINING_FRACTION) * args.total_timesteps:
+                late_selects.append(sel_return)
             if sel_return >= best_return:
                 best_return, best_step = sel_return, global_step
                 best_state = {key: value.clone() for key, value in q_network.state_dict().items()}
@@ -532,6 +537,8 @@ def main():
         kept |= {"select/best_episodic_return": best_return, "select/best_global_step": float(best_step)}
         q_network.load_state_dict(best_state)
     metrics = kept | evaluate(q_network, args, env_kwargs, device)
+    if late_selects:  # the end of the training curve, next to the final evaluation
+        metrics["select/late_episodic_return"] = float(np.mean(late_selects))
     run.log(global_step, metrics)
     run.finish(metrics, q_network, sps=global_step / train_time if global_step else 0.0)
 

@@ -97,6 +97,9 @@ ACTOR_INIT_STD = 0.01  # small policy-head weights: near-uniform initial policy 
 EVAL_SEED_STRIDE = 10_000  # eval env i of training seed s gets seed 10_000 (s + 1) + i: disjoint sets per seed
 MAX_EVAL_STEPS = 10_000  # guard for envs without a time limit: evaluation stops after this many steps
 LATE_TRAINING_FRACTION = 0.2  # `charts/late_episodic_return`: mean training return over the last 20% of the steps
+RETURN_VAR_PRIOR = (1e-4, 0.0, 1.0)  # `--norm-reward`: (count, mean, var) before any data (SB3's RunningMeanStd)
+REWARD_NORM_EPS = 1e-8  # variance floor of the reward normalization
+REWARD_CLIP = 10.0  # normalized rewards are clipped to [-10, 10] (as SB3's VecNormalize)
 
 
 @dataclass
@@ -166,6 +169,10 @@ class Args:
     """on truncation (time limit) add gamma * V(final obs) to the last reward; terminations never bootstrap"""
     reward_scale: float = 1.0
     """multiply rewards by this before learning (logged returns are unscaled)"""
+    norm_reward: bool = False
+    """divide the rewards learned from by a running std of each env's discounted return, clipped to [-10, 10] (SB3's
+    VecNormalize(norm_reward=True), gymnasium's NormalizeReward); the network's r_{t-1} input and the logged returns
+    stay unnormalized"""
     num_minibatches: int = 4
     """the number of minibatches per epoch; each holds num_envs / num_minibatches whole env sequences"""
     update_epochs: int = 4
@@ -209,6 +216,13 @@ def compute_gae(rewards, values, dones, next_value, gamma: float, gae_lambda: fl
         last_gae = delta + gamma * gae_lambda * not_done * last_gae  # A_t = delta_t + gamma lambda A_{t+1}
         advantages[t] = last_gae
     return advantages, advantages + values
+
+
+def merge_moments(moments: tuple, batch: tuple) -> tuple:
+    """Two samples' (count, mean, var) merged (the parallel algorithm of SB3/CleanRL RunningMeanStd)."""
+    (count, mean, var), (n, b_mean, b_var) = moments, batch
+    delta, total = b_mean - mean, count + n
+    return total, mean + delta * n / total, (var * count + b_var * n + delta**2 * count * n / total) / total
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -308,13 +322,11 @@ class Agent(nn.Module):
 
     @torch.no_grad()
     def update_obs_stats(self, obs: torch.Tensor):
-        """Merge a batch (N, D) into the running mean/variance (parallel algorithm, as SB3/CleanRL RunningMeanStd)."""
-        count, mean, var = obs.shape[0], obs.mean(0), obs.var(0, unbiased=False)
-        delta, total = mean - self.obs_mean, self.obs_count + count
-        m2 = self.obs_var * self.obs_count + var * count + delta**2 * self.obs_count * count / total
-        self.obs_mean += delta * count / total
-        self.obs_var.copy_(m2 / total)
-        self.obs_count.copy_(total)
+        """Merge a batch (N, D) into the running mean/variance."""
+        batch = (obs.shape[0], obs.mean(0), obs.var(0, unbiased=False))
+        merged = merge_moments((self.obs_count, self.obs_mean, self.obs_var), batch)
+        for buffer, value in zip((self.obs_count, self.obs_mean, self.obs_var), merged, strict=True):
+            buffer.copy_(value)
 
     def initial_state(self, batch: int) -> torch.Tensor:
         size = self.actor_torso.state_size * (1 if self.critic_torso is None else 2)
@@ -393,6 +405,7 @@ def main():
     next_prev_action = torch.zeros(B, dtype=torch.long, device=device)
     next_state = agent.initial_state(B)  # (B, S), carried across rollouts
     ep_return, ep_length = np.zeros(B), np.zeros(B, dtype=int)
+    disc_return, return_moments = np.zeros(B), RETURN_VAR_PRIOR  # `--norm-reward`: discounted returns, their moments
     recent_returns, late_returns = [], []  # for the progress line; training episodes of the last 20% of steps
 
     budget, iteration = args.num_iterations * args.batch_size, 0  # env steps of training
@@ -427,7 +440,15 @@ def main():
             next_obs_np, reward, terminated, truncated, infos = envs.step(action.cpu().numpy())
             done = terminated | truncated
             scaled_reward = torch.as_tensor(reward * args.reward_scale, dtype=torch.float32, device=device)
-            rewards[step], dones[step] = scaled_reward, torch.as_tensor(done, dtype=torch.float32, device=device)
+            learn_reward = reward * args.reward_scale
+            if args.norm_reward:  # as VecNormalize: r / std(G), G = gamma G + r per env, restarted at episode ends
+                disc_return = disc_return * args.gamma + learn_reward
+                return_moments = merge_moments(return_moments, (B, disc_return.mean(), disc_return.var()))
+                return_std = np.sqrt(return_moments[2] + REWARD_NORM_EPS)
+                learn_reward = np.clip(learn_reward / return_std, -REWARD_CLIP, REWARD_CLIP)
+                disc_return[done] = 0.0
+            rewards[step] = torch.as_tensor(learn_reward, dtype=torch.float32, device=device)
+            dones[step] = torch.as_tensor(done, dtype=torch.float32, device=device)
             # CRUCIAL: with SAME_STEP autoreset next_obs_np is already the reset obs where done; on truncation the
             # episode did not really end, so bootstrap from V(final obs), computed from the unreset memory
             bootstrap = args.bootstrap_truncated and args.returns == "gae"

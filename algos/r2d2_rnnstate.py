@@ -109,6 +109,7 @@ DELTA_Q_EPS = 1e-6  # keeps the Delta-Q normalization finite when all true Q-val
 EVAL_SEED_STRIDE = 10_000  # final evaluation: episode i of training seed s gets env seed 10_000 (s + 1) + i
 SELECT_SEED_BASE = 10**9  # evaluations during training: env seeds 1e9 + 1e7 s + global_step + i, disjoint from
 SELECT_SEED_STRIDE = 10**7  # the final evaluation's and across training seeds (global_step + i < 1e7)
+LATE_TRAINING_FRACTION = 0.1  # `select/late_episodic_return`: mean of the evaluations in the last 10% of the steps
 MAX_EVAL_STEPS = 10_000  # guard for envs without a time limit: an evaluation episode stops after this many steps
 
 
@@ -199,7 +200,8 @@ class Args:
     final_delta_q_sequences: int = 512
     """replayed sequences for the last network's Delta-Q from zero / stored / stored + burn-in (`final_delta_q`)"""
     select_frequency: int = 0
-    """environment steps between greedy evaluations during training (0 = none), logged as select/episodic_return"""
+    """environment steps between greedy evaluations during training (0 = none), logged as select/episodic_return;
+    summary.json gets their mean over the last 10% of the steps (`select/late_episodic_return`)"""
     select_episodes: int = 10
     """episodes per evaluation during training (env seeds disjoint from the training and the final evaluation)"""
     keep_best: bool = False
@@ -564,6 +566,7 @@ class TrainState:
     delta_q_log: list = field(default_factory=list)  # (first, last, first at episode starts) per measurement (step 5)
     num_updates_done: int = 0
     learner_seconds: float = 0.0  # wall time of the learning steps (sampling to target copy), for the cost study
+    late_selects: list = field(default_factory=list)  # returns of the evaluations in the last 10% of the steps
     best_return: float = -np.inf  # --keep-best: the best evaluation during training, its step and its network
     best_step: int = 0
     best_model: dict | None = None
@@ -636,6 +639,8 @@ def main():
             sel_return = float(sel["ret"].mean())
             run.log(global_step, {"select/episodic_return": sel_return})
             print(f"SELECT global_step={global_step} return={sel_return:.1f}")
+            if global_step > (1.0 - LATE_TRAINING_FRACTION) * args.total_timesteps:
+                state.late_selects.append(sel_return)
             if sel_return >= state.best_return:
                 state.best_return, state.best_step = sel_return, global_step
                 state.best_model = {key: value.clone() for key, value in q_network.state_dict().items()}
@@ -710,6 +715,8 @@ def main():
                 "eval/episodic_length": result["length"].mean()}  # fmt: skip
     if not np.isnan(result["success"]).all():  # the env reports info["success"] (TMaze, Tiger)
         metrics["eval/success_rate"] = np.nanmean(result["success"])
+    if state.late_selects:  # the end of the training curve, next to the final evaluation
+        metrics["select/late_episodic_return"] = np.mean(state.late_selects)
     if state.delta_q_log:  # averaged over the last quarter of training's measurements
         tail = np.array(state.delta_q_log[-max(1, len(state.delta_q_log) // 4) :])
         metrics |= {"model/delta_q_first": tail[:, 0].mean(), "model/delta_q_last": tail[:, 1].mean()}
@@ -894,6 +901,7 @@ class Run:
         state.h, state.c = (torch.as_tensor(loop[key], device=self.device) for key in ("h", "c"))
         state.ep_returns, state.ep_lengths = list(loop["ep_returns"]), list(loop["ep_lengths"])
         state.delta_q_log = [tuple(row) for row in loop["delta_q_log"]]
+        state.late_selects = list(loop.get("late_selects", []))
         state.best_model, state.num_updates_done = loop["best_model"], saved["num_updates_done"]
         state.learner_seconds = saved["learner_seconds"]
         state.best_return, state.best_step = saved["best_return"], saved["best_step"]
@@ -935,7 +943,8 @@ class Run:
                     c=state.c.cpu().numpy(), ep_return=state.ep_return, ep_length=state.ep_length,
                     ep_returns=np.array(state.ep_returns, dtype=np.float64),
                     ep_lengths=np.array(state.ep_lengths, dtype=np.int64),
-                    delta_q_log=np.array(state.delta_q_log, dtype=np.float64).reshape(-1, 3))  # fmt: skip
+                    delta_q_log=np.array(state.delta_q_log, dtype=np.float64).reshape(-1, 3),
+                    late_selects=np.array(state.late_selects, dtype=np.float64))  # fmt: skip
         counters = dict(num_updates_done=state.num_updates_done, learner_seconds=state.learner_seconds,
                         best_return=state.best_return, best_step=state.best_step, episodes=self.episodes,
                         elapsed_s=time.time() - state.start_time, args=asdict(self.args))  # fmt: skip

@@ -260,6 +260,10 @@ def test_keep_best_saves_and_reports_the_kept_network(runs_dir):
     assert again["metrics"]["eval/episodic_return"] == metrics["eval/episodic_return"]  # the kept one is saved
     if metrics["select/best_global_step"] == 400.0:  # the kept network is the last one: same evaluation
         assert metrics["eval/last_network_episodic_return"] == metrics["eval/episodic_return"]
+        # the evaluation at 400 steps is the only one in the last 10% of the steps
+        assert metrics["select/late_episodic_return"] == metrics["select/best_episodic_return"]
+    else:
+        assert metrics["select/late_episodic_return"] <= metrics["select/best_episodic_return"]
 
 
 def test_select_seeds_disjoint_from_the_final_evaluation_and_across_seeds():

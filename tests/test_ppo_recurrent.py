@@ -162,6 +162,16 @@ def test_running_obs_stats_match_numpy():
     np.testing.assert_allclose(agent.obs_var.numpy(), everything.var(0), rtol=1e-4, atol=1e-5)
 
 
+def test_return_moments_match_numpy():  # `--norm-reward`'s running variance of discounted returns
+    rng = np.random.default_rng(0)
+    batches = [rng.normal(3.0, 5.0, size=n) for n in (8, 8, 30)]
+    moments = (1e-12, 0.0, 1.0)
+    for batch in batches:
+        moments = ppo.merge_moments(moments, (batch.size, batch.mean(), batch.var()))
+    everything = np.concatenate(batches)
+    np.testing.assert_allclose(moments[1:], (everything.mean(), everything.var()), rtol=1e-6)
+
+
 @pytest.mark.parametrize("rnn", ["gru", "lstm"])
 def test_sequence_minibatches_replay_the_rollout(rnn):
     """Step the agent one step at a time as in the rollout, then replay env-wise minibatches from the initial
@@ -236,6 +246,21 @@ class CounterEnv(gym.Env):
         reward, self.t = float(self.t + 1), self.t + 1
         terminated = self.t >= self.length
         return np.array([self.t, 1.0], dtype=np.float32), reward, terminated, not terminated and self.t >= 3, {}
+
+
+def test_norm_reward_scales_the_learned_rewards_only(runs_dir, monkeypatch):
+    """`--norm-reward` on CounterEnv (reward t + 1): every env's reward of a step is divided by the same running std
+    (the last step's by the final one), while the network's r_{t-1} input stays the raw reward."""
+    if "CounterTest-v0" not in gym.registry:
+        gym.register("CounterTest-v0", entry_point=CounterEnv)
+    g = run_main(monkeypatch, "--env-id", "CounterTest-v0", "--runs-dir", str(runs_dir), "--norm-reward",
+                 "--prev-reward", "--no-bootstrap-truncated", *TINY)  # fmt: skip
+    obs, rewards, starts, prev_rewards = g["obs"][..., 0], g["rewards"], g["starts"], g["prev_rewards"]
+    divisor = (obs + 1) / rewards  # (T, B): one std per step, growing from the prior's 1 as returns are seen
+    assert torch.allclose(divisor, divisor[:, :1].expand_as(divisor)) and (divisor[-1] > 1.5).all()
+    final_std = np.sqrt(g["return_moments"][2] + ppo.REWARD_NORM_EPS)
+    assert divisor[-1, 0].item() == pytest.approx(final_std, rel=1e-5)
+    assert torch.equal(prev_rewards[1:][starts[1:] == 0], (obs[:-1] + 1)[starts[1:] == 0])  # raw r_{t-1}
 
 
 @pytest.mark.parametrize("bootstrap", [True, False])

@@ -307,6 +307,9 @@ def test_keep_best_saves_and_reports_the_kept_network(runs_dir):
     metrics = summary["metrics"]
     assert metrics["select/best_global_step"] in (800.0, 1600.0, 2400.0)  # evaluations at 800, 1600, 2400 steps
     assert np.isfinite(metrics["select/best_episodic_return"])
+    late = metrics["select/late_episodic_return"]  # the evaluation at 2400 steps, the only one in the last 10%
+    assert late == metrics["select/best_episodic_return"] if metrics["select/best_global_step"] == 2400.0 else (
+        late <= metrics["select/best_episodic_return"])  # fmt: skip
     assert np.isfinite(metrics["eval/last_network_episodic_return"]) and np.isfinite(metrics["eval/episodic_return"])
     again = run_script("r2d2_rnnstate", "--eval-only", "--checkpoint", summary["run_dir"], "--eval-episodes", "4",
                        runs_dir=runs_dir, timeout=120)  # fmt: skip
