@@ -66,6 +66,9 @@ Reproduce (TMaze-20, the benchmark's full-mode lines: success 1.00 on tuning see
 79k-85k of the 150k steps; ablation runs at chance):
     python algos/r2d2_trxl_memory.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}'
     (ablation runs: add `--memory zero` or `--memory window`; the cost study: `--memory episode`, README)
+    TMaze-50 (the cue 51 steps back: one hop with M = 64; tuning seeds 101, 102 learned it after ~136k and ~240k):
+    python algos/r2d2_trxl_memory.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 50}' --memory-length 64
+        --buffer-size 60000 --total-timesteps 400000
 """
 
 import json
