@@ -41,12 +41,12 @@ Implementation details:
  7. `--norm-obs`: a running mean/std kept in the model (saved with it), updated after each update so that a rollout
     and its update see the same normalization (SB3's VecNormalize). Off by default, as CleanRL ppo.py (on CartPole-v1
     it collapsed 2 of 5 seeds late, 500 -> ~100). MaskedCartPole needs it (angle steps of ~0.01 rad carry velocity).
-    Its recipe is RL Zoo's RecurrentPPO one [7] (8 envs x 32 steps, 20 epochs, lambda 0.8, no entropy bonus) less two
-    causes of late collapse (measured on tuning seeds): once every episode lasts 500 steps the advantages are value
-    noise, which per-minibatch normalization scales to unit size and 20 epochs fit (approx-KL 0.03-0.08 an update),
-    so the policy random-walks until it fails: `--no-norm-adv`, with `--norm-reward` (rewards over the running std
-    of the return, VecNormalize) for the advantages' scale; and a slow cart drift off the track after 300-490 steps,
-    which gamma 0.98 feels too late: gamma 0.99.
+    Its recipe is RL Zoo's RecurrentPPO one [7] (8 envs x 32 steps, 20 epochs, no entropy bonus) less two causes
+    of late collapse (measured on tuning seeds): once every episode lasts 500 steps the advantages are value noise,
+    which per-minibatch normalization scales to unit size and 20 epochs fit (approx-KL 0.03-0.08 an update), so the
+    policy random-walks until it fails: `--no-norm-adv`, with `--norm-reward` (rewards over the running std of the
+    return, VecNormalize) for the advantages' scale; and a slow cart drift off the track after 300-490 steps, felt
+    too late with RL Zoo's gamma 0.98 and lambda 0.8: gamma 0.99 and lambda 0.95.
  8. `--returns mc` (pure Monte Carlo): each rollout resets the envs and runs until every env finished its first
     episode (at most `--num-steps`, which must cover the time limit); only those episodes are trained on (a mask in
     every loss), with the discounted sums of their own rewards as returns, nothing bootstrapped: first episodes only
