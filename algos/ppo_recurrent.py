@@ -4,7 +4,7 @@ In a POMDP the observation o_t does not determine the state. The lecture's claim
 policy pi(a|o_t) can only reach the best *reactive* policy, which may have to be stochastic (ThreeStateLine:
 p(right) = 1/2, 2 steps, while every deterministic one fails half the episodes); (2) a policy on the history
 (o_1, a_1, ..., o_t), summarized by an RNN state h_t, is Markov again and reaches the optimum with memory
-(ThreeStateLine 1.5 steps, TMaze success 1, MaskedCartPole up to 500, Tiger: listen, then open, return 5.01);
+(ThreeStateLine 1.5 steps, TMaze success 1, MaskedCartPole 500, Tiger: listen, then open, return 5.01);
 (3) the policy gradient never used the Markov property, so it stays valid on o_t with *Monte Carlo* returns
 (`--returns mc`: nothing is bootstrapped) and any baseline V(o_t); a critic that *bootstraps* on o_t is biased.
 ShortCorridor (Sutton & Barto Ex. 13.1, three cells that look the same, actions reversed in the middle one) shows
