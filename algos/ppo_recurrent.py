@@ -419,7 +419,7 @@ def main():
             next_obs = torch.as_tensor(envs.reset()[0], dtype=torch.float32, device=device)
             next_start.fill_(1.0)
             next_state = agent.initial_state(B)
-            ep_return[:], ep_length[:] = 0.0, 0
+            ep_return[:], ep_length[:], disc_return[:] = 0.0, 0, 0.0
         initial_state = next_state.clone()  # the update replays each sequence from here
         if args.anneal_lr:
             optimizer.param_groups[0]["lr"] = (1.0 - global_step / budget) * args.learning_rate
@@ -443,8 +443,8 @@ def main():
 
             next_obs_np, reward, terminated, truncated, infos = envs.step(action.cpu().numpy())
             done = terminated | truncated
-            scaled_reward = torch.as_tensor(reward * args.reward_scale, dtype=torch.float32, device=device)
             learn_reward = reward * args.reward_scale
+            scaled_reward = torch.as_tensor(learn_reward, dtype=torch.float32, device=device)  # the next r_{t-1} input
             if args.norm_reward:  # as VecNormalize: r / std(G), G = gamma G + r per env, restarted at episode ends
                 disc_return = disc_return * args.gamma + learn_reward
                 return_moments = merge_moments(return_moments, (B, disc_return.mean(), disc_return.var()))
