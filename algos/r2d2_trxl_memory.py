@@ -349,7 +349,7 @@ class TransformerXLQNetwork(nn.Module):
         for layer, block in enumerate(self.blocks):
             inputs.append(x)
             x = block(x, torch.cat([memory[layer], x]), allowed, offset)
-        adv = self.advantage(self.norm_out(x))
+        adv = self.advantage(self.norm_out(x))  # norm_out twice: once changes float rounding of the benchmarked runs
         return self.value(self.norm_out(x)) + adv - adv.mean(-1, keepdim=True), torch.stack(inputs)
 
 
