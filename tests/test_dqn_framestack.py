@@ -74,29 +74,56 @@ def test_sampled_terminal_transition_carries_reward_and_flag():
         rb.add(np.array([1]), np.array([reward]), np.array([term]), np.array([[value]]), np.array([bool(reset)]))
     batch = rb.sample(500, np.random.default_rng(0))  # ages 1..4: slots 4, 3 (autoreset, rejected), 2, 1
     assert set(batch["obs"][:, -1].tolist()) == {11.0, 12.0, 20.0}
-    terminal = batch["terminated"] == 1.0
+    terminal = batch["discount"] == 0.0
     assert terminal.any()
     np.testing.assert_array_equal(batch["obs"][terminal], [[11.0, 12.0]] * terminal.sum())
     np.testing.assert_array_equal(batch["next_obs"][terminal], [[12.0, 13.0]] * terminal.sum())
-    assert (batch["rewards"][terminal] == 5.0).all() and (batch["terminated"][~terminal] == 0.0).all()
+    assert (batch["rewards"][terminal] == 5.0).all() and (batch["discount"][~terminal] == 1.0).all()
     first = batch["obs"][:, -1] == 20.0
     np.testing.assert_array_equal(batch["obs"][first], [[0.0, 20.0]] * first.sum())  # zero-padded, not 13
 
 
+def test_n_step_sample_cuts_at_termination_final_observation_and_newest_slot():
+    # k = 1, episode 1: 10 -> 11 -> 12 -> 13 (rewards 1, 2, 3; the step to 13 terminates); episode 2: 20 -> 21 -> 22
+    # (rewards 4, 5), truncated at 22 (its next slot is an autoreset), then 30 -> 31 (reward 6), 31 the newest slot
+    rb = dqn.FrameStackReplay(capacity=20, num_envs=1, obs_dim=1, k=1)
+    rb.reset(np.array([[10.0]]))
+    steps = [(11, 1, 0, 0), (12, 2, 0, 0), (13, 3, 1, 0), (20, 0, 0, 1), (21, 4, 0, 0), (22, 5, 0, 0), (30, 0, 0, 1)]
+    for value, reward, term, reset in steps + [(31, 6, 0, 0)]:
+        rb.add(np.array([1]), np.array([reward]), np.array([term]), np.array([[value]]), np.array([bool(reset)]))
+    batch = rb.sample(2000, np.random.default_rng(0), n_step=3, gamma=0.5)
+    expected = {  # start obs: (n-step reward sum, discount, bootstrap obs)
+        10.0: (1 + 0.5 * 2 + 0.25 * 3, 0.0, 13.0),  # terminates within 3 steps: no bootstrap
+        11.0: (2 + 0.5 * 3, 0.0, 13.0),
+        12.0: (3.0, 0.0, 13.0),
+        20.0: (4 + 0.5 * 5, 0.25, 22.0),  # truncated: bootstraps from the final observation 22
+        21.0: (5.0, 0.5, 22.0),
+        30.0: (6.0, 0.5, 31.0),  # the newest slot has no transition yet: bootstraps there
+    }
+    assert set(batch["obs"][:, 0].tolist()) == set(expected)
+    for start, (reward, discount, boot) in expected.items():
+        rows = batch["obs"][:, 0] == start
+        np.testing.assert_allclose(batch["rewards"][rows], reward)
+        np.testing.assert_allclose(batch["discount"][rows], discount)
+        np.testing.assert_array_equal(batch["next_obs"][rows, 0], boot)
+    one = rb.sample(500, np.random.default_rng(0), n_step=1, gamma=0.5)  # the one-step target
+    np.testing.assert_array_equal(one["next_obs"][:, 0], np.where(one["obs"][:, 0] == 12.0, 13.0, one["obs"][:, 0] + 1))
+
+
 def test_td_target_termination_vs_truncation_by_hand():
     rewards = torch.tensor([1.0, 2.0, 3.0])
-    terminated = torch.tensor([0.0, 1.0, 0.0])  # the third is a time-limit truncation: it bootstraps
+    discount = 0.9 * (1.0 - torch.tensor([0.0, 1.0, 0.0]))  # the third is a time-limit truncation: it bootstraps
     next_q_target = torch.tensor([[1.0, 5.0], [2.0, 4.0], [7.0, 3.0]])
-    y = dqn.td_target(rewards, terminated, next_q_target, 0.9)
+    y = dqn.td_target(rewards, discount, next_q_target)
     torch.testing.assert_close(y, torch.tensor([1.0 + 0.9 * 5.0, 2.0, 3.0 + 0.9 * 7.0]))
 
 
 def test_double_q_target_by_hand():
     rewards = torch.tensor([1.0, 2.0, 3.0])
-    terminated = torch.tensor([0.0, 1.0, 0.0])
+    discount = 0.9 * (1.0 - torch.tensor([0.0, 1.0, 0.0]))
     next_q_target = torch.tensor([[1.0, 5.0], [2.0, 4.0], [7.0, 3.0]])
     next_q_online = torch.tensor([[9.0, 0.0], [0.0, 9.0], [0.0, 9.0]])  # online argmax: 0, 1, 1
-    y = dqn.td_target(rewards, terminated, next_q_target, 0.9, next_q_online)
+    y = dqn.td_target(rewards, discount, next_q_target, next_q_online)
     torch.testing.assert_close(y, torch.tensor([1.0 + 0.9 * 1.0, 2.0, 3.0 + 0.9 * 3.0]))
 
 
