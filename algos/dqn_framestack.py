@@ -378,7 +378,7 @@ class FrameStackReplay:
         next_slots = (slots + 1) % self.capacity  # (B,) the slot to bootstrap from
         discount = np.full(len(slots), gamma, dtype=np.float32)  # (B,) gamma^m
         going = (terminated == 0) & self.valid[next_slots, env_ids]  # (B,) may take one more step
-        for j in range(1, n_step):
+        for _ in range(n_step - 1):  # steps 1 .. n - 1
             s = next_slots
             rewards = np.where(going, rewards + discount * self.rewards[s, env_ids], rewards)
             terminated = np.where(going, self.terminated[s, env_ids], terminated)
