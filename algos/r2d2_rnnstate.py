@@ -147,6 +147,10 @@ class Args:
     """keyword arguments for gym.make as a JSON object, e.g. '{"corridor_length": 20}'"""
     num_envs: int = 8
     """the number of parallel environments (the actors; each gets its own exploration epsilon)"""
+    scale_obs: bool = False
+    """divide each flat observation dimension by its finite bound max(|low|, |high|) (as dqn_framestack.py does):
+    MaskedCartPole's x / 4.8 and theta / 0.419, whose raw per-step changes (~1e-3) are what the LSTM must read the
+    velocities from (issue 28: tuning seeds 101-1xx, see NOTES28DQN.md); a no-op on 0/1 codes (TMaze). Off by default"""
 
     # Model
     hidden_size: int = 64
@@ -534,17 +538,27 @@ def to_torch(win: dict, device) -> dict:
     return {key: torch.as_tensor(value, device=device) for key, value in win.items()}
 
 
-def make_vec_env(env_id: str, env_kwargs: dict, num_envs: int) -> gym.vector.SyncVectorEnv:
+def make_vec_env(env_id: str, env_kwargs: dict, num_envs: int, scale_obs: bool = False) -> gym.vector.SyncVectorEnv:
     """`num_envs` copies of the flattened env with gymnasium's default NEXT_STEP autoreset."""
     return gym.vector.SyncVectorEnv(
-        [lambda: make_flat_env(env_id, env_kwargs)] * num_envs, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP
+        [lambda: make_flat_env(env_id, env_kwargs, scale_obs)] * num_envs,
+        autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
     )
 
 
-def make_flat_env(env_id: str, env_kwargs: dict) -> gym.Env:
+def make_flat_env(env_id: str, env_kwargs: dict, scale_obs: bool = False) -> gym.Env:
     """The env with a flat float32 observation: gymnasium's FlattenObservation one-hot encodes Discrete and each
-    MultiDiscrete component, flattens Box, and concatenates the parts of Tuple/Dict (Dict in sorted key order)."""
-    return gym.wrappers.DtypeObservation(gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs)), np.float32)
+    MultiDiscrete component, flattens Box, and concatenates the parts of Tuple/Dict (Dict in sorted key order).
+    `scale_obs`: each dimension divided by its finite bound max(|low|, |high|) (1 where infinite or 0)."""
+    env = gym.wrappers.DtypeObservation(gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs)), np.float32)
+    if scale_obs:
+        space = env.observation_space
+        bound = np.maximum(np.abs(space.low), np.abs(space.high)).astype(np.float64)  # (D,)
+        usable = np.isfinite(bound) & (bound > 0)
+        scale = np.where(usable, 1.0 / np.where(usable, bound, 1.0), 1.0).astype(np.float32)
+        new_space = gym.spaces.Box(space.low * scale, space.high * scale, dtype=np.float32)
+        env = gym.wrappers.TransformObservation(env, lambda o: (o * scale).astype(np.float32), new_space)
+    return env
 
 
 @dataclass
@@ -585,7 +599,7 @@ def main():
 
     run = start_run(args)  # checks the env; the run dir (new, or the resumed run's), tensorboard, Ctrl-C handlers
     device, env_kwargs = run.device, json.loads(args.env_kwargs)
-    vec_env = make_vec_env(args.env_id, env_kwargs, args.num_envs)
+    vec_env = make_vec_env(args.env_id, env_kwargs, args.num_envs, args.scale_obs)
     obs_dim, num_actions = vec_env.single_observation_space.shape[0], int(vec_env.single_action_space.n)
     q_network = RecurrentQNetwork(obs_dim, num_actions, args.hidden_size).to(device)
     if args.eval_only:
@@ -635,7 +649,7 @@ def main():
         # 3. evaluation during training (--select-frequency), and the kept network (--keep-best)
         if args.select_frequency and global_step // args.select_frequency != (global_step - E) // args.select_frequency:
             sel_seed = SELECT_SEED_BASE + SELECT_SEED_STRIDE * args.seed + global_step
-            sel = evaluate(q_network, args.env_id, env_kwargs, args.select_episodes, sel_seed, device)
+            sel = evaluate(q_network, args.env_id, env_kwargs, args.select_episodes, sel_seed, device, args.scale_obs)
             sel_return = float(sel["ret"].mean())
             run.log(global_step, {"select/episodic_return": sel_return})
             print(f"SELECT global_step={global_step} return={sel_return:.1f}")
@@ -706,11 +720,15 @@ def main():
     wall_time = time.time() - state.start_time
     metrics = {"model/final_delta_q_" + key: value for key, value in final_dq.items() if key != "count"}
     if args.keep_best and state.best_model is not None:  # evaluate the last network too, then switch to the kept one
-        last = evaluate(q_network, args.env_id, env_kwargs, args.eval_episodes, eval_env_seed(args.seed), device)
+        last = evaluate(
+            q_network, args.env_id, env_kwargs, args.eval_episodes, eval_env_seed(args.seed), device, args.scale_obs
+        )
         metrics |= {"eval/last_network_episodic_return": last["ret"].mean(), "select/best_global_step": state.best_step,
                     "select/best_episodic_return": state.best_return}  # fmt: skip
         q_network.load_state_dict(state.best_model)
-    result = evaluate(q_network, args.env_id, env_kwargs, args.eval_episodes, eval_env_seed(args.seed), device)
+    result = evaluate(
+        q_network, args.env_id, env_kwargs, args.eval_episodes, eval_env_seed(args.seed), device, args.scale_obs
+    )
     metrics |= {"eval/episodic_return": result["ret"].mean(), "eval/episodic_return_std": result["ret"].std(),
                 "eval/episodic_length": result["length"].mean()}  # fmt: skip
     if not np.isnan(result["success"]).all():  # the env reports info["success"] (TMaze, Tiger)
@@ -729,9 +747,9 @@ def main():
 
 
 @torch.no_grad()
-def evaluate(net, env_id: str, env_kwargs: dict, episodes: int, seed: int, device) -> dict:
+def evaluate(net, env_id: str, env_kwargs: dict, episodes: int, seed: int, device, scale_obs: bool = False) -> dict:
     """Greedy episodes, one after the other in a single env: returns, lengths, success (NaN where undefined)."""
-    env = make_flat_env(env_id, env_kwargs)
+    env = make_flat_env(env_id, env_kwargs, scale_obs)
     returns, lengths, successes = [], [], []
     for ep in range(episodes):
         obs, _ = env.reset(seed=seed + ep)
@@ -757,7 +775,7 @@ def evaluate(net, env_id: str, env_kwargs: dict, episodes: int, seed: int, devic
 
 # === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
 FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
-ARCH_FIELDS = ("env_id", "env_kwargs", "hidden_size")  # read from a checkpoint's args.json for --eval-only
+ARCH_FIELDS = ("env_id", "env_kwargs", "hidden_size", "scale_obs")  # read from a checkpoint's args.json for --eval-only
 SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
 RESUME_FREE_FIELDS = ("resume", "save_every", "threads", "runs_dir")  # may change on --resume; the rest is the run's
 

@@ -284,6 +284,26 @@ def test_main_loop_delta_q_without_learning(runs_dir, state_init):
         assert metrics["model/delta_q_first"] > 1e-3
 
 
+def test_scale_obs_divides_masked_cartpole_by_its_bounds_and_is_off_by_default():
+    """`--scale-obs` (issue 28): x / 4.8 and theta / 0.419 on MaskedCartPole, the same episode otherwise; off by
+    default (the raw observation, TMaze's and the other benchmark lines unchanged)."""
+    assert r2d2.Args().scale_obs is False
+    raw = r2d2.make_flat_env("seqrl/MaskedCartPole-v0", {})
+    scaled = r2d2.make_flat_env("seqrl/MaskedCartPole-v0", {}, True)
+    bound = np.maximum(np.abs(raw.observation_space.low), np.abs(raw.observation_space.high))
+    np.testing.assert_allclose(bound, [4.8, 0.41887903], rtol=1e-6)
+    np.testing.assert_allclose(scaled.observation_space.high, raw.observation_space.high / bound, rtol=1e-6)
+    obs_raw, _ = raw.reset(seed=3)
+    obs_scaled, _ = scaled.reset(seed=3)
+    for _ in range(5):
+        assert obs_scaled.dtype == np.float32
+        np.testing.assert_allclose(obs_scaled, obs_raw / bound, rtol=1e-6)
+        obs_raw, *_ = raw.step(1)
+        obs_scaled, *_ = scaled.step(1)
+    tmaze = [r2d2.make_flat_env("seqrl/TMaze-v0", {"corridor_length": 3}, scale) for scale in (False, True)]
+    np.testing.assert_array_equal(tmaze[0].reset(seed=0)[0], tmaze[1].reset(seed=0)[0])  # 0/1 codes: unchanged
+
+
 @pytest.mark.parametrize("env_id", spaces_env.MODULE_IDS)
 def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
     env = r2d2.make_flat_env(env_id, {})
