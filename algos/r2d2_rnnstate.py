@@ -161,6 +161,10 @@ class Args:
     """total environment steps of training (summed over envs)"""
     learning_rate: float = 1e-3
     """the Adam learning rate"""
+    anneal_lr: bool = False
+    """linearly anneal the learning rate from `learning_rate` to 0 over training (lr = learning_rate * (1 - global_step
+    / total_timesteps) at each update), as dqn_framestack.py does. Off by default (the TMaze lines). Issue 28,
+    MaskedCartPole: a higher rate (2e-3) learns faster but swings between ~200 and 500 late; see NOTES28DQN.md"""
     adam_eps: float = 1e-3
     """Adam epsilon (R2D2 uses 1e-3)"""
     buffer_size: int = 100_000
@@ -693,6 +697,8 @@ def main():
                     run.log(global_step, {"model/delta_q_first": dq["first"], "model/delta_q_last": dq["last"]})
 
             # 6. gradient step, new priorities, target network copy
+            if args.anneal_lr:
+                optimizer.param_groups[0]["lr"] = args.learning_rate * (1.0 - global_step / args.total_timesteps)
             optimizer.zero_grad()
             loss.backward()
             nn.utils.clip_grad_norm_(q_network.parameters(), args.max_grad_norm)
@@ -707,7 +713,7 @@ def main():
             if state.num_updates_done % 100 == 0:
                 sps = int(global_step / (time.time() - state.start_time))
                 run.log(global_step, {"losses/td_loss": loss.item(), "losses/q_values": q_taken.mean().item(),
-                                      "charts/SPS": sps, "charts/learning_rate": args.learning_rate})  # fmt: skip
+                                      "charts/SPS": sps, "charts/learning_rate": optimizer.param_groups[0]["lr"]})  # fmt: skip
                 recent = np.mean(state.ep_returns[-50:]) if state.ep_returns else float("nan")
                 print(f"global_step={global_step} updates={state.num_updates_done} return(last 50)={recent:.2f} "
                       f"loss={loss.item():.4f} dq={state.delta_q_log[-1:]} SPS={sps}")  # fmt: skip

@@ -270,6 +270,24 @@ def test_smoke_run_and_eval_only_round_trip(runs_dir):
     assert again["metrics"]["eval/episodic_return"] == pytest.approx(metrics["eval/episodic_return"])
 
 
+@pytest.mark.parametrize("anneal", [False, True])
+def test_anneal_lr_decays_the_learning_rate_linearly_to_zero(runs_dir, anneal):
+    """`--anneal-lr` (issue 28): the rate of each update is learning_rate * (1 - global_step / total_timesteps), as
+    logged in charts/learning_rate; off (the default), the constant rate."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert r2d2.Args().anneal_lr is False
+    flags = ["--anneal-lr"] if anneal else []
+    summary = run_script("r2d2_rnnstate", *TINY, "--train-frequency", "1", "--learning-rate", "1e-3", *flags,
+                         runs_dir=runs_dir)  # fmt: skip
+    acc = EventAccumulator(summary["run_dir"])
+    acc.Reload()
+    logged = [(event.step, event.value) for event in acc.Scalars("charts/learning_rate")]
+    assert len(logged) >= 3
+    for step, lr in logged:
+        assert lr == pytest.approx(1e-3 * (1 - step / 2400) if anneal else 1e-3, rel=1e-5)
+
+
 @pytest.mark.parametrize("state_init", ["stored", "zero"])
 def test_main_loop_delta_q_without_learning(runs_dir, state_init):
     """With a learning rate of 0 the network never changes, so stored states are exact: Delta-Q is 0 with the stored
