@@ -713,7 +713,8 @@ def main():
             if state.num_updates_done % 100 == 0:
                 sps = int(global_step / (time.time() - state.start_time))
                 run.log(global_step, {"losses/td_loss": loss.item(), "losses/q_values": q_taken.mean().item(),
-                                      "charts/SPS": sps, "charts/learning_rate": optimizer.param_groups[0]["lr"]})  # fmt: skip
+                                      "charts/SPS": sps,
+                                      "charts/learning_rate": optimizer.param_groups[0]["lr"]})  # fmt: skip
                 recent = np.mean(state.ep_returns[-50:]) if state.ep_returns else float("nan")
                 print(f"global_step={global_step} updates={state.num_updates_done} return(last 50)={recent:.2f} "
                       f"loss={loss.item():.4f} dq={state.delta_q_log[-1:]} SPS={sps}")  # fmt: skip
