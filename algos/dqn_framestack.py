@@ -69,7 +69,8 @@ References:
     annealed to 0, MSE instead of Huber (Huber: 104), gamma 0.995 and minibatches of 128, and 10-step targets. The
     networks that fail MaskedCartPole keep the pole up and let the cart drift off the track 150-440 steps ahead; a
     one-step target carries that cost back one step per target copy, a 10-step target ten. The last network
-    reached 475 on 2 of 5 tuning seeds with one-step targets, on 9 of 10 with 10-step targets (README, issue 28).
+    reached 475 on 2 of 5 tuning seeds with one-step targets, on 9 of 10 with 10-step targets, and on report seeds
+    1-5 on 4 of 5 (seed 1: 401, a drift plateau from 24k steps on; README, issue 28).
 [6] M. Hessel et al., "Rainbow: Combining Improvements in Deep Reinforcement Learning", AAAI 2018 (n-step
     targets, after R. Sutton, "Learning to predict by the methods of temporal differences", 1988).
 Reproduce: python algos/dqn_framestack.py --seed 1   (MaskedCartPole, k = 4, the defaults)
