@@ -629,8 +629,8 @@ def parse_args() -> Args:
         for field in ARCH_FIELDS:
             setattr(args, field, saved_args.get(field, getattr(args, field)))
     env_kwargs = parse_env_kwargs(args.env_kwargs)
-    if args.frame_stack < 1:
-        raise SystemExit(f"error: --frame-stack must be >= 1, got {args.frame_stack}")
+    if args.frame_stack < 1 or args.n_step < 1:
+        raise SystemExit(f"error: --frame-stack and --n-step must be >= 1, got {args.frame_stack} and {args.n_step}")
     if args.num_envs < 1 or not 1 <= args.eval_episodes <= EVAL_SEED_STRIDE:
         raise SystemExit(f"error: need --num-envs >= 1 and 1 <= --eval-episodes <= {EVAL_SEED_STRIDE}")
     if not 0.0 <= args.eval_epsilon <= 1.0:

@@ -343,6 +343,7 @@ def test_smoke_three_state_line_reports_failure_rate(runs_dir):
         (["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 0}'], "corridor_length"),
         (["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"no_such_kwarg": 1}'], "bad --env-kwargs"),
         (["--frame-stack", "0"], "--frame-stack"),
+        (["--n-step", "0"], "--n-step must be >= 1"),
         (["--keep-best"], "--keep-best needs --select-frequency"),
         (["--eval-only"], "needs --checkpoint"),
         (["--eval-only", "--checkpoint", "/nonexistent/run"], "does not exist"),
