@@ -92,6 +92,7 @@ import sys
 import time
 import zipfile
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -607,6 +608,7 @@ def main():
     run = start_run(args)  # checks the env; the run dir (new, or the resumed run's), tensorboard, Ctrl-C handlers
     device, env_kwargs = run.device, json.loads(args.env_kwargs)
     vec_env = make_vec_env(args.env_id, env_kwargs, args.num_envs, args.scale_obs)
+    eval_env = partial(make_flat_env, args.env_id, env_kwargs, args.scale_obs)  # a fresh env for each evaluation
     obs_dim, num_actions = vec_env.single_observation_space.shape[0], int(vec_env.single_action_space.n)
     q_network = RecurrentQNetwork(obs_dim, num_actions, args.hidden_size).to(device)
     if args.eval_only:
@@ -656,7 +658,7 @@ def main():
         # 3. evaluation during training (--select-frequency), and the kept network (--keep-best)
         if args.select_frequency and global_step // args.select_frequency != (global_step - E) // args.select_frequency:
             sel_seed = SELECT_SEED_BASE + SELECT_SEED_STRIDE * args.seed + global_step
-            sel = evaluate(q_network, args.env_id, env_kwargs, args.select_episodes, sel_seed, device, args.scale_obs)
+            sel = evaluate(q_network, eval_env, args.select_episodes, sel_seed, device)
             sel_return = float(sel["ret"].mean())
             run.log(global_step, {"select/episodic_return": sel_return})
             print(f"SELECT global_step={global_step} return={sel_return:.1f}")
@@ -730,15 +732,11 @@ def main():
     wall_time = time.time() - state.start_time
     metrics = {"model/final_delta_q_" + key: value for key, value in final_dq.items() if key != "count"}
     if args.keep_best and state.best_model is not None:  # evaluate the last network too, then switch to the kept one
-        last = evaluate(
-            q_network, args.env_id, env_kwargs, args.eval_episodes, eval_env_seed(args.seed), device, args.scale_obs
-        )
+        last = evaluate(q_network, eval_env, args.eval_episodes, eval_env_seed(args.seed), device)
         metrics |= {"eval/last_network_episodic_return": last["ret"].mean(), "select/best_global_step": state.best_step,
                     "select/best_episodic_return": state.best_return}  # fmt: skip
         q_network.load_state_dict(state.best_model)
-    result = evaluate(
-        q_network, args.env_id, env_kwargs, args.eval_episodes, eval_env_seed(args.seed), device, args.scale_obs
-    )
+    result = evaluate(q_network, eval_env, args.eval_episodes, eval_env_seed(args.seed), device)
     metrics |= {"eval/episodic_return": result["ret"].mean(), "eval/episodic_return_std": result["ret"].std(),
                 "eval/episodic_length": result["length"].mean()}  # fmt: skip
     if not np.isnan(result["success"]).all():  # the env reports info["success"] (TMaze, Tiger)
@@ -757,9 +755,10 @@ def main():
 
 
 @torch.no_grad()
-def evaluate(net, env_id: str, env_kwargs: dict, episodes: int, seed: int, device, scale_obs: bool = False) -> dict:
-    """Greedy episodes, one after the other in a single env: returns, lengths, success (NaN where undefined)."""
-    env = make_flat_env(env_id, env_kwargs, scale_obs)
+def evaluate(net, make_env, episodes: int, seed: int, device) -> dict:
+    """Greedy episodes, one after the other in one env from `make_env()`: returns, lengths, success (NaN where
+    undefined)."""
+    env = make_env()
     returns, lengths, successes = [], [], []
     for ep in range(episodes):
         obs, _ = env.reset(seed=seed + ep)
