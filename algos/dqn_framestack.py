@@ -52,6 +52,10 @@ Implementation details:
    steps (env seeds 1e9 + 1e7 seed + global_step + i, disjoint from the final evaluation), the best network is kept
    (the later one on ties, as SB3's EvalCallback) and saved; the final evaluation runs both the kept and the last
    network on the same fresh episodes (`eval/episodic_return` and `eval/last_network_episodic_return`).
+11. The Q-network also reads `--difference-scale` (50) times the differences of consecutive frames, zero where the
+   older frame is padding: a linear function of the stack, no extra memory (k = 1 has none). On MaskedCartPole they
+   are velocities (50 = 1 / the 0.02 s step). Raw, a cart drifting at 0.3 m/s moves the scaled x by 0.001 a step;
+   failing seeds kept the pole up and let the cart drift off the track (README, issue 28). 0 for symbolic inputs.
 
 What was scaled down from the paper [1] and why: an MLP on the concatenated vector frames instead of a CNN on
 84x84 pixels; a 100k replay instead of 1M; a few hundred thousand steps instead of 50M frames; no reward clipping.
@@ -194,6 +198,8 @@ class Args:
     gradient of the rare, large terminal errors that MaskedCartPole learns from (104 vs 315 return, seed 1)"""
     hidden_size: int = 256
     """width of the two hidden layers of the Q-network MLP"""
+    difference_scale: float = 50.0
+    """scale of the consecutive-frame differences the network also reads (0 = the raw stack), see detail 11"""
 
     # filled in at runtime
     obs_dim: int = 0
@@ -416,20 +422,32 @@ def td_loss(q_taken: torch.Tensor, y: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 class QNetwork(nn.Module):
-    """MLP from the flattened k-frame stack (B, k * D) to Q-values (B, A)."""
+    """MLP from the flattened k-frame stack (B, k * D), and the scaled differences of its consecutive frames
+    (detail 11), to Q-values (B, A)."""
 
-    def __init__(self, input_dim: int, num_actions: int, hidden_size: int):
+    def __init__(self, frame_dim: int, frame_stack: int, num_actions: int, hidden_size: int, difference_scale: float):
         super().__init__()
+        self.k, self.difference_scale = frame_stack, difference_scale
+        num_differences = frame_stack - 1 if difference_scale != 0 else 0
         self.network = nn.Sequential(
-            nn.Linear(input_dim, hidden_size),
+            nn.Linear((frame_stack + num_differences) * frame_dim, hidden_size),
             nn.ReLU(),
             nn.Linear(hidden_size, hidden_size),
             nn.ReLU(),
             nn.Linear(hidden_size, num_actions),
         )
 
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, k * D) stack -> (B, (2k - 1) * D): the stack, then the scaled differences of consecutive frames."""
+        if self.k == 1 or self.difference_scale == 0:
+            return x
+        frames = x.view(x.shape[0], self.k, -1)  # (B, k, D), oldest first
+        real = (frames[:, :-1] != 0).any(-1, keepdim=True)  # (B, k - 1, 1): the older frame is not padding
+        differences = (frames[:, 1:] - frames[:, :-1]) * real * self.difference_scale  # (B, k - 1, D)
+        return torch.cat([x, differences.flatten(1)], dim=1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.network(x)
+        return self.network(self.inputs(x))
 
 
 def main():
@@ -451,12 +469,13 @@ def main():
     args.obs_dim = int(np.prod(envs.single_observation_space.shape))
     num_actions = int(envs.single_action_space.n)
     frame_dim = args.obs_dim + (num_actions if args.stack_actions else 0)  # one frame: o (and onehot(a_prev))
-    q_network = QNetwork(args.frame_stack * frame_dim, num_actions, args.hidden_size)
+    q_network = QNetwork(frame_dim, args.frame_stack, num_actions, args.hidden_size, args.difference_scale)
     run = start_run(args, q_network)  # device, run dir, tensorboard; `--eval-only`: the checkpoint's weights
     device = run.device
     q_network.to(device)
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
-    target_network = QNetwork(args.frame_stack * frame_dim, num_actions, args.hidden_size).to(device)
+    target_network = QNetwork(frame_dim, args.frame_stack, num_actions, args.hidden_size, args.difference_scale)
+    target_network = target_network.to(device)
     target_network.load_state_dict(q_network.state_dict())
     rb = FrameStackReplay(
         args.buffer_size // args.num_envs, args.num_envs, args.obs_dim, args.frame_stack,
@@ -617,7 +636,7 @@ def evaluate(q_network, args: Args, env_kwargs: dict, device, episodes: int = 0,
 
 # === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
 # Args that `--eval-only` takes from the checkpoint's args.json: they fix the env, the network and its inputs
-ARCH_FIELDS = ("env_id", "env_kwargs", "frame_stack", "stack_actions", "scale_obs", "hidden_size")
+ARCH_FIELDS = ("env_id", "env_kwargs", "frame_stack", "stack_actions", "scale_obs", "hidden_size", "difference_scale")
 
 
 def parse_args() -> Args:
@@ -626,6 +645,8 @@ def parse_args() -> Args:
     args = tyro.cli(Args)
     if args.eval_only:  # rebuild the env and the network the checkpoint was trained with
         _, saved_args = load_checkpoint(args.checkpoint)
+        if saved_args:  # runs saved before --difference-scale existed read the raw stack
+            saved_args.setdefault("difference_scale", 0.0)
         for field in ARCH_FIELDS:
             setattr(args, field, saved_args.get(field, getattr(args, field)))
     env_kwargs = parse_env_kwargs(args.env_kwargs)
@@ -735,8 +756,8 @@ def start_run(args: Args, q_network: nn.Module) -> Run:
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0]
             raise SystemExit(
-                f"error: checkpoint does not fit this architecture (same --env-id/--frame-stack/--hidden-size?): "
-                f"{first}"
+                "error: checkpoint does not fit this architecture "
+                f"(same --env-id/--frame-stack/--hidden-size/--difference-scale?): {first}"
             ) from None
     run_dir = new_run_dir(args.runs_dir, args.env_id, args.exp_name, args.seed)
     writer = open_writer(run_dir, args)

@@ -246,7 +246,7 @@ def test_linear_schedule():
 # CleanRL-like settings for the small discrete POMDPs (the script defaults are tuned for MaskedCartPole)
 TMAZE_CLEANRL_LIKE = ["--learning-rate", "5e-4", "--train-frequency", "1", "--gradient-steps", "1", "--batch-size",
                       "128", "--exploration-fraction", "0.5", "--end-e", "0.05", "--hidden-size", "128",
-                      "--gamma", "0.99", "--target-network-frequency", "256"]  # fmt: skip
+                      "--gamma", "0.99", "--target-network-frequency", "256", "--difference-scale", "0"]  # fmt: skip
 TINY = ["--total-timesteps", "400", "--learning-starts", "128", "--batch-size", "32", "--num-envs", "2"]
 
 
@@ -266,13 +266,43 @@ def test_smoke_tmaze_and_eval_only_roundtrip(runs_dir):
 
 def test_eval_only_restores_the_architecture_from_args_json(runs_dir):
     """A --no-scale-obs, 2-frame, 32-unit model is evaluated as trained, without repeating those flags."""
-    arch = ["--no-scale-obs", "--frame-stack", "2", "--hidden-size", "32", "--eval-episodes", "4"]
+    arch = ["--no-scale-obs", "--frame-stack", "2", "--hidden-size", "32", "--difference-scale", "10",
+            "--eval-episodes", "4"]  # fmt: skip
     summary = run_script("dqn_framestack", *arch, *TINY, runs_dir=runs_dir, timeout=120)
     again = run_script("dqn_framestack", "--eval-only", "--checkpoint", summary["run_dir"], "--eval-episodes", "4",
                        runs_dir=runs_dir, timeout=120)  # fmt: skip
     restored = again["args"]
     assert (restored["scale_obs"], restored["frame_stack"], restored["hidden_size"]) == (False, 2, 32)
+    assert restored["difference_scale"] == 10.0
     assert again["metrics"] == summary["metrics"]  # same inputs (unscaled), same weights, same eval seeds
+
+
+def test_eval_only_of_a_run_saved_before_difference_scale_reads_the_raw_stack(runs_dir):
+    """args.json without `difference_scale` (runs saved before the field existed): the raw stack, not the default."""
+    summary = run_script("dqn_framestack", "--difference-scale", "0", "--eval-episodes", "4", *TINY,
+                         runs_dir=runs_dir, timeout=120)  # fmt: skip
+    args_file = Path(summary["run_dir"]) / "args.json"
+    saved = json.loads(args_file.read_text())
+    del saved["difference_scale"]
+    args_file.write_text(json.dumps(saved))
+    again = run_script("dqn_framestack", "--eval-only", "--checkpoint", summary["run_dir"], "--eval-episodes", "4",
+                       runs_dir=runs_dir, timeout=120)  # fmt: skip
+    assert again["args"]["difference_scale"] == 0.0
+    assert again["metrics"] == summary["metrics"]
+
+
+def test_network_inputs_are_the_stack_and_its_scaled_differences_without_padding_pairs():
+    """k = 3, D = 2: an episode's second step (one padding frame), then a full stack; differences times 50."""
+    net = dqn.QNetwork(2, 3, 2, 8, 50.0)
+    second_step = torch.tensor([[0.0, 0.0, 0.1, 0.2, 0.3, 0.1]])  # padding, o_0, o_1
+    full = torch.tensor([[0.1, 0.2, 0.3, 0.1, 0.3, 0.4]])
+    expected_second = [0.0, 0.0, 0.1, 0.2, 0.3, 0.1, 0.0, 0.0, 10.0, -5.0]  # the (padding, o_0) pair is zeroed
+    expected_full = [0.1, 0.2, 0.3, 0.1, 0.3, 0.4, 10.0, -5.0, 0.0, 15.0]
+    inputs = net.inputs(torch.cat([second_step, full]))
+    assert torch.allclose(inputs, torch.tensor([expected_second, expected_full]), atol=1e-5)
+    assert net.network[0].in_features == 10
+    raw = dqn.QNetwork(2, 3, 2, 8, 0.0)  # 0: the raw stack (the DQN paper); k = 1 has no pairs at all
+    assert torch.equal(raw.inputs(full), full) and dqn.QNetwork(2, 1, 2, 8, 50.0).network[0].in_features == 2
 
 
 def test_keep_best_saves_and_reports_the_kept_network(runs_dir):
