@@ -70,11 +70,12 @@ References:
 [5] rl-baselines3-zoo `hyperparams/dqn.yml` (CartPole-v1 entry), A. Raffin et al.: the defaults here (among them
     a target copy after every training phase), except (all measured on MaskedCartPole, k = 4, 100k steps) double Q
     with scaled inputs (seed 1: 315, zoo's settings 292), a learning rate of 5e-4 instead of 2.3e-3 (seed 1: 500)
-    annealed to 0, MSE instead of Huber (Huber: 104), gamma 0.995 and minibatches of 128, and 10-step targets. The
-    networks that fail MaskedCartPole keep the pole up and let the cart drift off the track 150-440 steps ahead; a
-    one-step target carries that cost back one step per target copy, a 10-step target ten. The last network
-    reached 475 on 2 of 5 tuning seeds with one-step targets, on 9 of 10 with 10-step targets, and on report seeds
-    1-5 on 4 of 5 (seed 1: 401, a drift plateau from 24k steps on; README, issue 28).
+    annealed to 0, MSE instead of Huber (Huber: 104), gamma 0.995 and minibatches of 128, 10-step targets and the
+    frame differences (detail 11). The networks that fail MaskedCartPole keep the pole up and let the cart drift off
+    the track 150-440 steps ahead; a one-step target carries that cost back one step per target copy, a 10-step
+    target ten. The last network reached 475 on 2 of 5 tuning seeds with one-step targets, on 9 of 10 with 10-step
+    targets (report seeds 1-5: 4 of 5), and with the differences on 15 of 15 tuning and 5 of 5 report seeds, all
+    at 500 (README, issue 28).
 [6] M. Hessel et al., "Rainbow: Combining Improvements in Deep Reinforcement Learning", AAAI 2018 (n-step
     targets, after R. Sutton, "Learning to predict by the methods of temporal differences", 1988).
 Reproduce: python algos/dqn_framestack.py --seed 1   (MaskedCartPole, k = 4, the defaults)

@@ -156,9 +156,6 @@ class Args:
     """divide each flat observation dimension by its finite bound max(|low|, |high|), as dqn_framestack.py does
     (MaskedCartPole: x / 4.8, theta / 0.419; their per-step changes, ~1e-3 raw, carry the velocities; on tuning seed
     101 it learned about twice as fast); a no-op on the 0/1 codes of TMaze"""
-    obs_gain: float = 1.0
-    """multiply the (scaled) observation by this: the velocities the LSTM infers are differences of consecutive
-    inputs, 0.001 a step for a drifting cart at gain 1 (MaskedCartPole's recipe uses 10, README issue 28)"""
 
     # Model
     hidden_size: int = 64
@@ -549,25 +546,24 @@ def to_torch(win: dict, device) -> dict:
     return {key: torch.as_tensor(value, device=device) for key, value in win.items()}
 
 
-def make_vec_env(env_id: str, env_kwargs: dict, num_envs: int, scale_obs=False, gain=1.0) -> gym.vector.SyncVectorEnv:
+def make_vec_env(env_id: str, env_kwargs: dict, num_envs: int, scale_obs: bool = False) -> gym.vector.SyncVectorEnv:
     """`num_envs` copies of the flattened env with gymnasium's default NEXT_STEP autoreset."""
     return gym.vector.SyncVectorEnv(
-        [lambda: make_flat_env(env_id, env_kwargs, scale_obs, gain)] * num_envs,
+        [lambda: make_flat_env(env_id, env_kwargs, scale_obs)] * num_envs,
         autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
     )
 
 
-def make_flat_env(env_id: str, env_kwargs: dict, scale_obs: bool = False, gain: float = 1.0) -> gym.Env:
+def make_flat_env(env_id: str, env_kwargs: dict, scale_obs: bool = False) -> gym.Env:
     """The env with a flat float32 observation: gymnasium's FlattenObservation one-hot encodes Discrete and each
     MultiDiscrete component, flattens Box, and concatenates the parts of Tuple/Dict (Dict in sorted key order).
-    `scale_obs`: each dimension divided by its finite bound max(|low|, |high|) (1 where infinite or 0); then
-    multiplied by `gain`."""
+    `scale_obs`: each dimension divided by its finite bound max(|low|, |high|) (1 where infinite or 0)."""
     env = gym.wrappers.DtypeObservation(gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs)), np.float32)
-    if scale_obs or gain != 1.0:
+    if scale_obs:
         space = env.observation_space
         bound = np.maximum(np.abs(space.low), np.abs(space.high)).astype(np.float64)  # (D,)
-        usable = np.isfinite(bound) & (bound > 0) & scale_obs
-        scale = np.where(usable, 1.0 / np.where(usable, bound, 1.0), 1.0).astype(np.float32) * np.float32(gain)
+        usable = np.isfinite(bound) & (bound > 0)
+        scale = np.where(usable, 1.0 / np.where(usable, bound, 1.0), 1.0).astype(np.float32)
         new_space = gym.spaces.Box(space.low * scale, space.high * scale, dtype=np.float32)
         env = gym.wrappers.TransformObservation(env, lambda o: (o * scale).astype(np.float32), new_space)
     return env
@@ -611,8 +607,8 @@ def main():
 
     run = start_run(args)  # checks the env; the run dir (new, or the resumed run's), tensorboard, Ctrl-C handlers
     device, env_kwargs = run.device, json.loads(args.env_kwargs)
-    vec_env = make_vec_env(args.env_id, env_kwargs, args.num_envs, args.scale_obs, args.obs_gain)
-    eval_env = partial(make_flat_env, args.env_id, env_kwargs, args.scale_obs, args.obs_gain)  # fresh per evaluation
+    vec_env = make_vec_env(args.env_id, env_kwargs, args.num_envs, args.scale_obs)
+    eval_env = partial(make_flat_env, args.env_id, env_kwargs, args.scale_obs)  # a fresh env for each evaluation
     obs_dim, num_actions = vec_env.single_observation_space.shape[0], int(vec_env.single_action_space.n)
     q_network = RecurrentQNetwork(obs_dim, num_actions, args.hidden_size).to(device)
     if args.eval_only:
@@ -788,7 +784,7 @@ def evaluate(net, make_env, episodes: int, seed: int, device) -> dict:
 
 # === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
 FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
-ARCH_FIELDS = ("env_id", "env_kwargs", "hidden_size", "scale_obs", "obs_gain")  # from a checkpoint's args.json
+ARCH_FIELDS = ("env_id", "env_kwargs", "hidden_size", "scale_obs")  # read from a checkpoint's args.json for --eval-only
 SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
 RESUME_FREE_FIELDS = ("resume", "save_every", "threads", "runs_dir")  # may change on --resume; the rest is the run's
 
@@ -818,8 +814,8 @@ def parse_args() -> Args:
         raise SystemExit(f"error: need 0 <= --seq-overlap < --seq-len, got {args.seq_overlap} and {args.seq_len}")
     if args.keep_best and args.select_frequency < 1:
         raise SystemExit("error: --keep-best needs --select-frequency > 0")
-    if args.burn_in < 0 or args.n_step < 1 or args.num_envs < 1 or args.batch_size < 1 or not args.obs_gain > 0:
-        raise SystemExit("error: need --burn-in >= 0, --n-step, --num-envs, --batch-size >= 1 and --obs-gain > 0")
+    if args.burn_in < 0 or args.n_step < 1 or args.num_envs < 1 or args.batch_size < 1:
+        raise SystemExit("error: need --burn-in >= 0, --n-step >= 1, --num-envs >= 1, --batch-size >= 1")
     if not 1 <= args.eval_episodes <= EVAL_SEED_STRIDE or args.total_timesteps >= SELECT_SEED_STRIDE // 2:
         raise SystemExit(f"error: need 1 <= --eval-episodes <= {EVAL_SEED_STRIDE} and --total-timesteps < "
                          f"{SELECT_SEED_STRIDE // 2} (disjoint evaluation seeds)")  # fmt: skip

@@ -322,17 +322,6 @@ def test_scale_obs_divides_masked_cartpole_by_its_bounds_and_is_off_by_default()
     np.testing.assert_array_equal(tmaze[0].reset(seed=0)[0], tmaze[1].reset(seed=0)[0])  # 0/1 codes: unchanged
 
 
-def test_obs_gain_multiplies_the_scaled_or_raw_observation_and_is_1_by_default():
-    """`--obs-gain` (issue 28): MaskedCartPole's recipe reads 10 x (x / 4.8, theta / 0.419); the space follows."""
-    assert r2d2.Args().obs_gain == 1.0
-    scaled = r2d2.make_flat_env("seqrl/MaskedCartPole-v0", {}, True)
-    gained = r2d2.make_flat_env("seqrl/MaskedCartPole-v0", {}, True, 10.0)
-    raw, raw_gained = (r2d2.make_flat_env("seqrl/MaskedCartPole-v0", {}, False, gain) for gain in (1.0, 10.0))
-    np.testing.assert_allclose(gained.observation_space.high, 10 * scaled.observation_space.high, rtol=1e-6)
-    np.testing.assert_allclose(gained.reset(seed=3)[0], 10 * scaled.reset(seed=3)[0], rtol=1e-6)
-    np.testing.assert_allclose(raw_gained.reset(seed=3)[0], 10 * raw.reset(seed=3)[0], rtol=1e-6)
-
-
 @pytest.mark.parametrize("env_id", spaces_env.MODULE_IDS)
 def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
     env = r2d2.make_flat_env(env_id, {})
