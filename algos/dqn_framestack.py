@@ -53,9 +53,10 @@ Implementation details:
    (the later one on ties, as SB3's EvalCallback) and saved; the final evaluation runs both the kept and the last
    network on the same fresh episodes (`eval/episodic_return` and `eval/last_network_episodic_return`).
 11. The Q-network also reads `--difference-scale` (50) times the differences of consecutive frames, zero where the
-   older frame is padding: a linear function of the stack, no extra memory (k = 1 has none). On MaskedCartPole they
-   are velocities (50 = 1 / the 0.02 s step). Raw, a cart drifting at 0.3 m/s moves the scaled x by 0.001 a step;
-   failing seeds kept the pole up and let the cart drift off the track (README, issue 28). 0 for symbolic inputs.
+   older frame is padding (all zeros): a linear function of the stack, no extra memory (k = 1 has none). On
+   MaskedCartPole they are velocities (50 = 1 / the 0.02 s step). Raw, a cart drifting at 0.3 m/s moves the scaled
+   x by 0.001 a step; failing seeds kept the pole up and let the cart drift off the track (README, issue 28). Use 0
+   for symbolic inputs.
 
 What was scaled down from the paper [1] and why: an MLP on the concatenated vector frames instead of a CNN on
 84x84 pixels; a 100k replay instead of 1M; a few hundred thousand steps instead of 50M frames; no reward clipping.
