@@ -654,6 +654,8 @@ def parse_args() -> Args:
     env_kwargs = parse_env_kwargs(args.env_kwargs)
     if args.frame_stack < 1 or args.n_step < 1:
         raise SystemExit(f"error: --frame-stack and --n-step must be >= 1, got {args.frame_stack} and {args.n_step}")
+    if not 0 <= args.difference_scale < float("inf"):  # also rejects nan
+        raise SystemExit(f"error: --difference-scale must be a finite number >= 0, got {args.difference_scale}")
     if args.num_envs < 1 or not 1 <= args.eval_episodes <= EVAL_SEED_STRIDE:
         raise SystemExit(f"error: need --num-envs >= 1 and 1 <= --eval-episodes <= {EVAL_SEED_STRIDE}")
     if not 0.0 <= args.eval_epsilon <= 1.0:

@@ -374,6 +374,8 @@ def test_smoke_three_state_line_reports_failure_rate(runs_dir):
         (["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"no_such_kwarg": 1}'], "bad --env-kwargs"),
         (["--frame-stack", "0"], "--frame-stack"),
         (["--n-step", "0"], "--n-step must be >= 1"),
+        (["--difference-scale", "-1"], "--difference-scale must be"),
+        (["--difference-scale", "nan"], "--difference-scale must be"),
         (["--keep-best"], "--keep-best needs --select-frequency"),
         (["--eval-only"], "needs --checkpoint"),
         (["--eval-only", "--checkpoint", "/nonexistent/run"], "does not exist"),
