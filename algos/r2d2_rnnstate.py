@@ -73,7 +73,7 @@ MaskedCartPole: with the TMaze settings the cart drifts off the track 150-440 st
 anywhere in 185-500 (seed-sensitive). Its recipe: inputs scaled to their bounds, gamma 0.995 with 10-step returns
 (they carry the drift's cost back ten steps a target copy), twice the rate (2e-3) annealed to 0, 64 sequences an
 update every 3 vector steps, and a 128-unit LSTM (the last network at >= 475 on 15 of 15 tuning seeds 101-115;
-64 units: 14 of 15, at 28 instead of 59 ms a learner update; README, issue 28).
+64 units: 14 of 15, at 24-28 instead of 58-64 ms a learner update; README, issue 28).
 Reproduce (TMaze-20: success 1.00 on tuning seeds 111-130 at 150k; the run also reports the one-network ablation,
 `model/final_delta_q_*`; training-time ablation runs: add `--state-init zero --burn-in 0` or `--burn-in 0`):
     python algos/r2d2_rnnstate.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' --buffer-size 30000
