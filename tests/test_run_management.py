@@ -123,3 +123,104 @@ def test_the_shared_lists_name_every_script_that_has_the_feature():
         text = source(name)
         assert ("--save-every" in text or "save_every" in text) == (name in CHECKPOINTING), name
         assert bool(re.search(r"\bdist\.init_process_group\b", text)) == (name in TORCHRUN), name
+
+
+# --- One vocabulary (issue 37): the API table of docs/run_management.md, and algorithm copies across scripts ---
+API_DOC = ROOT / "docs" / "run_management.md"
+RENAMED = {  # old spellings that must not come back: one name per concept
+    "RESUME_FREE_ARGS": "RESUME_FREE_FIELDS", "RESUME_FREE": "RESUME_FREE_FIELDS", "load_models": "load_model",
+    "load_reward_model": "load_pretrained", "restore_phases": "restore", "log_losses": "log",
+}  # fmt: skip
+# Names above the marker that every script may define in its own way: the shape every script shares, not a copy
+OWN_IN_EACH = {"Args", "main", "evaluate", "TrainState"}
+
+
+def api_methods() -> dict[str, list[str]]:
+    """run.<method>(params) rows of the API table: method -> parameter names."""
+    methods = {}
+    for match in re.finditer(r"^\| `run\.(\w+)\(([^)]*)\)", API_DOC.read_text(), flags=re.M):
+        methods[match.group(1)] = [p.strip().lstrip("*") for p in match.group(2).split(",") if p.strip()]
+    return methods
+
+
+def run_methods(text: str) -> dict[str, list[str]]:
+    """The public methods of a script's `class Run`: name -> parameter names (self left out)."""
+    run_class = top_level(ast.parse(text)).get("Run")
+    assert run_class is not None, "no class Run"
+    methods = {}
+    for node in run_class.body:
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+            params = node.args.posonlyargs + node.args.args
+            names = [a.arg for a in params[1:]]
+            if node.args.vararg:
+                names.append(node.args.vararg.arg)
+            methods[node.name] = names
+    return methods
+
+
+def test_the_api_table_lists_each_method_once():
+    rows = re.findall(r"^\| `run\.(\w+)\(", API_DOC.read_text(), flags=re.M)
+    assert rows and len(rows) == len(set(rows)), f"methods listed more than once: {rows}"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_run_methods_are_the_api_tables_with_its_signatures(name):
+    text, api = source(name), api_methods()
+    methods = run_methods(text)
+    unknown = sorted(set(methods) - set(api))
+    assert not unknown, f"{name}: Run has public methods the API table does not list: {unknown} (or make them _private)"
+    wrong = {m: params for m, params in methods.items() if params != api[m]}
+    assert not wrong, f"{name}: signatures differ from docs/run_management.md: {wrong} (table: {[api[m] for m in wrong]})"
+    start_run = top_level(ast.parse(text))["start_run"]
+    assert [a.arg for a in start_run.args.args] == ["args"], f"{name}: start_run takes (args) only"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_one_spelling_for_each_shared_name(name):
+    tree = ast.parse(source(name))
+    defined = set(top_level(tree)) | {n for node in ast.walk(tree) if isinstance(node, ast.ClassDef) for n in
+                                      [f.name for f in node.body if isinstance(f, ast.FunctionDef)]}  # fmt: skip
+    old = sorted(defined & set(RENAMED))
+    assert not old, f"{name} still spells {[(o, RENAMED[o]) for o in old]}"
+    if name in CHECKPOINTING:
+        for constant in ("RESUME_FREE_FIELDS", "STOP_EXIT_CODE", "SCRIPT"):
+            assert constant in top_level(tree), f"{name}: no {constant}"
+        assert "resuming" not in run_methods(source(name)), f"{name}: run.resuming is an attribute, not a method"
+
+
+def algorithm_copies(texts: dict[str, str]) -> dict[str, dict[str, str]]:
+    """name -> {script: source} for every function or class defined above the marker of two scripts or more."""
+    copies = {}
+    for script, text in texts.items():
+        marker = marker_line(text)
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.lineno < marker:
+                copies.setdefault(node.name, {})[script] = ast.get_source_segment(text, node)
+    return {name: by_script for name, by_script in copies.items() if len(by_script) > 1 and name not in OWN_IN_EACH}
+
+
+def drifted(texts: dict[str, str]) -> list[str]:
+    """The algorithm copies whose text differs between scripts (one name, one text: where two scripts need different
+    code, the names differ)."""
+    out = []
+    for name, by_script in sorted(algorithm_copies(texts).items()):
+        if len(set(by_script.values())) > 1:
+            out.append(f"{name} in {sorted(by_script)}")
+    return out
+
+
+def test_algorithm_functions_shared_by_scripts_are_the_same_text():
+    texts = {name: source(name) for name in SCRIPTS}
+    assert len(algorithm_copies(texts)) >= 10, "the check sees the shared algorithm functions"
+    assert not drifted(texts), f"one name, different texts: {drifted(texts)}"
+
+
+@pytest.mark.parametrize("shared", ["utterance_budget", "polyak_update", "value_rescale", "nstep_rescaled_targets"])
+def test_the_drift_check_fails_on_a_one_character_edit_of_one_copy(shared):
+    texts = {name: source(name) for name in SCRIPTS}
+    script = sorted(algorithm_copies(texts)[shared])[-1]
+    copy = algorithm_copies(texts)[shared][script]
+    i = re.search(r"\d", copy[copy.index("\n") :]).start() + copy.index("\n")  # the first digit of the body
+    edited = copy[:i] + str((int(copy[i]) + 1) % 10) + copy[i + 1 :]  # one character, still valid Python
+    texts[script] = texts[script].replace(copy, edited)
+    assert any(line.startswith(f"{shared} in") for line in drifted(texts)), f"{shared}: the edit went unnoticed"
