@@ -462,6 +462,17 @@ class TrainState:
     loss: float = float("nan")  # reward: the last global minibatch's loss
 
 
+def gradient_step(state: TrainState, loss: torch.Tensor, run, max_grad_norm: float) -> None:
+    """One AdamW step of state.model (and its scheduler) on this rank's share of the loss: the gradients summed over
+    ranks (`run.sync_grads`: the gradient of the global minibatch's loss, details 8), then clipped."""
+    state.optimizer.zero_grad()
+    loss.backward()
+    run.sync_grads(state.model.parameters())
+    torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_grad_norm)
+    state.optimizer.step()
+    state.scheduler.step()
+
+
 # not rlhf_ppo_kl.py's `supervised_fine_tune`: this one also predicts the prompt (the reward model's input) and is
 # sharded over ranks and checkpointed
 def fine_tune_backbone(lm, tokenizer, args, run) -> float | None:
@@ -495,12 +506,7 @@ def fine_tune_backbone(lm, tokenizer, args, run) -> float | None:
             n_targets = float(mask[mb, 1:width].sum().clamp(min=1))  # its predicted tokens: the loss is their mean
             part = run.shard(mb)  # this rank's share of it
             loss = sft_minibatch_loss(lm, ids[part, :width].to(device), mask[part, :width].to(device), n_targets)
-            optimizer.zero_grad()
-            loss.backward()
-            run.sync_grads(lm.parameters())  # summed over ranks: the gradient of the global minibatch's loss
-            torch.nn.utils.clip_grad_norm_(lm.parameters(), args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
+            gradient_step(state, loss, run, args.max_grad_norm)
             nll = run.global_sum(torch.tensor([loss.item()], dtype=torch.float64, device=device)).item()  # global
             state.next_start = start + args.sft_batch_size
             state.sft_total, state.sft_count = state.sft_total + nll * len(mb), state.sft_count + len(mb)
@@ -582,12 +588,7 @@ def main():
             loss, rewards = reward_minibatch_loss(model, ids[part, :, :width].to(device),
                                                   mask[part, :, :width].to(device), args)  # fmt: skip
             loss = loss * (len(part) / len(mb))  # weighted by its share: summed over ranks, the global mean
-            optimizer.zero_grad()
-            loss.backward()
-            run.sync_grads(model.parameters())  # summed over ranks: the gradient of the global minibatch's loss
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
+            gradient_step(state, loss, run, args.max_grad_norm)
             # the global minibatch's loss and how often it scores the top-ranked completion above the second
             stats = torch.tensor([loss.item(), (rewards[:, 0] > rewards[:, 1]).sum().item()], dtype=torch.float64)
             loss_value, n_correct = run.global_sum(stats.to(device)).tolist()
