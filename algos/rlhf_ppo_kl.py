@@ -304,11 +304,11 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x.mean() if mask is None else (x * mask).sum() / mask.sum()
 
 
-def masked_mean_var(x: torch.Tensor, mask: torch.Tensor, global_sum=lambda total: total):
-    """Mean and unbiased variance of x over the masked entries; `global_sum` (run.global_sum): the global batch's."""
-    n = global_sum(mask.sum())
-    mean = global_sum((x * mask).sum()) / n
-    return mean, global_sum(((x - mean) ** 2 * mask).sum()) / (n - 1).clamp(min=1)
+def masked_mean_var(x: torch.Tensor, mask: torch.Tensor, sum_over_ranks=lambda total: total):
+    """Mean and unbiased variance of x over the masked entries; `sum_over_ranks` (run.global_sum): the global batch."""
+    n = sum_over_ranks(mask.sum())
+    mean = sum_over_ranks((x * mask).sum()) / n
+    return mean, sum_over_ranks(((x - mean) ** 2 * mask).sum()) / (n - 1).clamp(min=1)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, mean_var=None) -> torch.Tensor:
@@ -687,7 +687,7 @@ def fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, l
 class TrainState:
     """What PPO carries from one update to the next (a checkpoint saves every field; `run.restore` loads them)."""
 
-    policy: "PolicyWithValue"  # pi_theta and its value head
+    policy: nn.Module  # pi_theta and its value head (PolicyWithValue)
     optimizer: torch.optim.Optimizer
     sample_gen: torch.Generator | None  # torchrun: this rank's sampling noise (one process: the global RNG, None)
     prompt_rng: np.random.Generator  # draws the prompts of each rollout batch
@@ -766,6 +766,7 @@ def main():
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     local_batch_size, local_minibatch_size = args.batch_size // run.world_size, args.minibatch_size // run.world_size
     start_time = run.start_time  # a resume counts the time before its checkpoint
+    sum_over_ranks = run.global_sum  # torchrun: the batch statistics below are the global batch's (details 10)
     for update in range(updates_done + 1, num_updates + 1):
         # 1. generate: the batch's prompts (drawn alike on every rank; this rank's shard), completions from pi_theta
         prompts = run.shard([train_prompts[i] for i in state.prompt_rng.choice(len(train_prompts), args.batch_size)])
@@ -792,15 +793,15 @@ def main():
             # 4. KL penalty folded into the reward: -beta kl_t per token, the score at the last token
             rewards, kl = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask, state.beta, args.kl_estimator)
             if args.whiten_rewards:  # by the global batch's statistics (torchrun: summed over the ranks)
-                rewards = masked_whiten(rewards, maskf, False, masked_mean_var(rewards, maskf, run.global_sum))
+                rewards = masked_whiten(rewards, maskf, False, masked_mean_var(rewards, maskf, sum_over_ranks))
             # 5. advantages: sequence-level (bandit) or per-token GAE with the value head, whitened
             if args.advantage == "gae":
                 advantages, returns = gae(rewards, values, maskf, args.gamma, args.lam)
             else:
                 seq_rewards, n_seqs = rewards.sum(1), torch.tensor(float(len(rewards)), device=device)  # R: (B,)
-                baseline = run.global_sum(seq_rewards.sum()) / run.global_sum(n_seqs)  # the global batch's mean R
+                baseline = sum_over_ranks(seq_rewards.sum()) / sum_over_ranks(n_seqs)  # the global batch's mean R
                 advantages, returns = bandit_advantages(rewards, maskf, baseline), torch.zeros_like(rewards)
-            advantages = masked_whiten(advantages, maskf, mean_var=masked_mean_var(advantages, maskf, run.global_sum))
+            advantages = masked_whiten(advantages, maskf, mean_var=masked_mean_var(advantages, maskf, sum_over_ranks))
         # 6. K epochs of minibatch updates with the clipped importance ratio pi_theta / pi_bar
         policy.train()
         stats = {k: [] for k in ("approxkl", "clipfrac", "ratio", "pg_loss", "vf_loss", "vf_clipfrac")}
