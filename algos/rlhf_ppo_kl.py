@@ -1268,8 +1268,8 @@ def write_checkpoint(run_dir: Path, update: int, state: TrainState, rngs: list, 
             torch.save(value.state_dict(), tmp / f"{f.name}.pt")
         elif isinstance(value, np.random.Generator):
             plain[f.name] = value.bit_generator.state
-        elif isinstance(value, dict) and all(isinstance(v, tuple) for v in value.values()):  # models, saved once
-            if not (ckpt / f.name).exists():
+        elif isinstance(value, dict) and value and all(isinstance(v, tuple) for v in value.values()):  # models
+            if not (ckpt / f.name).exists():  # saved once
                 (run_dir / "args.json").write_text(json.dumps(extra["args"], indent=2))
                 shutil.rmtree(ckpt / f".tmp_{f.name}", ignore_errors=True)
                 save_models(ckpt / f".tmp_{f.name}", value)
