@@ -54,9 +54,9 @@ Implementation details:
      prompts is the global batch, drawn identically on every rank; each rank generates its contiguous shard with its
      own sampling noise. A rank's loss is scaled by its share of the global minibatch's completion tokens
      (`token_share`), so the SUM of the ranks' gradients (`run.sync_grads`) is the global masked mean's gradient;
-     every statistic is the global batch's (`run.global_sum`, `run.masked_mean_var`, ...). More in `Run`.
+     every statistic is the global batch's (`run.global_sum`, `masked_mean_var`, ...). More in `Run`.
  11. Checkpoints (`--save-every`, `--resume RUN_DIR`, Ctrl-C / SIGTERM): STEPS 1-3 once, then the policy, Adam,
-     `PPOState` and the RNG states; a resumed run ends bit-identical to an uninterrupted one on CPU (see `Run`).
+     `TrainState` and the RNG states; a resumed run ends bit-identical to an uninterrupted one on CPU (see `Run`).
 
 Problem 21.3(c), `--reward-offset 2`: an arbitrary per-prompt constant c(s) added to r_psi does not change what
 PPO optimizes. The objective E[r + c(s)] - beta KL has the same maximizer pi* ∝ pi_SFT exp(r / beta) (c(s) cancels in
@@ -92,6 +92,7 @@ Scale out and resume (details 10-11):
 """
 
 import copy
+import dataclasses
 import inspect
 import json
 import math
@@ -298,20 +299,22 @@ def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, beta: float, esti
     return rewards, kl
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum()
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean of x over the entries where mask is 1 (all entries if mask is None)."""
+    return x.mean() if mask is None else (x * mask).sum() / mask.sum()
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Unbiased variance of x over the masked entries."""
-    n, mean = mask.sum(), masked_mean(x, mask)
-    return ((x - mean) ** 2 * mask).sum() / (n - 1).clamp(min=1)
+def masked_mean_var(x: torch.Tensor, mask: torch.Tensor, sum_over_ranks=lambda total: total):
+    """Mean and unbiased variance of x over the masked entries; `sum_over_ranks` (run.global_sum): the global batch."""
+    n = sum_over_ranks(mask.sum())
+    mean = sum_over_ranks((x * mask).sum()) / n
+    return mean, sum_over_ranks(((x - mean) ** 2 * mask).sum()) / (n - 1).clamp(min=1)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, mean_var=None) -> torch.Tensor:
     """(x - mean) / std over the masked entries (mean kept if not shift_mean, as TRL does for rewards). mean_var: the
-    (mean, variance) to use, e.g. the global batch's under torchrun (`run.masked_mean_var`); None: x's own."""
-    mean, var = (masked_mean(x, mask), masked_var(x, mask)) if mean_var is None else mean_var
+    (mean, variance) to use, e.g. the global batch's under torchrun (`masked_mean_var`); None: x's own."""
+    mean, var = masked_mean_var(x, mask) if mean_var is None else mean_var
     whitened = (x - mean) * torch.rsqrt(var + EPS)
     if not shift_mean:
         whitened = whitened + mean
@@ -336,7 +339,7 @@ def gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, 
 
 def bandit_advantages(rewards: torch.Tensor, mask: torch.Tensor, baseline=None) -> torch.Tensor:
     """Sequence-level advantage R - mean_batch(R), R = sum_t r~_t, given to every completion token. baseline: the
-    batch mean of R to use, e.g. the global batch's under torchrun (`run.global_mean`); None: this batch's."""
+    batch mean of R to use, e.g. the global batch's under torchrun; None: this batch's."""
     returns = rewards.sum(dim=1)  # (B,)
     return (returns - (returns.mean() if baseline is None else baseline)).unsqueeze(1) * mask  # (B, T)
 
@@ -430,7 +433,7 @@ class PolicyWithValue(nn.Module):
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """cumsum(mask) - 1, clamped at 0: positions that ignore left padding (GPT-2 and Llama alike)."""
+    """cumsum(mask) - 1, clamped at 0: positions that ignore left padding."""
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
 
 
@@ -587,7 +590,7 @@ def disable_dropout(model):
 
 
 # ---- STEPS 1-3 of the recipe (short, inline) -------------------------------------------------------------------------
-def supervised_fine_tune(lm, tokenizer, args, device, writer):
+def supervised_fine_tune(lm, tokenizer, args, device, log):
     """STEP 1: next-token cross-entropy on the completion tokens of demonstrations (prompt tokens masked)."""
     data = preference.make_sft_dataset(args.sft_examples, seed=args.seed)
     pad = tokenizer.pad_token_id
@@ -612,9 +615,8 @@ def supervised_fine_tune(lm, tokenizer, args, device, writer):
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        writer.add_scalar("losses/sft_nll", loss.item(), epoch)
+        log(epoch, {"losses/sft_nll": loss.item()})
         print(f"[sft] epoch {epoch} nll {loss.item():.3f}")
-    return lm
 
 
 def longest_demonstration(tokenizer, args) -> int:
@@ -635,7 +637,7 @@ def sample_completions(lm, tokenizer, not_text, prompts, args, device, generator
     return completions
 
 
-def fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, writer):
+def fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, log):
     """STEPS 2-3: sample K completions per prompt from pi_SFT, let the labeler rank them, fit Bradley-Terry."""
     from transformers import AutoModelForSequenceClassification
 
@@ -675,19 +677,23 @@ def fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, w
             loss.backward()
             optimizer.step()
             accs.append((r[: len(idx)] > r[len(idx) :]).float().mean().item())
-        writer.add_scalar("losses/rm_loss", loss.item(), epoch)
+        log(epoch, {"losses/rm_loss": loss.item()})
         print(f"[rm] epoch {epoch} loss {loss.item():.3f} train acc {np.mean(accs):.3f} ({n} pairs)")
     return rm.eval()
 
 
 # ---- STEP 4: PPO with a KL penalty -----------------------------------------------------------------------------------
 @dataclass
-class PPOState:
-    """What PPO carries from one update to the next besides the weights and Adam (a checkpoint saves it)."""
+class TrainState:
+    """What PPO carries from one update to the next (a checkpoint saves every field; `run.restore` loads them)."""
 
+    policy: nn.Module  # pi_theta and its value head (PolicyWithValue)
+    optimizer: torch.optim.Optimizer
+    sample_gen: torch.Generator | None  # torchrun: this rank's sampling noise (one process: the global RNG, None)
+    prompt_rng: np.random.Generator  # draws the prompts of each rollout batch
     norm: tuple[float, float] | None  # (mean, std) of r_psi on SFT samples (details 5); None until restored
     beta: float  # the KL coefficient (changes every update with --adaptive-kl)
-    prompt_rng: np.random.Generator  # draws the prompts of each rollout batch
+    setup: dict  # STEPS 1-3, name -> (model, tokenizer): saved once, with the first checkpoint (a resume loads them)
     sft_metrics: dict | None = None  # the evaluation of the SFT policy (update 0)
     metrics: dict | None = None  # the latest evaluation
     curve: list = field(default_factory=list)  # one point per evaluation, as in curve.jsonl
@@ -705,21 +711,17 @@ def main():
     sample_gen = torch.Generator(device).manual_seed(args.seed + SEED_STRIDE * run.rank) if run.world_size > 1 else None
     train_prompts, heldout_prompts = list(preference.train_prompts()), list(preference.heldout_prompts())
     eval_prompts = [heldout_prompts[i % len(heldout_prompts)] for i in range(args.eval_episodes)]
-    sft_path, rm_path = run.model_paths(args)  # a resume loads the run's own finished STEPS 1-3 (details 11)
 
-    # ---- STEP 1: the SFT policy (loaded, or fine-tuned here from a base model) ----
-    if sft_path is not None:
-        sft_lm, tokenizer = run.load_pretrained("causal", sft_path, "--sft-model-path")
+    # ---- STEP 1: the SFT policy (loaded, or fine-tuned here from a base model; a resume loads the run's own) ----
+    if args.sft_model_path is not None or args.model_name_or_path is not None:  # the base: a hub id or a local dir
+        sft_lm, tokenizer = run.load_pretrained(args.sft_model_path or args.model_name_or_path, "causal")
     else:
-        if args.model_name_or_path is not None:
-            name = args.model_name_or_path  # a hub id or a save_pretrained dir
-            base_lm, tokenizer = run.load_pretrained("causal", name, "--model-name-or-path", hub_ok=True)
-        else:
-            from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-            tokenizer = build_tokenizer()
-            base_lm = AutoModelForCausalLM.from_config(tiny_gpt2_config(len(tokenizer), args, tokenizer))
-        sft_lm = supervised_fine_tune(disable_dropout(base_lm).to(device), tokenizer, args, device, run.writer)
+        tokenizer = build_tokenizer()
+        sft_lm = AutoModelForCausalLM.from_config(tiny_gpt2_config(len(tokenizer), args, tokenizer))
+    if args.sft_model_path is None:
+        supervised_fine_tune(disable_dropout(sft_lm).to(device), tokenizer, args, device, run.log)
     sft_lm = disable_dropout(sft_lm).to(device).eval()
     run.broadcast_params(sft_lm)  # torchrun: every rank ran STEP 1 identically; rank 0's weights make sure of it
     sft_lm.requires_grad_(False)
@@ -729,10 +731,10 @@ def main():
 
     # ---- STEPS 2-3: the reward model (loaded, or fit here on SFT samples ranked by the labeler) ----
     rm_tokenizer = tokenizer  # a loaded reward model brings its own
-    if rm_path is not None:
-        rm, rm_tokenizer = run.load_pretrained("classifier", rm_path, "--reward-model-path")
+    if args.reward_model_path is not None:
+        rm, rm_tokenizer = run.load_pretrained(args.reward_model_path, "classifier")
     else:
-        rm = fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, run.writer)
+        rm = fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, run.log)
     rm = rm.to(device).eval()
     run.broadcast_params(rm)
     rm.requires_grad_(False)
@@ -740,7 +742,7 @@ def main():
     if not run.resuming:  # normalize r_psi to mean 0, std 1 on SFT samples of the training prompts (details 5)
         norm_prompts = run.shard([train_prompts[i % len(train_prompts)] for i in range(NORM_SAMPLES)])  # this rank's
         norm_completions = sample_completions(sft_lm, tokenizer, not_text, norm_prompts, args, device, sample_gen)
-        raw = run.gather(rm_scores(rm, rm_tokenizer, norm_prompts, norm_completions, device))  # all NORM_SAMPLES
+        raw = torch.cat(run.gather(rm_scores(rm, rm_tokenizer, norm_prompts, norm_completions, device)))  # all
         norm = (raw.mean().item(), max(raw.std().item(), LOG_STD_FLOOR))
     # Problem 21.3(c): an arbitrary constant per prompt in the objective (all 0 unless --reward-offset)
     offsets = prompt_offsets(train_prompts + heldout_prompts, args.reward_offset, args.seed + 40_000)
@@ -748,29 +750,26 @@ def main():
     # ---- STEP 4: PPO with a KL penalty ----
     policy = PolicyWithValue(copy.deepcopy(sft_lm)).to(device)
     if args.eval_only:
-        policy.lm = disable_dropout(run.load_pretrained("causal", str(Path(args.checkpoint) / "policy"), "policy")[0])
+        policy.lm = disable_dropout(run.load_pretrained(str(Path(args.checkpoint) / "policy"), "causal")[0])
         policy = policy.to(device)
     policy.requires_grad_(True)
     run.broadcast_params(policy)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-5)  # CleanRL's Adam eps
-    state = PPOState(norm=norm, beta=args.kl_coef, prompt_rng=np.random.default_rng(args.seed))
+    state = TrainState(policy, optimizer, sample_gen, np.random.default_rng(args.seed), norm, args.kl_coef,
+                       setup={"sft_model": (sft_lm, tokenizer), "reward_model": (rm, rm_tokenizer)})  # fmt: skip
     frozen = (sft_lm, rm, rm_tokenizer, tokenizer, not_text)  # what an evaluation reads besides the policy
-    if run.resuming:  # the checkpoint's state, weights, Adam and RNG states; the updates after its own follow
-        first_update = run.restore(state, policy, optimizer, sample_gen)
-    else:  # the SFT policy's evaluation is update 0 of the curve; the first checkpoint holds STEPS 1-3
+    updates_done = run.restore(state)  # a resume: the checkpoint's state, weights, Adam and RNG states
+    if not run.resuming:  # the SFT policy's evaluation is update 0 of the curve; the first checkpoint holds STEPS 1-3
         state.sft_metrics = state.metrics = evaluate(0, policy, frozen, state, eval_prompts, args, run)
-        run.save_setup(sft_lm, tokenizer, rm, rm_tokenizer)  # args.json; STEPS 1-3 for a resume
-        run.end_step(0, state, policy, optimizer, sample_gen)
-        first_update = 1
-    run.install_stop_handlers()  # from here, Ctrl-C / SIGTERM: a checkpoint after the current update, then exit
+        run.end_step(0, state)
     num_updates = 0 if args.eval_only else args.num_updates
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     local_batch_size, local_minibatch_size = args.batch_size // run.world_size, args.minibatch_size // run.world_size
-    rank_rows = run.shard_rows(args.batch_size)  # this rank's rows of every rollout batch (all in one process)
     start_time = run.start_time  # a resume counts the time before its checkpoint
-    for update in range(first_update, num_updates + 1):
+    sum_over_ranks = run.global_sum  # torchrun: the batch statistics below are the global batch's (details 10)
+    for update in range(updates_done + 1, num_updates + 1):
         # 1. generate: the batch's prompts (drawn alike on every rank; this rank's shard), completions from pi_theta
-        prompts = [train_prompts[i] for i in state.prompt_rng.choice(len(train_prompts), args.batch_size)][rank_rows]
+        prompts = run.shard([train_prompts[i] for i in state.prompt_rng.choice(len(train_prompts), args.batch_size)])
         query_ids = encode_prompts(tokenizer, prompts, device)  # (B, Lq), left-padded
         policy.eval()
         response_ids = generate(
@@ -793,15 +792,16 @@ def main():
             entropy = torch.special.entr(torch.softmax(logits / args.temperature, dim=-1)).sum(-1)  # (B, T)
             # 4. KL penalty folded into the reward: -beta kl_t per token, the score at the last token
             rewards, kl = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask, state.beta, args.kl_estimator)
-            if args.whiten_rewards:  # by the global batch's statistics (torchrun: run.masked_mean_var)
-                rewards = masked_whiten(rewards, maskf, shift_mean=False, mean_var=run.masked_mean_var(rewards, maskf))
+            if args.whiten_rewards:  # by the global batch's statistics (torchrun: summed over the ranks)
+                rewards = masked_whiten(rewards, maskf, False, masked_mean_var(rewards, maskf, sum_over_ranks))
             # 5. advantages: sequence-level (bandit) or per-token GAE with the value head, whitened
             if args.advantage == "gae":
                 advantages, returns = gae(rewards, values, maskf, args.gamma, args.lam)
             else:
-                advantages = bandit_advantages(rewards, maskf, run.global_mean(rewards.sum(1)))
-                returns = torch.zeros_like(rewards)
-            advantages = masked_whiten(advantages, maskf, mean_var=run.masked_mean_var(advantages, maskf))
+                seq_rewards, n_seqs = rewards.sum(1), torch.tensor(float(len(rewards)), device=device)  # R: (B,)
+                baseline = sum_over_ranks(seq_rewards.sum()) / sum_over_ranks(n_seqs)  # the global batch's mean R
+                advantages, returns = bandit_advantages(rewards, maskf, baseline), torch.zeros_like(rewards)
+            advantages = masked_whiten(advantages, maskf, mean_var=masked_mean_var(advantages, maskf, sum_over_ranks))
         # 6. K epochs of minibatch updates with the clipped importance ratio pi_theta / pi_bar
         policy.train()
         stats = {k: [] for k in ("approxkl", "clipfrac", "ratio", "pg_loss", "vf_loss", "vf_clipfrac")}
@@ -822,7 +822,7 @@ def main():
                 optimizer.step()
                 for k, v in mb_stats.items():
                     stats[k].append(v)
-        # 7. log the global batch's statistics (TRL's metric names), then the adaptive KL controller
+        # 7. log the global batch's statistics (TRL's names; ranks' equal shards: their mean), then the adaptive KL
         log = {
             "objective/kl": kl.sum(1).mean().item(), "objective/kl_coef": state.beta,
             "objective/entropy": (entropy * maskf).sum(1).mean().item(),
@@ -840,7 +840,8 @@ def main():
         if args.advantage == "gae":
             log["losses/value_avg"] = float(np.mean(stats["vf_loss"]))
             log["val/clipfrac_avg"] = float(np.mean(stats["vf_clipfrac"]))
-        log = run.mean_over_ranks(log, sums=("val/num_eos_tokens",))  # torchrun: the ranks' shards are equal
+        sums = run.global_sum(torch.tensor([*log.values()], dtype=torch.float64, device=device)).tolist()
+        log = {k: t if k == "val/num_eos_tokens" else t / run.world_size for k, t in zip(log, sums, strict=True)}
         log["charts/learning_rate"] = optimizer.param_groups[0]["lr"]
         log["charts/SPS"] = update * args.batch_size / (time.time() - start_time)
         run.log(update, log)
@@ -855,8 +856,7 @@ def main():
                   f"beta {state.beta:.3f} clipfrac {log['policy/clipfrac_avg']:.3f} "
                   f"approxkl {log['policy/approxkl_avg']:.4f}")  # fmt: skip
         # 9. checkpoint every --save-every updates, and on Ctrl-C / SIGTERM (then exit with STOP_EXIT_CODE)
-        run.end_step(update, state, policy, optimizer, sample_gen)
-    run.end_training()  # Ctrl-C and SIGTERM stop the run at once again
+        run.end_step(update, state)
 
     # best-of-n from pi_SFT at the KL of the final policy (n capped at --bon-max-n), by the same objective
     bon_n = matched_bon_n(state.metrics["eval/kl"], args.bon_max_n)
@@ -864,6 +864,7 @@ def main():
         sft_lm, rm, rm_tokenizer, state.norm, offsets, tokenizer, not_text, run.shard(eval_prompts), bon_n, args,
         device, args.seed + 20_000 + SEED_STRIDE * run.rank, run.gather,
     )  # fmt: skip
+    run.end_training()  # after best-of-n (its samples are split over the ranks): under torchrun, rank 0 goes on alone
     print(f"[bon] n={bon_n} (KL {bon_kl(bon_n):.2f}) gold {bon_gold:.3f}")
     metrics, sft_metrics = state.metrics, state.sft_metrics
     summary_metrics = {
@@ -875,7 +876,8 @@ def main():
         "model/final_kl_coef": float(state.beta),
     }  # fmt: skip
     run.log(num_updates, {k: summary_metrics[k] for k in ("eval/bon_gold_reward", "eval/bon_n", "eval/bon_kl")})
-    run.finish(summary_metrics, num_updates * args.batch_size, policy, sft_lm, tokenizer, rm, rm_tokenizer)
+    models = {"policy": (policy.lm, tokenizer), "value_head": policy.v_head, **state.setup}  # each with its tokenizer
+    run.finish(summary_metrics, models, samples=num_updates * args.batch_size)
 
 
 # ---- Evaluation ------------------------------------------------------------------------------------------------------
@@ -906,7 +908,8 @@ def evaluate(update, policy, frozen, state, prompts, args, run) -> dict:
     gold = preference.gold_utility_batch(prompts, completions)
     kl = sequence_kl(policy.lm, sft_lm, tokenizer, not_text, prompts, r, mask, args, device)
     policy.train()
-    proxy, gold, kl, has_eos, lengths = (run.gather(x) for x in (proxy, gold, kl, has_eos, mask.sum(1)))
+    proxy, kl, has_eos, lengths = (torch.cat(run.gather(x)) for x in (proxy, kl, has_eos, mask.sum(1)))
+    gold = np.concatenate(run.gather(gold))
     proxy_np = proxy.cpu().numpy()
     corr = float(np.corrcoef(proxy_np, gold)[0, 1]) if proxy_np.std() > 0 and gold.std() > 0 else 0.0
     metrics = {
@@ -918,8 +921,7 @@ def evaluate(update, policy, frozen, state, prompts, args, run) -> dict:
     run.log(update, metrics)
     point = {"step": update, "kl": metrics["eval/kl"], "proxy_reward": metrics["eval/proxy_reward"]}
     point["gold_reward"] = metrics["eval/gold_reward"]  # one point of the curve
-    state.curve.append(point)
-    run.write_curve(point)
+    state.curve.append(point)  # curve.jsonl (written by run.end_step)
     print(
         f"[eval] update {update}: gold {metrics['eval/gold_reward']:.3f} proxy {metrics['eval/proxy_reward']:.3f} "
         f"kl {metrics['eval/kl']:.2f} corr {metrics['eval/proxy_gold_corr']:.2f} "
@@ -934,7 +936,7 @@ def best_of_n(
 ):
     """Best-of-n from pi_SFT: n samples per prompt, keep the one with the highest PPO objective score(s, a)
     (`objective_scores`: normalized r_psi + c(s) - the missing-EOS penalty); its mean gold reward. Under torchrun
-    `prompts` and `seed` are this rank's and `gather` (run.gather) concatenates the ranks' gold rewards."""
+    `prompts` and `seed` are this rank's and `gather` (run.gather) collects the ranks' gold rewards."""
     generator = torch.Generator(device=device).manual_seed(seed)
     repeated = [p for p in prompts for _ in range(n)]
     completions = sample_completions(sft_lm, tokenizer, not_text, repeated, args, device, generator)
@@ -943,7 +945,7 @@ def best_of_n(
     ).view(len(prompts), n)
     best = scores.argmax(1).cpu().numpy()
     gold = preference.gold_utility_batch(prompts, [completions[i * n + int(b)] for i, b in enumerate(best)])
-    return float(np.mean(gold if gather is None else gather(gold)))
+    return float(np.mean(gold if gather is None else np.concatenate(gather(gold))))
 
 
 # === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
@@ -951,7 +953,7 @@ TASK_ID = "seqrl-preference"  # the task name in the run dir
 DIST_TIMEOUT = timedelta(minutes=10)  # a rank waiting this long in a collective gives up (a failed rank never hangs)
 SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (a resume checks it)
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "gpt2", "EleutherAI/pythia-70m": a name from_pretrained fetches
-RESUME_FREE_ARGS = ("resume", "save_every", "cuda", "runs_dir", "minibatch_size")  # may differ in the resuming call
+RESUME_FREE_FIELDS = ("resume", "save_every", "cuda", "runs_dir", "minibatch_size")  # may differ in the resuming call
 
 
 def parse_args() -> Args:
@@ -966,6 +968,8 @@ def parse_args() -> Args:
         args = resume_args(args, saved["args"])
         if saved["world_size"] != world_size:
             raise SystemExit(f"error: the run used {saved['world_size']} processes; resume it with as many")
+        setup = Path(args.resume) / "checkpoints" / "setup"  # STEPS 1-3 as the run saved them when its PPO started
+        args.sft_model_path, args.reward_model_path = str(setup / "sft_model"), str(setup / "reward_model")
     if args.batch_size % args.num_minibatches != 0:
         raise SystemExit(
             f"error: --batch-size {args.batch_size} not divisible by --num-minibatches {args.num_minibatches}"
@@ -996,7 +1000,8 @@ def parse_args() -> Args:
 
 def start_run(args: Args) -> "Run":
     """Join torchrun (rank > 0 prints nothing), make the run dir (rank 0; a resume: the run's own) and open
-    tensorboard there (a resume drops what the stopped run logged after its checkpoint)."""
+    tensorboard there (a resume drops what the stopped run logged after its checkpoint); with checkpoints, Ctrl-C and
+    SIGTERM set the stop flag."""
     rank, world_size, device = init_torchrun(args.cuda)
     if rank > 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 prints (errors still reach stderr)
@@ -1011,7 +1016,8 @@ def start_run(args: Args) -> "Run":
     writer = NullWriter()
     if rank == 0:  # tensorboard continues after the checkpoint's update on a resume
         writer = open_writer(run_dir, args, resume[0]["update"] + 1 if resume is not None else None)
-    return Run(args, rank, world_size, device, run_dir, writer, resume)
+    stop = install_stop_handlers() if checkpointing(args) else None  # Ctrl-C / SIGTERM: a checkpoint, then exit
+    return Run(args, rank, world_size, device, run_dir, writer, resume, stop)
 
 
 class Run:
@@ -1024,170 +1030,118 @@ class Run:
     `sync_grads`, as CleanRL's ppo_atari_multigpu.py but summing, not DDP: each step runs several forward passes,
     `generate` and frozen reference models, which DDP's one-forward-one-backward hooks do not fit) is exactly the
     gradient of the global masked mean. Global (all_reduce / all_gather): advantage and reward whitening
-    (`masked_mean_var`), the bandit baseline (`global_mean`), the reward normalization (its 512 SFT samples split
-    over ranks), the KL fed to the adaptive controller and every logged batch statistic (`mean_over_ranks`),
+    (`masked_mean_var` with `run.global_sum`), the bandit baseline, the reward normalization (its 512 SFT samples
+    split over ranks), the KL fed to the adaptive controller and every logged batch statistic (`run.global_sum`),
     evaluation and best-of-n (prompts split over ranks, per-sample values gathered). There is no early stopping to
     synchronize. STEPS 1-3 (SFT, preference data, reward model) are not sharded: every rank runs them identically
     from the same seed and rank 0's weights are broadcast (to scale them, train the reward model with
     rlhf_reward_model.py under torchrun and pass `--sft-model-path` / `--reward-model-path`). Only rank 0 writes.
 
     Checkpoints (details 11; `--save-every N` PPO updates, `--resume RUN_DIR`): when PPO starts, the finished SFT
-    policy and reward model are saved once (`checkpoints/models/`, save_pretrained), so a resume skips STEPS 1-3;
+    policy and reward model are saved once (`checkpoints/setup/`, save_pretrained), so a resume skips STEPS 1-3;
     then every N updates `checkpoints/step_<N>/` holds the policy + value head (safetensors), the Adam state, beta,
     the prompt sampler, python / numpy / torch RNG states (one file per rank), the reward normalization and the
     curve so far. Atomic: written under a temporary name, renamed into place, then `checkpoints/latest.json` (temp
     file + rename) names it; older step dirs are deleted after. The resumed run ends with the same metrics as an
     uninterrupted one (bit-identical on CPU, tested). Ctrl-C / SIGTERM: the update in progress finishes, a
-    checkpoint is written and the run exits (code 130) naming the `--resume` command."""
+    checkpoint is written and the run exits (code 130) naming the `--resume` command (from the start of the run: a
+    signal during STEPS 1-3 stops the run at update 0, after their checkpoint)."""
 
-    def __init__(self, args, rank=0, world_size=1, device=None, run_dir=None, writer=None, resume=None):
+    def __init__(self, args, rank=0, world_size=1, device=None, run_dir=None, writer=None, resume=None, stop=None):
         self.args, self.rank, self.world_size, self.run_dir = args, rank, world_size, run_dir
         self.device = torch.device("cpu") if device is None else device
         self.writer = NullWriter() if writer is None else writer
         self.resuming = resume is not None
-        self.resume_state, self.resume_step_dir = resume if resume is not None else (None, None)
-        self.checkpointing = args.save_every > 0 and not args.eval_only and args.num_updates > 0
-        self.stop = {"signal": None, "previous": {}}  # install_stop_handlers fills it
-        self.curve_file = open(run_dir / "curve.jsonl", "w") if rank == 0 and run_dir is not None else None
+        self._resume_state, self._resume_step_dir = resume if resume is not None else (None, None)
+        self._checkpointing = checkpointing(args)
+        self._stop = {"signal": None, "previous": {}} if stop is None else stop  # install_stop_handlers' flag
+        self._curve_written = 0  # points of state.curve in curve.jsonl
         self.start_time = time.time()
 
     # ---- torchrun: the identity (or the plain expression) in one process
     def shard(self, items: list) -> list:
         """This rank's contiguous share of a global list (all of it in one process)."""
-        return items[self.shard_rows(len(items))]
+        n = len(items)
+        return items[self.rank * n // self.world_size : (self.rank + 1) * n // self.world_size]
 
-    def shard_rows(self, n: int) -> slice:
-        """This rank's contiguous rows of a global batch of n."""
-        return slice(self.rank * n // self.world_size, (self.rank + 1) * n // self.world_size)
-
-    def gather(self, x):
-        """Every rank's x (a tensor or numpy array of per-sample values) in rank order; x itself in one process."""
+    def gather(self, obj) -> list:
+        """Every rank's obj (e.g. a tensor or numpy array of per-sample values, tensors moved to the CPU), in rank
+        order; [obj] in one process."""
         if self.world_size == 1:
-            return x
+            return [obj]
         parts = [None] * self.world_size
-        dist.all_gather_object(parts, x.cpu() if torch.is_tensor(x) else x)
-        return torch.cat(parts) if torch.is_tensor(x) else np.concatenate(parts)
+        dist.all_gather_object(parts, obj.cpu() if torch.is_tensor(obj) else obj)
+        return parts
 
     def global_sum(self, x: torch.Tensor) -> torch.Tensor:
         return global_sum(x, self.world_size)
 
-    def global_mean(self, x: torch.Tensor) -> torch.Tensor:
-        """Mean of x over the global batch (all ranks' x)."""
-        if self.world_size == 1:
-            return x.mean()
-        return self.global_sum(x.sum()) / self.global_sum(torch.tensor(float(x.numel()), device=x.device))
-
-    def masked_mean_var(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean and unbiased variance of x over the masked entries of the global batch (all_reduce of sums, two
-        passes); one process: masked_mean, masked_var."""
-        if self.world_size == 1:
-            return masked_mean(x, mask), masked_var(x, mask)
-        n = self.global_sum(mask.sum())
-        mean = self.global_sum((x * mask).sum()) / n
-        return mean, self.global_sum(((x - mean) ** 2 * mask).sum()) / (n - 1).clamp(min=1)
-
-    def mean_over_ranks(self, stats: dict, sums=()) -> dict:
-        """Logged batch statistics of the global batch: the mean over ranks of the ranks' values (equal shards), the
-        sum for the keys in `sums`; one process: stats."""
-        if self.world_size == 1:
-            return stats
-        totals = self.global_sum(torch.tensor(list(stats.values()), dtype=torch.float64, device=self.device))
-        return {k: t if k in sums else t / self.world_size for k, t in zip(stats, totals.tolist(), strict=True)}
-
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank if it is true on one (a stop decided per rank would hang the next collective)."""
-        if self.world_size == 1:
-            return flag
-        return bool(self.global_sum(torch.tensor([int(flag)], device=self.device)).item() > 0)
-
-    def broadcast_params(self, module: nn.Module) -> None:
-        broadcast_params(module, self.world_size)
+    def broadcast_params(self, *modules: nn.Module) -> None:
+        for module in modules:
+            broadcast_params(module, self.world_size)
 
     def sync_grads(self, params) -> None:
         sync_grads(params, self.world_size)
 
     # ---- outputs
     def log(self, step: int, metrics: dict) -> None:
-        for k, v in metrics.items():
-            self.writer.add_scalar(k, v, step)
+        for tag, value in metrics.items():
+            if isinstance(value, str):
+                self.writer.add_text(tag, value, step)
+            else:
+                self.writer.add_scalar(tag, value, step)
 
-    def write_curve(self, point: dict) -> None:
-        """One line of curve.jsonl (an evaluation), on disk at once."""
-        if self.curve_file is not None:
-            self.curve_file.write(json.dumps(point) + "\n")
-            self.curve_file.flush()
-
-    def load_pretrained(self, kind: str, path: str, what: str, hub_ok: bool = False):
-        """(model, tokenizer) from a `save_pretrained` dir or a hub id (`load_pretrained`; one-line errors), the
-        tokenizer with a pad token (`with_pad_token`)."""
-        return with_pad_token(*load_pretrained(kind, path, what, hub_ok), f"{what} '{path}'")
-
-    def model_paths(self, args) -> tuple[str | None, str | None]:
-        """Where STEP 1 and STEPS 2-3 load their models from (None: trained here): `--sft-model-path` and
-        `--reward-model-path`; a resume: the run's own, saved when its PPO started."""
-        if not self.resuming:
-            return args.sft_model_path, args.reward_model_path
-        models = self.run_dir / "checkpoints" / "models"
-        return str(models / "sft_model"), str(models / "reward_model")
-
-    def save_setup(self, sft_lm, tokenizer, rm, rm_tokenizer) -> None:
-        """STEPS 1-3 are done: args.json (complete now: --max-new-tokens derived) and, with checkpoints, the SFT
-        policy and the reward model, saved once (renamed into place when complete) for a resume to load."""
-        if self.rank != 0:
-            return
-        (self.run_dir / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
-        if self.checkpointing:
-            final, tmp = self.run_dir / "checkpoints" / "models", self.run_dir / "checkpoints" / ".tmp_models"
-            shutil.rmtree(tmp, ignore_errors=True)
-            for name, model, tok in (("sft_model", sft_lm, tokenizer), ("reward_model", rm, rm_tokenizer)):
-                model.save_pretrained(tmp / name)
-                tok.save_pretrained(tmp / name)
-            os.replace(tmp, final)
+    def load_pretrained(self, path: str, kind: Literal["causal", "classifier"]):
+        """(model, tokenizer) from a `save_pretrained` dir or a hub id (`load_pretrained`; one-line errors naming the
+        flag that gave `path`), the tokenizer with a pad token (`with_pad_token`)."""
+        flags = (f"--{name.replace('_', '-')}" for name, value in asdict(self.args).items() if value == path)
+        what = next(flags, "checkpoint")
+        return with_pad_token(*load_pretrained(path, kind, what), f"{what} '{path}'")
 
     # ---- checkpoints, resume, stop signals (details 11)
-    def restore(self, state, policy, optimizer, generator) -> int:
-        """A resume: the checkpoint's PPOState, weights, Adam and RNG states (this rank's); curve.jsonl up to it.
-        Returns the first update to run."""
-        saved = self.resume_state
-        state.norm, state.beta, state.curve = tuple(saved["norm"]), saved["beta"], saved["curve"]
-        state.sft_metrics, state.metrics = saved["sft_metrics"], saved["metrics"]
-        state.prompt_rng.bit_generator.state = saved["prompt_rng"]
-        load_checkpoint(self.resume_step_dir, policy, optimizer, generator, self.device, self.rank)
+    def restore(self, state: TrainState) -> int:
+        """A resume: the checkpoint's TrainState, weights, Adam and RNG states (this rank's) loaded into `state`,
+        curve.jsonl rewritten up to it; returns the updates it had done. Otherwise 0, `state` as it is."""
+        if not self.resuming:
+            return 0
+        saved = self._resume_state
+        load_checkpoint(self._resume_step_dir, state, self.device, self.rank)
         self.start_time -= saved["elapsed_s"]  # wall time and SPS count the whole run
-        if self.curve_file is not None:
-            self.curve_file.writelines(json.dumps(point) + "\n" for point in state.curve)
+        if self.rank == 0:
+            (self.run_dir / "curve.jsonl").write_text("".join(json.dumps(point) + "\n" for point in state.curve))
+        self._curve_written = len(state.curve)
         print(f"resumed {self.run_dir} after update {saved['update']}")
-        return saved["update"] + 1
-
-    def install_stop_handlers(self) -> None:
-        """With checkpoints: Ctrl-C / SIGTERM stop the run at the end of the current update (end_step)."""
-        if self.checkpointing:
-            self.stop = install_stop_handlers()
+        return saved["update"]
 
     def end_training(self) -> None:
-        """Training is over: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows)."""
-        restore_signal_handlers(self.stop)
+        """After the last step: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows);
+        under torchrun every rank tears down together and rank 0 alone goes on."""
+        restore_signal_handlers(self._stop)
+        if self.world_size > 1:
+            dist.barrier()  # every rank tears down together (then each frees its gloo threads)
+            dist.destroy_process_group()
+            if self.rank != 0:
+                raise SystemExit(0)
 
-    def end_step(self, update: int, state, policy, optimizer, generator) -> None:
-        """After update `update`: a checkpoint every --save-every updates and when a stop signal arrived (decided by
-        all ranks together); after a stop, the run exits with STOP_EXIT_CODE naming the --resume command."""
-        if not self.checkpointing:
+    def end_step(self, update: int, state: TrainState) -> None:
+        """After update `update`: a checkpoint every --save-every updates (update 0: with STEPS 1-3 and args.json)
+        and when a stop signal arrived (decided by all ranks together); after a stop, the run exits with
+        STOP_EXIT_CODE naming the --resume command. First, the evaluations since the last call go to curve.jsonl."""
+        if self.rank == 0 and self.run_dir is not None:
+            with open(self.run_dir / "curve.jsonl", "a") as curve_file:
+                curve_file.writelines(json.dumps(point) + "\n" for point in state.curve[self._curve_written :])
+        self._curve_written = len(state.curve)
+        if not self._checkpointing:
             return
-        stop = self.any_rank(self.stop["signal"] is not None)
+        stop = self._stop["signal"] is not None
+        if self.world_size > 1:  # a stop decided per rank would hang the next collective
+            stop = global_sum(torch.tensor([int(stop)], device=self.device), self.world_size).item() > 0
         if update % self.args.save_every == 0 or stop:
-            saved = {
-                "args": asdict(self.args), "norm": list(state.norm), "beta": state.beta,
-                "sft_metrics": state.sft_metrics, "metrics": state.metrics, "curve": state.curve,
-                "prompt_rng": state.prompt_rng.bit_generator.state, "elapsed_s": time.time() - self.start_time,
-            }  # fmt: skip
-            save_checkpoint(
-                self.run_dir, update, policy, optimizer, generator, self.device, saved, self.rank, self.world_size
-            )
+            extra = {"args": asdict(self.args), "elapsed_s": time.time() - self.start_time}
+            save_checkpoint(self.run_dir, update, state, extra, self.device, self.rank, self.world_size)
             self.writer.flush()  # the scalars logged so far reach the disk with the checkpoint
         if stop:
             self.writer.close()
-            if self.curve_file is not None:
-                self.curve_file.close()
             if self.rank == 0:
                 launcher = "python" if self.world_size == 1 else f"torchrun --nproc_per_node {self.world_size}"
                 print(f"interrupted after update {update}, checkpoint saved; continue with: "
@@ -1196,34 +1150,36 @@ class Run:
                 dist.destroy_process_group()
             raise SystemExit(STOP_EXIT_CODE)
 
-    def finish(self, metrics: dict, samples: int, policy, sft_lm, tokenizer, rm, rm_tokenizer) -> None:
-        """summary.json (last: a run with summary.json is complete) and the models, by rank 0; then every rank tears
-        down together."""
+    def finish(self, metrics: dict, models: dict, samples: int) -> None:
+        """Rank 0 at the end (`end_training`): the models (`save_models`: loadable by `--sft-model-path` /
+        `--reward-model-path` / `--eval-only`), args.json, then summary.json (last: a run with summary.json is
+        complete; sps = samples / wall time); closes tensorboard."""
         wall = time.time() - self.start_time
         self.writer.close()
-        if self.curve_file is not None:
-            self.curve_file.close()
-        if self.rank == 0:
-            run_dir = self.run_dir
-            summary = {
-                "script": SCRIPT,
-                "run_name": run_dir.name,
-                "run_dir": str(run_dir),
-                "args": asdict(self.args),
-                "metrics": metrics,
-                "wall_time_s": wall,
-                "sps": samples / wall,
-            }
-            save_models(run_dir, policy, sft_lm, tokenizer, rm, rm_tokenizer)
-            write_json_atomic(run_dir / "summary.json", summary)
-            print(json.dumps(metrics, indent=1))
-        if self.world_size > 1:  # after rank 0 has saved (then each rank frees its gloo threads)
-            dist.barrier()
-            dist.destroy_process_group()
+        run_dir = self.run_dir
+        summary = {
+            "script": SCRIPT,
+            "run_name": run_dir.name,
+            "run_dir": str(run_dir),
+            "args": asdict(self.args),
+            "metrics": metrics,
+            "wall_time_s": wall,
+            "sps": samples / wall,
+        }
+        save_models(run_dir, models)
+        (run_dir / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
+        write_json_atomic(run_dir / "summary.json", summary)
+        print(json.dumps(metrics, indent=1))
 
 
-def load_pretrained(kind, path, what, hub_ok=False):
-    """from_pretrained (model and tokenizer) with a clear one-line error; `hub_ok`: `path` may also be a hub id.
+def checkpointing(args: Args) -> bool:
+    """Whether this run writes checkpoints (and so catches Ctrl-C / SIGTERM): training with --save-every > 0."""
+    return args.save_every > 0 and not args.eval_only and args.num_updates > 0
+
+
+def load_pretrained(path, kind, what):
+    """from_pretrained (model and tokenizer) with a clear one-line error; `path` may also be a hub id (parse_args has
+    checked that --sft-model-path, --reward-model-path and --checkpoint are directories).
 
     Real models: the checkpoint is loaded with `from_pretrained` (weights and tokenizer; SFT fine-tunes the
     pretrained weights); a pad token "<pad>" is added when the tokenizer has none (or pads with EOS) and the
@@ -1233,7 +1189,7 @@ def load_pretrained(kind, path, what, hub_ok=False):
     tuned here). Offline, a hub id that is not cached is a one-line error."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    local = Path(path).exists() or not hub_ok or not HUB_ID.fullmatch(path)
+    local = Path(path).exists() or not HUB_ID.fullmatch(path)
     if local and not (Path(path) / "config.json").is_file():
         raise SystemExit(f"error: {what} '{path}' is not a save_pretrained directory (no config.json)")
     cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
@@ -1258,16 +1214,15 @@ def with_pad_token(model, tokenizer, what):
     return model, tokenizer
 
 
-def save_models(run_dir, policy, sft_lm, tokenizer, rm, rm_tokenizer):
-    """The final policy (+ value head), the SFT reference and the reward model, each with its tokenizer
-    (`save_pretrained`, loadable by `--sft-model-path` / `--reward-model-path` / `--eval-only`)."""
-    policy.lm.save_pretrained(run_dir / "policy")
-    tokenizer.save_pretrained(run_dir / "policy")
-    save_file({k: v.contiguous() for k, v in policy.v_head.state_dict().items()}, run_dir / "value_head.safetensors")
-    sft_lm.save_pretrained(run_dir / "sft_model")
-    tokenizer.save_pretrained(run_dir / "sft_model")
-    rm.save_pretrained(run_dir / "reward_model")
-    rm_tokenizer.save_pretrained(run_dir / "reward_model")
+def save_models(run_dir: Path, models: dict) -> None:
+    """Each `name -> what` of `models`: a torch module to name.safetensors; a transformers model or tokenizer, or a
+    tuple of them (a model and its tokenizer), `save_pretrained` into name/."""
+    for name, what in models.items():
+        for part in what if isinstance(what, tuple) else (what,):
+            if hasattr(part, "save_pretrained"):
+                part.save_pretrained(run_dir / name)
+            else:
+                save_file({k: v.contiguous() for k, v in part.state_dict().items()}, run_dir / f"{name}.safetensors")
 
 
 def file_sizes(root: Path, directory: Path) -> dict[str, int]:
@@ -1275,13 +1230,14 @@ def file_sizes(root: Path, directory: Path) -> dict[str, int]:
     return {str(f.relative_to(root)): f.stat().st_size for f in sorted(directory.rglob("*")) if f.is_file()}
 
 
-def save_checkpoint(run_dir: Path, update: int, policy, optimizer, generator, device, state: dict, rank, world) -> None:
-    """checkpoints/step_<update>/: policy + value head, Adam, RNG states (one file per rank), state.json (counters,
-    args, curve, ...); every rank sends its RNG states, rank 0 writes, and no rank returns before rank 0's checkpoint
+def save_checkpoint(run_dir: Path, update: int, state: TrainState, extra: dict, device, rank, world) -> None:
+    """checkpoints/step_<update>/ from the fields of `state` (`write_checkpoint`) and `extra` (args, ...); every rank
+    sends its RNG states (torch, cuda, its generators), rank 0 writes, and no rank returns before rank 0's checkpoint
     is complete (a rank that exited early would make torchrun's agent stop rank 0 mid-write). Atomic (details 11)."""
     rng = {"torch": torch.get_rng_state()}
-    if generator is not None:
-        rng["generator"] = generator.get_state()
+    for f in dataclasses.fields(state):
+        if isinstance(getattr(state, f.name), torch.Generator):
+            rng[f.name] = getattr(state, f.name).get_state()
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
     rngs = [rng]
@@ -1289,32 +1245,50 @@ def save_checkpoint(run_dir: Path, update: int, policy, optimizer, generator, de
         rngs = [None] * world
         dist.all_gather_object(rngs, rng)
     if rank == 0:
-        write_checkpoint(run_dir, update, policy, optimizer, rngs, state, world)
+        write_checkpoint(run_dir, update, state, rngs, extra, world)
     if world > 1:
         dist.barrier()  # every rank waits for rank 0's write
 
 
-def write_checkpoint(run_dir: Path, update: int, policy, optimizer, rngs: list, state: dict, world: int) -> None:
-    """Rank 0's part of save_checkpoint: the files, renamed into place when complete, then latest.json."""
+def write_checkpoint(run_dir: Path, update: int, state: TrainState, rngs: list, extra: dict, world: int) -> None:
+    """Rank 0's part of save_checkpoint, field by field of `state`: the setup models (STEPS 1-3) once, into
+    checkpoints/models/ with args.json; the module to <name>.safetensors, the optimizer to <name>.pt, a numpy
+    generator's state and plain values to state.json, the ranks' RNG states to rng_rank<r>.pt; renamed into place
+    when complete, then latest.json."""
     ckpt = run_dir / "checkpoints"
     step_dir, tmp = ckpt / f"step_{update}", ckpt / f".tmp_step_{update}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_model(policy, str(tmp / "policy.safetensors"))  # the LM and the value head; tied embeddings handled
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    plain = {}
+    for f in dataclasses.fields(state):
+        value = getattr(state, f.name)
+        if isinstance(value, nn.Module):  # the LM and the value head; tied embeddings handled
+            save_model(value, str(tmp / f"{f.name}.safetensors"))
+        elif isinstance(value, torch.optim.Optimizer):
+            torch.save(value.state_dict(), tmp / f"{f.name}.pt")
+        elif isinstance(value, np.random.Generator):
+            plain[f.name] = value.bit_generator.state
+        elif isinstance(value, dict) and value and all(isinstance(v, tuple) for v in value.values()):  # models
+            if not (ckpt / f.name).exists():  # saved once
+                (run_dir / "args.json").write_text(json.dumps(extra["args"], indent=2))
+                shutil.rmtree(ckpt / f".tmp_{f.name}", ignore_errors=True)
+                save_models(ckpt / f".tmp_{f.name}", value)
+                os.replace(ckpt / f".tmp_{f.name}", ckpt / f.name)
+        elif not isinstance(value, torch.Generator | None):  # generators: in the ranks' RNG files
+            plain[f.name] = value
     for r, rank_rng in enumerate(rngs):
         torch.save(rank_rng, tmp / f"rng_rank{r}.pt")
     numpy_state = np.random.get_state(legacy=False)
     numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
     files = {
-        **file_sizes(ckpt, ckpt / "models"),
+        **file_sizes(ckpt, ckpt / "setup"),
         **{f"{step_dir.name}/{k}": v for k, v in file_sizes(tmp, tmp).items()},
     }
-    state = {
-        **state, "script": SCRIPT, "update": update, "world_size": world, "python_random": random.getstate(),
+    saved = {
+        **plain, **extra, "script": SCRIPT, "update": update, "world_size": world, "python_random": random.getstate(),
         "numpy_random": numpy_state, "files": files,
     }  # fmt: skip
-    (tmp / "state.json").write_text(json.dumps(state))
+    (tmp / "state.json").write_text(json.dumps(saved))
     shutil.rmtree(step_dir, ignore_errors=True)  # left by a kill between the rename and latest.json: never named
     os.replace(tmp, step_dir)
     write_json_atomic(ckpt / "latest.json", {"script": SCRIPT, "step_dir": step_dir.name, "update": update})
@@ -1353,35 +1327,44 @@ def read_checkpoint_state(run_dir_str: str) -> tuple[dict, Path]:
 
 def resume_args(args: Args, saved: dict) -> Args:
     """The run's own args; a flag given now that differs from the run's (and from the default) is refused, except
-    RESUME_FREE_ARGS, which a flag given now (not at its default) overrides."""
+    RESUME_FREE_FIELDS, which a flag given now (not at its default) overrides."""
     defaults, given = asdict(Args()), asdict(args)
     for k, v in given.items():
-        if k not in RESUME_FREE_ARGS and v != defaults[k] and v != saved[k]:
+        if k not in RESUME_FREE_FIELDS and v != defaults[k] and v != saved[k]:
             flag = "--" + k.replace("_", "-")
             raise SystemExit(f"error: {flag} {v} differs from the resumed run's {saved[k]} (a resume continues a run)")
-    return Args(**{**saved, **{k: given[k] for k in RESUME_FREE_ARGS if given[k] != defaults[k]}})
+    return Args(**{**saved, **{k: given[k] for k in RESUME_FREE_FIELDS if given[k] != defaults[k]}})
 
 
-def load_checkpoint(step_dir: Path, policy, optimizer, generator, device, rank: int) -> None:
-    """Restore what save_checkpoint wrote (this rank's RNG states included); a corrupt file is a one-line error."""
-    path = step_dir / "policy.safetensors"
+def load_checkpoint(step_dir: Path, state: TrainState, device, rank: int) -> None:
+    """Restore what save_checkpoint wrote into `state`, field by field (this rank's RNG states included; the setup
+    models are loaded by main from the paths parse_args set); a corrupt file is a one-line error."""
+    saved = json.loads((step_dir / "state.json").read_text())
+    path = step_dir / f"rng_rank{rank}.pt"
     try:
-        load_model(policy, str(path), device=str(device))
-        path = step_dir / "optimizer.pt"
-        optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        path = step_dir / f"rng_rank{rank}.pt"
         rng = torch.load(path, weights_only=True)
+        for f in dataclasses.fields(state):
+            value = getattr(state, f.name)
+            if isinstance(value, nn.Module):
+                path = step_dir / f"{f.name}.safetensors"
+                load_model(value, str(path), device=str(device))
+            elif isinstance(value, torch.optim.Optimizer):
+                path = step_dir / f"{f.name}.pt"
+                value.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            elif isinstance(value, torch.Generator):
+                value.set_state(rng[f.name])
+            elif isinstance(value, np.random.Generator):
+                value.bit_generator.state = saved[f.name]
+            elif f.name in saved:
+                setattr(state, f.name, saved[f.name])
     except Exception as err:  # safetensors / zip / unpickler errors have no common base class
         raise SystemExit(f"error: checkpoint file {path} is corrupt ({type(err).__name__}: {err})") from None
-    state = json.loads((step_dir / "state.json").read_text())
     torch.set_rng_state(rng["torch"])
-    if generator is not None:
-        generator.set_state(rng["generator"])
     if "cuda" in rng and device.type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"], device)
-    py = state["python_random"]
+    py = saved["python_random"]
     random.setstate((py[0], tuple(py[1]), py[2]))
-    numpy_state = state["numpy_random"]
+    numpy_state = saved["numpy_random"]
     numpy_state["state"]["key"] = np.array(numpy_state["state"]["key"], dtype=np.uint32)
     np.random.set_state(numpy_state)
 

@@ -52,7 +52,7 @@ Implementation details:
      gradients (RLOO, GRPO) subtract, so a policy trained with them never sees c(s).
   8. Data-parallel under torchrun (`WORLD_SIZE` set; one process = the code path of one process, unchanged). Every
      rank builds the same data and weights from --seed (then rank 0's are broadcast), draws the same permutation,
-     and takes its contiguous share of every global minibatch (`shard`: --batch-size / --sft-batch-size must divide
+     and takes its contiguous share of every global minibatch (`run.shard`: --batch-size / --sft-batch-size must divide
      by the number of ranks). Each rank's loss is weighted by its share of the global minibatch (SFT: a sum over its
      tokens divided by the global minibatch's token count; reward: its mean times its share of the rankings/pairs),
      so the SUM of the ranks' gradients is the gradient of the global minibatch's loss: one flat all-reduce after
@@ -98,6 +98,7 @@ Long runs (details 9): a checkpoint every --save-every 250 updates; after a kill
 """
 
 import copy
+import dataclasses
 import json
 import os
 import random
@@ -264,7 +265,7 @@ def last_non_pad_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """0, 1, 2, ... over the real tokens (pads get 0): correct positions under left padding. (B, L) -> (B, L)"""
+    """cumsum(mask) - 1, clamped at 0: positions that ignore left padding."""
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
 
 
@@ -441,14 +442,42 @@ def reward_minibatch_loss(model, ids: torch.Tensor, mask: torch.Tensor, args) ->
     return kwise_loss(rewards, args.kwise_form, args.margin, args.center_coef), rewards
 
 
-def shard(mb: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
-    """This rank's contiguous share of a global minibatch: mb[rank * n : (rank + 1) * n] with n = len(mb) / world_size
-    (a shorter last minibatch is split as evenly as it goes). One process: the whole minibatch."""
-    return mb if world_size == 1 else mb.tensor_split(world_size)[rank]
+@dataclass
+class TrainState:
+    """Where a training phase's loop stands: all a checkpoint holds (saved and loaded field by field). One phase at a
+    time: "sft" (the causal LM on demonstrations, `fine_tune_backbone`), then "reward" (the preference loss)."""
+
+    phase: Literal["sft", "reward"]
+    model: nn.Module  # the causal LM (sft) or the reward model (reward)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    epoch: int = 0
+    next_start: int = 0  # where in `perm` the next minibatch starts
+    perm: torch.Tensor | None = None  # this epoch's order of the examples (None: draw one)
+    sft_total: float = 0.0  # sft: this epoch's global minibatch NLLs, each times its size, summed
+    sft_count: int = 0  # sft: the demonstrations in sft_total
+    sft_nll: float | None = None  # reward: the last SFT epoch's NLL (None: no SFT), reported with the metrics
+    global_step: int = 0  # reward: updates done
+    n_seen: int = 0  # reward: sequences trained on (for SPS)
+    loss: float = float("nan")  # reward: the last global minibatch's loss
 
 
-def supervised_fine_tune(lm, tokenizer, args, run) -> float:
-    """STEP 2: causal-LM training on demonstrations, in place; returns the last epoch's NLL.
+def gradient_step(state: TrainState, loss: torch.Tensor, run, max_grad_norm: float) -> None:
+    """One AdamW step of state.model (and its scheduler) on this rank's share of the loss: the gradients summed over
+    ranks (`run.sync_grads`: the gradient of the global minibatch's loss, details 8), then clipped."""
+    state.optimizer.zero_grad()
+    loss.backward()
+    run.sync_grads(state.model.parameters())
+    torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_grad_norm)
+    state.optimizer.step()
+    state.scheduler.step()
+
+
+# not rlhf_ppo_kl.py's `supervised_fine_tune`: this one also predicts the prompt (the reward model's input) and is
+# sharded over ranks and checkpointed
+def fine_tune_backbone(lm, tokenizer, args, run) -> float | None:
+    """STEP 2: causal-LM training on demonstrations, in place; returns the last epoch's NLL (None: a resumed run that
+    is past this phase).
 
     The input is the reward model's exact input format (`encode`: prompt + completion + EOS if it ended, right
     padded), so predicting "paris" after "what is the capital of france ?" teaches the backbone the fact table.
@@ -462,31 +491,27 @@ def supervised_fine_tune(lm, tokenizer, args, run) -> float:
     num_updates = args.sft_epochs * steps_per_epoch
     optimizer = torch.optim.AdamW(lm.parameters(), lr=args.sft_learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / num_updates)
-    # where the loop stands (with the weights, all a checkpoint holds): the start, or the --resume checkpoint's place
-    fresh = {"phase": "sft", "epoch": 0, "next_start": 0, "perm": None, "sft_total": 0.0, "sft_count": 0}
-    at = run.restore(fresh, lm, optimizer, scheduler)
+    state = TrainState("sft", lm, optimizer, scheduler)  # the start, or the --resume checkpoint's place
+    if run.restore(state) > num_updates:  # a checkpoint of the reward phase: SFT is over
+        return None
     lm.train()
     epoch_nll = float("nan")
-    for epoch in range(at["epoch"], args.sft_epochs):
-        if epoch > at["epoch"] or at["perm"] is None:  # a new epoch: a new order, a new running NLL
-            at.update(epoch=epoch, next_start=0, perm=torch.randperm(len(ids)), sft_total=0.0, sft_count=0)
-        for start in range(at["next_start"], len(ids), args.sft_batch_size):
-            mb = at["perm"][start : start + args.sft_batch_size]  # the global minibatch (details 8)
+    for epoch in range(state.epoch, args.sft_epochs):
+        if epoch > state.epoch or state.perm is None:  # a new epoch: a new order, a new running NLL
+            state.epoch, state.next_start, state.perm = epoch, 0, torch.randperm(len(ids))
+            state.sft_total, state.sft_count = 0.0, 0
+        for start in range(state.next_start, len(ids), args.sft_batch_size):
+            mb = state.perm[start : start + args.sft_batch_size]  # the global minibatch (details 8)
             width = int(mask[mb].sum(-1).max())  # right padding: drop its all-pad columns
             n_targets = float(mask[mb, 1:width].sum().clamp(min=1))  # its predicted tokens: the loss is their mean
-            part = shard(mb, run.world_size, run.rank)  # this rank's share of it
+            part = run.shard(mb)  # this rank's share of it
             loss = sft_minibatch_loss(lm, ids[part, :width].to(device), mask[part, :width].to(device), n_targets)
-            optimizer.zero_grad()
-            loss.backward()
-            run.sync_grads(lm.parameters())  # summed over ranks: the gradient of the global minibatch's loss
-            torch.nn.utils.clip_grad_norm_(lm.parameters(), args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
+            gradient_step(state, loss, run, args.max_grad_norm)
             nll = run.global_sum(torch.tensor([loss.item()], dtype=torch.float64, device=device)).item()  # global
-            at.update(next_start=start + args.sft_batch_size, sft_total=at["sft_total"] + nll * len(mb),
-                      sft_count=at["sft_count"] + len(mb))  # fmt: skip
-            run.end_step(epoch * steps_per_epoch + start // args.sft_batch_size + 1, at, lm, optimizer, scheduler)
-        epoch_nll = at["sft_total"] / at["sft_count"]
+            state.next_start = start + args.sft_batch_size
+            state.sft_total, state.sft_count = state.sft_total + nll * len(mb), state.sft_count + len(mb)
+            run.end_step(epoch * steps_per_epoch + start // args.sft_batch_size + 1, state)
+        epoch_nll = state.sft_total / state.sft_count
         run.log(epoch, {"losses/sft_nll": epoch_nll})
         if run.rank == 0:
             print(f"[sft] epoch {epoch + 1}/{args.sft_epochs}: nll {epoch_nll:.4f}")
@@ -506,10 +531,12 @@ def main():
         args.eval_episodes, args.k, args.seed + 10_000, args.temperature, args.flip_prob, split="heldout"
     )
     if args.eval_only:  # a saved reward model: evaluate it on the Bradley-Terry scale, nothing else
-        model, tokenizer = run.load_reward_model(args.checkpoint)
+        model, tokenizer = run.load_pretrained(args.checkpoint, "classifier")
         scale = float(getattr(model.config, "seqrl_reward_std", 1.0))
         metrics, report = evaluate(model, tokenizer, heldout, args, device, scale=scale)
-        run.finish(metrics, report, step=0, n_seen=0)
+        run.log(0, {**metrics, "eval/report": report})
+        print(report)
+        run.finish(metrics, {}, samples=0)
         return
 
     # 1. data: K SFT-like completions per training prompt, ranked by the simulated labeler
@@ -520,9 +547,8 @@ def main():
     run.broadcast_params(lm)
     # 2. supervised fine-tuning on demonstrations; the reward model starts from the SFT model's backbone
     sft_updates = args.sft_epochs * ((args.sft_examples + args.sft_batch_size - 1) // args.sft_batch_size)
-    sft_nll = None
-    if args.sft_epochs > 0 and not run.resuming("reward"):  # a run resumed in the reward phase is past SFT
-        sft_nll = supervised_fine_tune(lm, tokenizer, args, run)
+    sft_nll = fine_tune_backbone(lm, tokenizer, args, run) if args.sft_epochs > 0 else None
+    if sft_nll is not None:  # (None also when a resumed run is past SFT)
         if run.rank == 0:
             print(f"SFT: {args.sft_examples} demos x {args.sft_epochs} epochs ({time.time() - start_time:.0f}s)")
     model = reward_model_from(lm, tokenizer, device)
@@ -547,48 +573,41 @@ def main():
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / num_updates)
     if run.rank == 0:
         print(f"{n_examples} training examples of {group} sequences, {num_updates} updates, device {device}")
-    # where the loop stands (with the weights, all a checkpoint holds): the start, or the --resume checkpoint's place
-    fresh = {"phase": "reward", "epoch": 0, "next_start": 0, "perm": None, "global_step": 0, "n_seen": 0,
-             "loss": float("nan"), "sft_nll": sft_nll}  # fmt: skip
-    at = run.restore(fresh, model, optimizer, scheduler)
+    state = TrainState("reward", model, optimizer, scheduler, sft_nll=sft_nll)  # or the --resume checkpoint's place
+    run.restore(state)
 
     # 4. fit r_psi by maximum likelihood of the preferences
-    for epoch in range(at["epoch"], args.epochs):
+    for epoch in range(state.epoch, args.epochs):
         model.train()
-        if epoch > at["epoch"] or at["perm"] is None:  # a new epoch: a new order
-            at.update(epoch=epoch, next_start=0, perm=torch.randperm(n_examples))
-        for start in range(at["next_start"], n_examples, args.batch_size):
-            mb = at["perm"][start : start + args.batch_size]  # the global minibatch (details 8)
+        if epoch > state.epoch or state.perm is None:  # a new epoch: a new order
+            state.epoch, state.next_start, state.perm = epoch, 0, torch.randperm(n_examples)
+        for start in range(state.next_start, n_examples, args.batch_size):
+            mb = state.perm[start : start + args.batch_size]  # the global minibatch (details 8)
             width = int(mask[mb].sum(-1).max())  # right padding: drop its all-pad columns
-            part = shard(mb, run.world_size, run.rank)  # this rank's share of it
+            part = run.shard(mb)  # this rank's share of it
             loss, rewards = reward_minibatch_loss(model, ids[part, :, :width].to(device),
                                                   mask[part, :, :width].to(device), args)  # fmt: skip
             loss = loss * (len(part) / len(mb))  # weighted by its share: summed over ranks, the global mean
-            optimizer.zero_grad()
-            loss.backward()
-            run.sync_grads(model.parameters())  # summed over ranks: the gradient of the global minibatch's loss
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
+            gradient_step(state, loss, run, args.max_grad_norm)
             # the global minibatch's loss and how often it scores the top-ranked completion above the second
             stats = torch.tensor([loss.item(), (rewards[:, 0] > rewards[:, 1]).sum().item()], dtype=torch.float64)
             loss_value, n_correct = run.global_sum(stats.to(device)).tolist()
-            step = at["global_step"] + 1
-            at.update(next_start=start + args.batch_size, global_step=step, n_seen=at["n_seen"] + len(mb) * group,
-                      loss=loss_value)  # fmt: skip
+            step = state.global_step + 1
+            state.next_start, state.global_step, state.loss = start + args.batch_size, step, loss_value
+            state.n_seen += len(mb) * group
             if step % LOG_EVERY == 0 or step == num_updates:
-                sps = at["n_seen"] / (time.time() - start_time)
+                sps = state.n_seen / (time.time() - start_time)
                 run.log(step, {"losses/loss": loss_value, "losses/accuracy_top2": n_correct / len(mb),
                                "charts/learning_rate": scheduler.get_last_lr()[0], "charts/SPS": sps})  # fmt: skip
-            run.end_step(sft_updates + step, at, model, optimizer, scheduler)  # a checkpoint when due or stopped
+            run.end_step(sft_updates + step, state)  # a checkpoint when due or stopped
         if run.rank == 0:
-            print(f"epoch {epoch + 1}/{args.epochs}: loss {at['loss']:.4f}  ({time.time() - start_time:.0f}s)")
+            print(f"epoch {epoch + 1}/{args.epochs}: loss {state.loss:.4f}  ({time.time() - start_time:.0f}s)")
     run.end_training()  # Ctrl-C stops at once again; under torchrun, rank 0 alone goes on (details 8)
 
     # 5. evaluate on the Bradley-Terry scale (calibration is not invariant to the normalization)
     metrics, report = evaluate(model, tokenizer, heldout, args, device)
-    if at["sft_nll"] is not None:
-        metrics["model/sft_nll"] = at["sft_nll"]
+    if state.sft_nll is not None:
+        metrics["model/sft_nll"] = state.sft_nll
     # 6. normalize to mean 0 / std 1 on SFT demonstrations, folded into the saved weights
     demos = preference.make_sft_dataset(args.n_norm_samples, seed=args.seed + 20_000)
     raw = score_texts(model, tokenizer, [d[0] for d in demos], [d[1] for d in demos], device)
@@ -601,8 +620,10 @@ def main():
     score_metrics, score_report = lecture_scores(model, tokenizer, device)  # now on the normalized scale
     metrics.update(score_metrics)
     report = score_report + report[report.index("\n\ncalibration") :]
+    run.log(state.global_step, {**metrics, "eval/report": report})
+    print(report)
     # 7. save the model (loadable with AutoModelForSequenceClassification.from_pretrained) and summary.json
-    run.finish(metrics, report, step=at["global_step"], n_seen=at["n_seen"], model=model, tokenizer=tokenizer)
+    run.finish(metrics, {"reward_model": (model, tokenizer)}, samples=state.n_seen)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -678,7 +699,7 @@ def lecture_scores(model, tokenizer, device) -> tuple[dict, str]:
 # === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
 TASK_ID = "seqrl-preference"  # run-name prefix
 SCRIPT = Path(__file__).stem  # named in summary.json and in every checkpoint's state.json
-RESUME_FREE = ("cuda", "runs_dir", "save_every", "resume")  # args a resumed run may change (the rest: the algorithm)
+RESUME_FREE_FIELDS = ("cuda", "runs_dir", "save_every", "resume")  # what a resumed run may change (rest: the algorithm)
 DIST_TIMEOUT = timedelta(minutes=10)  # a rank waiting this long in a collective gives up (a failed rank never hangs)
 
 
@@ -725,10 +746,10 @@ def n_train_examples(args: Args) -> int:
 
 def resume_args(args: Args, saved: dict) -> Args:
     """The resumed run's args: its saved ones. A field given on the command line (other than its default) must
-    agree with them, except the RESUME_FREE fields, which come from the command line."""
+    agree with them, except the RESUME_FREE_FIELDS, which come from the command line."""
     defaults, merged = asdict(Args()), {}
     for name, value in asdict(args).items():
-        if name in RESUME_FREE or name not in saved:
+        if name in RESUME_FREE_FIELDS or name not in saved:
             merged[name] = value
         elif value != defaults[name] and value != saved[name]:
             raise SystemExit(
@@ -784,13 +805,14 @@ class Run:
     start_time: float = field(default_factory=time.time)  # moved back by the run's time before a resume
     total_updates: int = 0  # SFT + reward-model updates: the last one is always checkpointed
     stop: dict = field(default_factory=lambda: {"signal": None, "previous": {}})  # install_stop_handlers' flag
+    resuming: bool = field(init=False)  # --resume continues a checkpoint
 
-    def resuming(self, phase: str) -> bool:
-        """Whether --resume continues a checkpoint written in `phase` ("sft" or "reward")."""
-        return self.resume is not None and self.resume["state"]["phase"] == phase
+    def __post_init__(self):
+        self.resuming = self.resume is not None
 
-    def broadcast_params(self, module: nn.Module) -> None:
-        broadcast_params(module, self.world_size)
+    def broadcast_params(self, *modules: nn.Module) -> None:
+        for module in modules:
+            broadcast_params(module, self.world_size)
 
     def sync_grads(self, params) -> None:
         sync_grads(list(params), self.world_size)
@@ -798,22 +820,31 @@ class Run:
     def global_sum(self, x: torch.Tensor) -> torch.Tensor:
         return global_sum(x, self.world_size)
 
+    def shard(self, items: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous share of a global minibatch: items[rank * n : (rank + 1) * n] with n = len(items) /
+        world_size (a shorter last minibatch is split as evenly as it goes). One process: all of it."""
+        return items if self.world_size == 1 else items.tensor_split(self.world_size)[self.rank]
+
     def log(self, step: int, metrics: dict) -> None:
         for tag, value in metrics.items():
-            self.writer.add_scalar(tag, value, step)
+            if isinstance(value, str):
+                self.writer.add_text(tag, value, step)
+            else:
+                self.writer.add_scalar(tag, value, step)
 
-    def restore(self, fresh: dict, model, optimizer, scheduler) -> dict:
-        """Where a phase's loop starts: `fresh`, or, when --resume continues a checkpoint of fresh["phase"], the
-        checkpoint's place (its permutation included), with its model, optimizer, scheduler and every RNG loaded."""
-        if not self.resuming(fresh["phase"]):
-            return fresh
-        tensors = restore(self.resume, model, optimizer, scheduler, self.device)
-        return {**fresh, **{k: v for k, v in self.resume["state"].items() if k in fresh}, **tensors}
+    def restore(self, state: "TrainState") -> int:
+        """With --resume: the number of updates the checkpoint had done (SFT and reward updates counted together);
+        if it was written in state.phase, its model, optimizer, scheduler, place in the loop and every RNG are loaded
+        into `state` too. Otherwise 0, and `state` stays as it is."""
+        if not self.resuming:
+            return 0
+        if self.resume["state"]["phase"] == state.phase:
+            load_state(self.resume, state, self.device)
+        return self.resume["state"]["update"]
 
-    def end_step(self, update: int, at: dict, model, optimizer, scheduler) -> None:
-        """At a step boundary: checkpoint `at` (the loop's place) with the model, optimizer and scheduler when due
-        (every --save-every updates, and the last one) or when a stop signal reached any rank; after a stop, exit
-        with STOP_EXIT_CODE and the --resume command."""
+    def end_step(self, update: int, state: "TrainState") -> None:
+        """At a step boundary: checkpoint `state` when due (every --save-every updates, and the last one) or when a
+        stop signal reached any rank; after a stop, exit with STOP_EXIT_CODE and the --resume command."""
         stop = self.stop["signal"] is not None
         if self.world_size > 1:  # a signal to any rank stops every rank at the same step (details 8)
             stop = global_sum(torch.tensor([float(stop)], device=self.device), self.world_size).item() > 0
@@ -822,10 +853,8 @@ class Run:
         if self.run_dir is None or not (due or stop):
             return
         if self.rank == 0:
-            tensors = {k: v for k, v in at.items() if isinstance(v, torch.Tensor)}
-            state = {**{k: v for k, v in at.items() if k not in tensors}, "update": update,
-                     "args": asdict(self.args), "elapsed_s": time.time() - self.start_time}  # fmt: skip
-            step_dir = save_checkpoint(self.run_dir, update, model, optimizer, scheduler, state, tensors)
+            extra = {"update": update, "args": asdict(self.args), "elapsed_s": time.time() - self.start_time}
+            step_dir = save_checkpoint(self.run_dir, update, state, extra)
             self.writer.flush()  # the scalars logged so far reach the disk with the checkpoint
         if stop:
             if self.world_size > 1:
@@ -847,34 +876,30 @@ class Run:
             if self.rank != 0:
                 raise SystemExit(0)
 
-    def load_reward_model(self, path: str):
-        """--eval-only: the reward model and tokenizer of a run dir or of its reward_model/ (save_pretrained) dir."""
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    def load_pretrained(self, path: str, kind: Literal["causal", "classifier"]):
+        """(model, tokenizer) of a `save_pretrained` dir (--eval-only: a run dir or its reward_model/ dir)."""
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
         p = Path(path)
         if (p / "reward_model").is_dir():
             p = p / "reward_model"
         if not (p / "config.json").exists():
             raise SystemExit(f"error: --checkpoint '{path}' is not a run dir or save_pretrained dir (no config.json)")
+        cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
         try:
-            model = AutoModelForSequenceClassification.from_pretrained(p)
+            model = cls.from_pretrained(p)
             tokenizer = AutoTokenizer.from_pretrained(p)
         except (OSError, ValueError, KeyError) as e:
             raise SystemExit(f"error: could not load reward model from '{p}': {str(e).splitlines()[0]}") from None
         return model.to(self.device), tokenizer
 
-    def finish(self, metrics: dict, report: str, step: int, n_seen: int, model=None, tokenizer=None) -> None:
-        """Rank 0 at the end: save the reward model and tokenizer (loadable with
-        AutoModelForSequenceClassification.from_pretrained), log the metrics and the report, write args.json and
-        then summary.json (last: its presence marks a finished run for --resume), close tensorboard."""
+    def finish(self, metrics: dict, models: dict, samples: int) -> None:
+        """Rank 0 at the end: save `models` (`save_models`; the reward model is loadable with
+        AutoModelForSequenceClassification.from_pretrained), write args.json and then summary.json (last: its presence
+        marks a finished run for --resume; sps = samples / wall time), close tensorboard."""
         run_dir = self.run_dir
-        if model is not None:
-            model.save_pretrained(run_dir / "reward_model")
-            tokenizer.save_pretrained(run_dir / "reward_model")
+        save_models(run_dir, models)
         wall = time.time() - self.start_time
-        self.log(step, metrics)
-        self.writer.add_text("eval/report", report)
-        print(report)
         print(json.dumps({k: round(v, 4) for k, v in metrics.items()}, indent=1))
         summary = {
             "script": SCRIPT,
@@ -883,11 +908,22 @@ class Run:
             "args": asdict(self.args),
             "metrics": metrics,
             "wall_time_s": wall,
-            "sps": n_seen / wall,
+            "sps": samples / wall,
         }
         (run_dir / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
         write_json_atomic(run_dir / "summary.json", summary)
         self.writer.close()
+
+
+def save_models(run_dir: Path, models: dict) -> None:
+    """Each `name -> what` of `models`: a torch module to name.safetensors; a transformers model or tokenizer, or a
+    tuple of them (a model and its tokenizer), `save_pretrained` into name/."""
+    for name, what in models.items():
+        for part in what if isinstance(what, tuple) else (what,):
+            if hasattr(part, "save_pretrained"):
+                part.save_pretrained(run_dir / name)
+            else:
+                save_file({k: v.contiguous() for k, v in part.state_dict().items()}, run_dir / f"{name}.safetensors")
 
 
 def check_writable_dir(path: Path, flag: str) -> None:
@@ -1019,20 +1055,30 @@ class NullWriter:
     add_text = add_histogram = flush = close = add_scalar
 
 
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, tensors: dict) -> Path:
+def save_checkpoint(run_dir: Path, step: int, state: "TrainState", extra: dict) -> Path:
     """Write RUN_DIR/checkpoints/step_<step>/ atomically, point latest.json at it, delete older ones.
 
-    model.safetensors (`save_model`: tied weights stored once), optimizer.pt (optimizer and scheduler state_dict:
-    tensors and numbers only), rng.safetensors (torch RNG state and `tensors`), state.json (`state`, python and numpy
-    RNG states, the byte size of every file).
+    Every field of `state` (`dataclasses.fields`): a module to <name>.safetensors (`save_model`: tied weights stored
+    once), optimizer and scheduler state_dicts together to optimizer.pt (tensors and numbers only), tensors with the
+    torch RNG state to rng.safetensors, the rest to state.json (with `extra`, python and numpy RNG states, the byte
+    size of every file).
     """
     root = run_dir / "checkpoints"
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
     tmp.mkdir(parents=True)
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-    rng = {"torch_cpu": torch.get_rng_state(), **tensors}
+    rng, state_dicts, plain = {"torch_cpu": torch.get_rng_state()}, {}, {}
+    for f in dataclasses.fields(state):
+        value = getattr(state, f.name)
+        if isinstance(value, nn.Module):
+            save_model(value, str(tmp / f"{f.name}.safetensors"))
+        elif hasattr(value, "state_dict"):  # optimizer, scheduler
+            state_dicts[f.name] = value.state_dict()
+        elif isinstance(value, torch.Tensor):
+            rng[f.name] = value
+        else:
+            plain[f.name] = value
+    torch.save(state_dicts, tmp / "optimizer.pt")
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["torch_cuda"] = torch.cuda.get_rng_state()
     save_file({k: v.contiguous().cpu() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
@@ -1040,13 +1086,13 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state
     numpy_rng["state"]["key"] = numpy_rng["state"]["key"].tolist()
     python_rng = random.getstate()
     files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
-    state = {**state, "script": SCRIPT, "step": step, "files": files, "numpy_rng": numpy_rng,
+    saved = {**plain, **extra, "script": SCRIPT, "step": step, "files": files, "numpy_rng": numpy_rng,
              "python_rng": [python_rng[0], list(python_rng[1]), python_rng[2]]}  # fmt: skip
-    (tmp / "state.json").write_text(json.dumps(state))
+    (tmp / "state.json").write_text(json.dumps(saved))
     if final.exists():  # complete, but latest.json never named it (the run was killed right after the rename)
         shutil.rmtree(final)
     os.replace(tmp, final)
-    write_json_atomic(root / "latest.json", {"step": step, "dir": final.name, "phase": state["phase"]})
+    write_json_atomic(root / "latest.json", {"step": step, "dir": final.name, "phase": state.phase})
     for old in root.glob("step_*"):  # the previous checkpoint goes only now that the new one is complete
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
@@ -1080,8 +1126,9 @@ def load_checkpoint(run_dir: Path) -> dict:
     return {"state": state, "dir": step_dir}
 
 
-def restore(ckpt: dict, model, optimizer, scheduler, device) -> dict:
-    """Load a checkpoint's model, optimizer and scheduler in place and set every RNG; returns its saved tensors."""
+def load_state(ckpt: dict, state: "TrainState", device) -> None:
+    """Load a checkpoint (`load_checkpoint`) into `state`, field by field as `save_checkpoint` wrote them, and set
+    every RNG; a corrupt file is a one-line error."""
 
     def read(name, fn):
         try:
@@ -1090,19 +1137,25 @@ def restore(ckpt: dict, model, optimizer, scheduler, device) -> dict:
             message = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise SystemExit(f"error: checkpoint file {ckpt['dir'] / name} is corrupt ({message})") from None
 
-    read("model.safetensors", lambda f: load_model(model, str(f), device=str(device)))
-    saved = read("optimizer.pt", lambda f: torch.load(f, map_location=device, weights_only=True))
+    state_dicts = read("optimizer.pt", lambda f: torch.load(f, map_location=device, weights_only=True))
     tensors = read("rng.safetensors", lambda f: load_file(str(f)))
-    optimizer.load_state_dict(saved["optimizer"])
-    scheduler.load_state_dict(saved["scheduler"])
-    torch.set_rng_state(tensors.pop("torch_cpu"))
-    cuda_rng = tensors.pop("torch_cuda", None)
+    saved = ckpt["state"]
+    for f in dataclasses.fields(state):
+        value = getattr(state, f.name)
+        if isinstance(value, nn.Module):
+            read(f"{f.name}.safetensors", lambda path, value=value: load_model(value, str(path), device=str(device)))
+        elif hasattr(value, "state_dict"):
+            value.load_state_dict(state_dicts[f.name])
+        elif f.name in tensors:
+            setattr(state, f.name, tensors[f.name])
+        else:
+            setattr(state, f.name, saved[f.name])
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda_rng = tensors.get("torch_cuda")
     if cuda_rng is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(cuda_rng)
-    st = ckpt["state"]
-    random.setstate((st["python_rng"][0], tuple(st["python_rng"][1]), st["python_rng"][2]))
-    np.random.set_state(st["numpy_rng"])
-    return tensors
+    random.setstate((saved["python_rng"][0], tuple(saved["python_rng"][1]), saved["python_rng"][2]))
+    np.random.set_state(saved["numpy_rng"])
 
 
 if __name__ == "__main__":

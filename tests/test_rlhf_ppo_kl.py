@@ -147,7 +147,7 @@ def test_non_text_tokens_are_never_sampled_and_log_probs_see_the_same_distributi
 def test_generation_logits_equal_lm_forward_logits_on_real_architectures(hf_checkpoint):
     # what PPO samples from is exactly what its log-probs, ratios and KL are computed on (left padding, KV cache,
     # a BPE tokenizer given a pad token, special tokens masked)
-    lm, tok = M.with_pad_token(*M.load_pretrained("causal", str(hf_checkpoint), "ckpt"), "ckpt")
+    lm, tok = M.with_pad_token(*M.load_pretrained(str(hf_checkpoint), "causal", "ckpt"), "ckpt")
     lm = M.disable_dropout(lm).eval()
     not_text = M.not_text_mask(tok, lm.get_output_embeddings().weight.shape[0], "cpu")
     assert not_text[tok.pad_token_id] and not not_text[tok.eos_token_id]
@@ -168,7 +168,7 @@ def test_generation_logits_equal_lm_forward_logits_on_real_architectures(hf_chec
 
 
 def test_decoded_completion_is_the_tasks_words_and_the_models_eos(hf_checkpoint):
-    lm, tok = M.with_pad_token(*M.load_pretrained("causal", str(hf_checkpoint), "ckpt"), "ckpt")
+    lm, tok = M.with_pad_token(*M.load_pretrained(str(hf_checkpoint), "causal", "ckpt"), "ckpt")
     answers = [Completion("it's a city called paris", True), Completion("paris paris", False)]
     rows = [M.completion_ids(tok, PARIS, c) for c in answers]
     assert rows[0][-1] == tok.eos_token_id and tok.eos_token_id not in rows[1]

@@ -95,7 +95,7 @@ def test_sft_trains_the_lm_and_the_reward_model_gets_its_backbone(tmp_path):
     args = rm.Args(sft_epochs=2, sft_examples=128, sft_batch_size=32)
     lm, tok = rm.build_lm(args, "cpu")
     before = {k: v.clone() for k, v in lm.base_model.state_dict().items()}
-    nll = rm.supervised_fine_tune(lm, tok, args, rm.Run(args, writer=SummaryWriter(str(tmp_path))))
+    nll = rm.fine_tune_backbone(lm, tok, args, rm.Run(args, writer=SummaryWriter(str(tmp_path))))
     assert math.isfinite(nll) and nll < math.log(len(tok))  # below the uniform guess after 4 updates
     changed = [k for k, v in lm.base_model.state_dict().items() if not torch.equal(v, before[k])]
     assert "wte.weight" in changed and any(k.startswith("h.1.") for k in changed)  # SFT trained the backbone

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from conftest import ROOT, gloo_threads, load_script, run_script, scalar_steps, subprocess_env
@@ -92,7 +93,7 @@ def gradient_worker(out_dir: str) -> None:
         return M.ppo_minibatch_loss(policy, *(x[rows] for x in batch), args, 0, not_text)[0]
 
     run = M.Run(M.Args(), rank, world)  # the script's collectives over the 2 ranks (no run dir)
-    everything, mine = slice(0, B), run.shard_rows(B)
+    everything, mine = slice(0, B), slice(rank * B // world, (rank + 1) * B // world)  # as run.shard splits
     policy.zero_grad()
     loss_of(everything).backward()  # the one-process gradient of the whole minibatch (no collective involved)
     one_process = flat_grad(policy)
@@ -106,17 +107,17 @@ def gradient_worker(out_dir: str) -> None:
     unweighted = flat_grad(policy)
 
     x = torch.randn(B, T)
-    mean, var = run.masked_mean_var(x[mine], mask[mine])
+    assert run.shard(list(range(B))) == list(range(B))[mine]
+    mean, var = M.masked_mean_var(x[mine], mask[mine], run.global_sum)  # as the script calls it
     whitened = M.masked_whiten(x[mine], mask[mine], mean_var=(mean, var))
-    gathered_whitened = run.gather(whitened)
+    gathered_whitened = torch.cat(run.gather(whitened))
     # issue 24: no rank leaves save_checkpoint before rank 0's checkpoint is complete (a rank that exits early makes
     # torchrun's agent stop the others, rank 0 mid-write); rank 0's write is slowed so that an early return shows
     write_checkpoint = M.write_checkpoint
     M.write_checkpoint = lambda *a: (time.sleep(SLOW_WRITE_S), write_checkpoint(*a))
     run_dir = Path(out_dir) / "run"
-    M.save_checkpoint(
-        run_dir, 1, policy, torch.optim.Adam(policy.parameters()), None, torch.device("cpu"), {}, rank, world
-    )
+    state = M.TrainState(policy, torch.optim.Adam(policy.parameters()), None, np.random.default_rng(0), None, 0.0, {})
+    M.save_checkpoint(run_dir, 1, state, {}, torch.device("cpu"), rank, world)
     checkpoint_complete_on_return = (run_dir / "checkpoints" / "latest.json").is_file()
     M.write_checkpoint = write_checkpoint
     dist.destroy_process_group()  # from here on the helpers see one process: the single-process reference values
@@ -128,7 +129,7 @@ def gradient_worker(out_dir: str) -> None:
         "grad_max_abs": one_process.abs().max().item(),
         "unweighted_max_abs_diff": (unweighted - one_process).abs().max().item(),
         "mean_diff": (mean - M.masked_mean(x, mask)).abs().item(),
-        "var_diff": (var - M.masked_var(x, mask)).abs().item(),
+        "var_diff": (var - M.masked_mean_var(x, mask)[1]).abs().item(),
         "whiten_max_abs_diff": (gathered_whitened - M.masked_whiten(x, mask)).abs().max().item(),
         "data_parallel_grad": data_parallel.tolist(),
         "checkpoint_complete_on_return": checkpoint_complete_on_return,

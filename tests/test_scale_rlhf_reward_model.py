@@ -49,7 +49,7 @@ def minibatch_gradients(kind: str, world_size: int, rank: int) -> dict:
     torch.manual_seed(0)
     lm, tok = rm.build_lm(args, "cpu")
     mb = torch.tensor([5, 0, 3, 8, 1, 2, 6])  # 7 of 9 examples, in a shuffled order
-    part = rm.shard(mb, world_size, rank)  # this rank's share, weighted at the call site as in the script's loops
+    part = rm.Run(args, rank=rank, world_size=world_size).shard(mb)  # this rank's share, weighted at the call site
     if kind == "sft":  # token-mean causal-LM loss over demonstrations of different lengths
         demos = preference.make_sft_dataset(9, seed=4)
         enc = rm.encode(tok, [d[0] for d in demos], [d[1] for d in demos])
@@ -107,9 +107,13 @@ def test_allreduced_gradient_of_split_minibatch_equals_one_process_gradient(tmp_
 
 def test_shard_is_contiguous_and_covers_the_minibatch():
     mb = torch.arange(10, 18)
-    assert rm.shard(mb, 1, 0) is mb
-    assert [rm.shard(mb, 2, r).tolist() for r in range(2)] == [[10, 11, 12, 13], [14, 15, 16, 17]]
-    assert [len(rm.shard(mb[:7], 2, r)) for r in range(2)] == [4, 3]  # a short last minibatch: as even as it goes
+
+    def shard(items, world_size, rank):
+        return rm.Run(rm.Args(), rank=rank, world_size=world_size).shard(items)
+
+    assert shard(mb, 1, 0) is mb
+    assert [shard(mb, 2, r).tolist() for r in range(2)] == [[10, 11, 12, 13], [14, 15, 16, 17]]
+    assert [len(shard(mb[:7], 2, r)) for r in range(2)] == [4, 3]  # a short last minibatch: as even as it goes
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -243,12 +247,12 @@ def test_end_of_step_flushes_tensorboard_with_each_checkpoint_and_closes_it_on_a
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     run = rm.Run(rm.Args(save_every=2), run_dir=tmp_path, total_updates=10, writer=Writer())
-    parts = ({"phase": "sft"}, model, optimizer, scheduler)
-    run.end_step(1, *parts)
-    run.end_step(2, *parts)
+    state = rm.TrainState("sft", model, optimizer, scheduler)
+    run.end_step(1, state)
+    run.end_step(2, state)
     run.stop["signal"] = "SIGINT"  # what the stop handler sets
     with pytest.raises(SystemExit) as ended:
-        run.end_step(3, *parts)
+        run.end_step(3, state)
     assert ended.value.code == rm.STOP_EXIT_CODE
     assert run.writer.calls == ["flush", "flush", "close"]  # update 2 (due), update 3 (the stop), then closed
     assert json.loads((tmp_path / "checkpoints" / "latest.json").read_text())["step"] == 3
@@ -309,8 +313,9 @@ def tiny_training_state():
 
 def test_a_save_killed_half_way_leaves_the_previous_checkpoint_which_loads(tmp_path, monkeypatch):
     model, optimizer, scheduler = tiny_training_state()
-    state = {"phase": "reward", "args": dataclasses.asdict(rm.Args())}
-    rm.save_checkpoint(tmp_path, 2, model, optimizer, scheduler, state, {"perm": torch.arange(5)})
+    state = rm.TrainState("reward", model, optimizer, scheduler, perm=torch.arange(5))
+    extra = {"args": dataclasses.asdict(rm.Args())}
+    rm.save_checkpoint(tmp_path, 2, state, extra)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
 
     def killed_while_writing(obj, f):  # what a SIGKILL during torch.save leaves: half a file, no rename
@@ -321,7 +326,7 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_which_loads(tmp_p
         model.score.weight += 1.0
     monkeypatch.setattr(rm.torch, "save", killed_while_writing)
     with pytest.raises(KeyboardInterrupt):
-        rm.save_checkpoint(tmp_path, 4, model, optimizer, scheduler, state, {"perm": torch.arange(5)})
+        rm.save_checkpoint(tmp_path, 4, state, extra)
     monkeypatch.undo()
     assert (tmp_path / "checkpoints" / "step_4.tmp").exists() and (tmp_path / "checkpoints" / "step_2").exists()
 
@@ -330,15 +335,16 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_which_loads(tmp_p
     fresh, fresh_opt, fresh_sched = tiny_training_state()
     with torch.no_grad():
         fresh.score.weight.zero_()
-    tensors = rm.restore(ckpt, fresh, fresh_opt, fresh_sched, "cpu")
-    assert torch.equal(tensors["perm"], torch.arange(5))
+    restored = rm.TrainState("reward", fresh, fresh_opt, fresh_sched)
+    rm.load_state(ckpt, restored, "cpu")
+    assert torch.equal(restored.perm, torch.arange(5))
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, saved[k]), k
     assert fresh_sched.last_epoch == 1  # one AdamW step on the one parameter that had a gradient (score.weight):
     assert [s["step"].item() for s in fresh_opt.state_dict()["state"].values()] == [1.0]
 
     # the next save cleans up the half-written one and replaces the previous checkpoint
-    rm.save_checkpoint(tmp_path, 6, model, optimizer, scheduler, state, {"perm": torch.arange(5)})
+    rm.save_checkpoint(tmp_path, 6, state, extra)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest.json", "step_6"]
 
     # a file of the right size with a broken header: refused naming the file
@@ -347,7 +353,7 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_which_loads(tmp_p
     data[:8] = b"\xff" * 8  # the header length
     model_file.write_bytes(bytes(data))
     with pytest.raises(SystemExit, match=r"error: checkpoint file .*model.safetensors is corrupt"):
-        rm.restore(rm.load_checkpoint(tmp_path), fresh, fresh_opt, fresh_sched, "cpu")
+        rm.load_state(rm.load_checkpoint(tmp_path), restored, "cpu")
     # a truncated file: refused before anything is loaded
     model_file.write_bytes(bytes(data[: len(data) // 2]))
     with pytest.raises(SystemExit, match=r"error: checkpoint file .*model.safetensors is truncated"):
