@@ -37,7 +37,7 @@ Implementation details:
      trlx's 0.99 per token would discount a 40-token dialogue by 0.67 and double the price of a question).
   4. Decoding runs all active dialogues in lockstep with a KV cache: one left-padded prefill per turn, then one
      forward pass per generated token, until every dialogue has written <sep> (at most `utterance_budget` tokens:
-     12 with the built-in tokenizer). The agent never writes a special token other than <sep> (pad, bos, eos, unk
+     13 with the built-in tokenizer). The agent never writes a special token other than <sep> (pad, bos, eos, unk
      are masked to -inf before top-k: they are not text), and its tokens are decoded with skip_special_tokens
      before the answerer reads them.
   5. β is chosen on VALIDATION episodes (`--val-seed`, a different secret order than the test `--eval-seed`);
@@ -163,7 +163,7 @@ import envs.guess_image as G  # noqa: E402
 from envs.tokenizer import build_tokenizer  # noqa: E402
 
 TASK_ID = "seqrl-GuessTheImage-v0"  # run-name prefix
-N_POSITIONS = 160  # context: 7 turns of the longest malformed utterance (12 words) + replies, + 12 new = 146 tokens
+N_POSITIONS = 160  # context: 7 turns of the longest malformed utterance (12 words) + replies, + 13 new = 147 tokens
 SEP_TOKEN, PAD_TOKEN = "<sep>", "<pad>"  # added to a checkpoint's tokenizer that lacks a turn separator / pad token
 GEN_BATCH = 512  # dialogues per decoding forward pass
 LENGTH_BLOCK = 50  # `--group-by-length`: minibatches per length-sorted block
@@ -621,11 +621,11 @@ def banned_token_mask(tokenizer, n_logits: int) -> torch.Tensor:
 
 
 def utterance_budget(tokenizer) -> int:
-    """Tokens one generated utterance may take, its closing separator included: the longest valid utterance in this
-    tokenizer's tokens + the separator, and at least G.MAX_UTTERANCE_WORDS (the env shows a malformed utterance cut
-    to that many words). 12 for the built-in word-level tokenizer (longest valid utterance: 7 words)."""
+    """Tokens one sampled utterance may take, its closing separator included: G.MAX_UTTERANCE_WORDS words (what the
+    env shows of a malformed utterance) or the longest valid utterance in this tokenizer's tokens, whichever is
+    longer, + the separator. 13 for the built-in word-level tokenizer (longest valid utterance: 7 words)."""
     longest = max(len(tokenizer(u, add_special_tokens=False)["input_ids"]) for u in G.all_utterances())
-    return max(G.MAX_UTTERANCE_WORDS, longest + 1)
+    return max(G.MAX_UTTERANCE_WORDS, longest) + 1
 
 
 def n_logits(lm) -> int:

@@ -237,7 +237,7 @@ def test_batched_cached_decoding_matches_plain_loop(beta):
         max_new_tokens=budget,
     )
     assert got == [plain_greedy(lm, heads, p, beta, tok.sep_token_id, banned, budget) for p in prompts]
-    assert budget == G.MAX_UTTERANCE_WORDS  # the built-in tokenizer: the default runs' budget is unchanged
+    assert budget == G.MAX_UTTERANCE_WORDS + 1  # the built-in tokenizer: every word the env reads, then <sep>
 
 
 def test_banned_tokens_are_the_non_text_specials_and_padded_rows():
