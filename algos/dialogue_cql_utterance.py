@@ -1132,6 +1132,8 @@ class Run:
         if not self.resuming:
             return 0
         step_dir, saved = self._checkpoint
+        if self._restored and saved["fields"]["phase"] != "critic":
+            return 0  # only a checkpoint of the critic phase has more to load (and the next phase end replaced it)
         first = not self._restored
         self._restored |= load_training_checkpoint(step_dir, saved, state, self._restored)
         if first:
