@@ -111,7 +111,7 @@ import signal
 import sys
 import time
 import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -261,12 +261,14 @@ def with_data_first(sampled_idx: torch.Tensor, data_idx: torch.Tensor) -> torch.
     return torch.cat([data_idx[:, None], sampled], dim=1)  # (B, K + 1)
 
 
-def cql_penalty(q_cands: torch.Tensor, cand_mask: torch.Tensor, q_data: torch.Tensor) -> torch.Tensor:
+# not ilql_per_token's token_cql_penalty: here over a sampled candidate set, with padded slots masked
+def candidate_cql_penalty(q_cands: torch.Tensor, cand_mask: torch.Tensor, q_data: torch.Tensor) -> torch.Tensor:
     """CQL(H) per state: logsumexp over the valid candidates (B, K) of Q minus Q of the data utterance (B,)."""
     return torch.logsumexp(q_cands.masked_fill(~cand_mask, MASKED_Q), dim=1) - q_data  # (B,)
 
 
-def td_target(
+# not dqn_framestack's td_target: the max runs over the sampled next candidates, min over the twin targets
+def candidate_td_target(
     rewards: torch.Tensor,
     dones: torch.Tensor,
     next_q_target: torch.Tensor,
@@ -363,7 +365,7 @@ def pad_rows(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 # ---------------------------------------------------------------------------------------------------------------
 # BC LM: build, train, sample
 # ---------------------------------------------------------------------------------------------------------------
-def build_lm(args):
+def build_proposer(args):
     """The proposer and its tokenizer: a tiny GPT-2 from a config over the built-in word-level tokenizer, or the
     pretrained `--model-name-or-path` (a save_pretrained dir or a hub id) with its own tokenizer, weights kept."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
@@ -428,9 +430,10 @@ def n_logits(lm) -> int:
 
 
 def banned_token_mask(tokenizer, n_logits: int) -> torch.Tensor:
-    """(n_logits,) bool, True for the tokens an utterance may never contain: every special token but the turn
-    separator (pad, bos, eos, unk, ...: they are not text; an utterance ends with the separator) and the output rows
-    beyond the tokenizer (padding rows of tables such as Pythia's; those ids decode to nothing)."""
+    """(n_logits,) bool, True for the tokens an agent utterance may never contain: every special token but the turn
+    separator (pad, bos, eos, unk, ...: they are not text; the agent ends its turn with the separator) and the
+    output rows beyond the tokenizer (checkpoints such as Pythia pad their embedding table; those ids decode to
+    nothing)."""
     banned = torch.zeros(n_logits, dtype=torch.bool)
     banned[len(tokenizer) :] = True
     banned[[i for i in tokenizer.all_special_ids if i != tokenizer.sep_token_id and i < n_logits]] = True
@@ -476,7 +479,10 @@ def bc_loss(logits: torch.Tensor, ids: torch.Tensor, agent: torch.Tensor, weight
     return (nll * mask).sum() / mask.sum()
 
 
-def belief_loss(belief_logits: torch.Tensor, secret: torch.Tensor, real: torch.Tensor, weights: torch.Tensor):
+# not ilql_per_token's belief_loss: each distinct dialogue is weighted by its count (`dedupe_dialogues`)
+def weighted_belief_loss(
+    belief_logits: torch.Tensor, secret: torch.Tensor, real: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
     """Count-weighted cross-entropy of the logged secret from every real prefix: belief_logits (B, L, N_OBJECTS),
     secret (B,), real (B, L) bool, weights (B,). Minimized by p(secret | prefix), the belief over the 18 objects."""
     target = secret[:, None].expand(-1, belief_logits.shape[1])  # (B, L)
@@ -523,7 +529,7 @@ def train_bc(lm, tokenized: list[dict], secrets, args, device, log, pad_id: int)
             loss = loss_bc = bc_loss(out.logits, ids, agent, weights)  # logits (B, L, V)
             if use_belief:  # hidden_states[-1]: the final (normed) hidden state (B, L, d)
                 secret = torch.from_numpy(secrets[rows]).to(device)  # (B,)
-                loss_belief = belief_loss(belief_head(out.hidden_states[-1]), secret, ids != pad_id, weights)
+                loss_belief = weighted_belief_loss(belief_head(out.hidden_states[-1]), secret, ids != pad_id, weights)
                 loss = loss + args.belief_coef * loss_belief
             optimizer.zero_grad()
             loss.backward()
@@ -607,27 +613,13 @@ def sample_utterances(
 # Data: histories, transitions, utterance table
 # ---------------------------------------------------------------------------------------------------------------
 def load_dialogues(args) -> list[dict]:
+    """The offline dialogues: `--dataset-path`'s JSONL (written by `G.write_dataset`; `parse_args` checked it) or
+    `G.make_dataset(--dataset-size, --dataset-seed)`. A logged dialogue without a return gets its rewards' sum."""
     if args.dataset_path is None:
         return G.make_dataset(args.dataset_size, seed=args.dataset_seed)
-    path = Path(args.dataset_path)
-    if not path.is_file():
-        raise SystemExit(f"error: --dataset-path '{path}' does not exist (write one with G.write_dataset)")
-    try:
-        dialogues = G.read_dataset(path)
-        for d in dialogues:
-            for t in d["turns"]:
-                str(t["agent"]), str(t["reply"]), float(t["reward"])  # noqa: B018  (fields must exist)
-            if not d["turns"]:
-                raise ValueError("a dialogue without turns")
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise SystemExit(f"error: --dataset-path '{path}' is not a GuessTheImage JSONL dataset ({e!r})") from None
-    if not dialogues:
-        raise SystemExit(f"error: --dataset-path '{path}' holds no dialogues")
-    if args.belief_coef > 0 and not all(d.get("secret_id") in range(G.N_OBJECTS) for d in dialogues):
-        raise SystemExit(
-            f"error: --dataset-path '{path}': --belief-coef > 0 needs the logged secret_id (0..{G.N_OBJECTS - 1}) of "
-            "every dialogue; pass --belief-coef 0 for logs without it"
-        )
+    dialogues = G.read_dataset(args.dataset_path)
+    for d in dialogues:
+        d["return"] = float(d.get("return", sum(t["reward"] for t in d["turns"])))
     return dialogues
 
 
@@ -647,6 +639,16 @@ class UtteranceTable:
     def tensors(self, device):
         ids, lengths = pad_rows(self.tokens, self.tokenizer.pad_token_id)
         return ids.to(device), lengths
+
+    def state_dict(self) -> dict:
+        return {"utterances": list(self.ids)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The saved utterances, of which those already here (the data's, added first) must be the first."""
+        if state["utterances"][: len(self.tokens)] != list(self.ids):
+            raise ValueError("the dataset's utterances differ from the saved table's")
+        for utterance in state["utterances"][len(self.tokens) :]:
+            self.add(utterance)
 
 
 def build_transitions(dialogues, tokenizer, table: UtteranceTable):
@@ -741,7 +743,8 @@ def evaluate(policy, n_episodes: int, seed: int) -> dict:
     }
 
 
-def timestep_stats(dialogues, tokenizer, lm, cand: torch.Tensor, tr: dict) -> dict:
+# not ilql_per_token's timestep_stats: here one RL step is an utterance, not a token
+def utterance_timestep_stats(dialogues, tokenizer, lm, cand: torch.Tensor, tr: dict) -> dict:
     """Lecture Problem 21.4, per utterance: the RL horizon is the number of agent turns of a dialogue; the action
     space of one step is every token sequence up to the utterance budget (W^L for W writable tokens, L tokens before
     the separator: astronomically many), of which the data uses a few dozen distinct utterances, and the Bellman
@@ -762,26 +765,43 @@ def timestep_stats(dialogues, tokenizer, lm, cand: torch.Tensor, tr: dict) -> di
 # ---------------------------------------------------------------------------------------------------------------
 # Training: STEP 0-3 in main(); STEP 4, the evaluation, follows it
 # ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class TrainState:
+    """What one phase hands to the next: all that a checkpoint holds for `--resume` (None: not made yet)."""
+
+    phase: str | None  # the last phase done: None, "bc", "candidates" or "critic"
+    lm: nn.Module  # the proposer (frozen after the BC phase)
+    table: UtteranceTable  # utterance string -> id: the data's utterances first, then the sampled ones
+    bc_nll: dict = field(default_factory=dict)  # the BC fit (model/bc_nll_start, model/bc_nll_end)
+    timings: dict = field(default_factory=dict)  # wall seconds of each phase
+    cand: torch.Tensor | None = None  # (S, N) sampled candidate ids of each distinct history (-1 = padding)
+    critic: nn.Module | None = None
+    target: nn.Module | None = None  # the Polyak target critic
+    optimizer: torch.optim.Optimizer | None = None
+    rng: np.random.Generator | None = None  # the critic's minibatches
+
+
 def main():
     args = parse_args()  # tyro + validation; --resume: the run's own arguments
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    start_time = time.time()
     dialogues = load_dialogues(args)
     data_stats = G.dataset_stats(dialogues)
     if args.eval_only:  # STEP 4 alone, on the proposer, tokenizer and critic of a finished run (--checkpoint)
         run = start_run(args)
-        lm, tokenizer, critic = run.load_models()
-        t0 = time.time()
+        lm, tokenizer = run.load_pretrained(str(Path(args.checkpoint) / "bc_lm"), "causal")
+        critic = UtteranceCritic(len(tokenizer), args.critic_dim, args.critic_hidden, tokenizer.pad_token_id)
+        critic = run.load_model(critic).to(run.device)
         metrics = evaluate_agents(lm, critic, tokenizer, args, run.device, data_stats)
-        run.finish(metrics, {"eval_s": time.time() - t0}, start_time)
+        run.log(0, metrics | headline_charts(metrics))
+        run.finish(metrics, {}, samples=0)
         return
 
     # STEP 0: the proposer to train and its tokenizer (built-in, or the checkpoint's own + <sep>/<pad>, detail 8);
     # the distinct histories (states), one transition per turn and the utterance table (the data utterances first)
-    lm, tokenizer = build_lm(args)
+    lm, tokenizer = build_proposer(args)
     table = UtteranceTable(tokenizer)
     states, prompts, tr = build_transitions(dialogues, tokenizer, table)
     args.n_states, args.n_transitions = len(states), len(tr["s"])
@@ -789,24 +809,25 @@ def main():
     device = run.device
     lm = lm.to(device)
     print(f"run dir {run.run_dir}; dataset: {data_stats['n']} dialogues, mean return {data_stats['mean_return']:.3f}")
-    # `state` is what a checkpoint holds: the last phase done, the proposer, the utterance table and what the phases
-    # made. --resume: as its checkpoint left it (the proposer's weights, the table and the RNG states restored)
-    state = run.restore_phases({"phase": None, "lm": lm, "table": table})
+    # --resume: the phases done, as the checkpoint left them (the proposer's weights, the table, the candidates and
+    # the RNG states restored into `state`)
+    state = TrainState(phase=None, lm=lm, table=table)
+    run.restore(state)
 
     # STEP 1: the BC utterance model
-    if state["phase"] is None:
+    if state.phase is None:
         t0 = time.time()
         secrets = [d["secret_id"] for d in dialogues] if args.belief_coef > 0 else None
         tokenized = G.tokenize_dialogues(dialogues, tokenizer)
-        lm, bc_nll = train_bc(lm, tokenized, secrets, args, device, run.log, tokenizer.pad_token_id)
-        state.update(phase="bc", bc_nll=bc_nll, timings={"bc_s": time.time() - t0})
-        print(f"[bc] trained in {state['timings']['bc_s']:.0f}s", flush=True)
+        lm, state.bc_nll = train_bc(lm, tokenized, secrets, args, device, run.log, tokenizer.pad_token_id)
+        state.phase, state.timings = "bc", {"bc_s": time.time() - t0}
+        print(f"[bc] trained in {state.timings['bc_s']:.0f}s", flush=True)
         run.end_step(0, state)  # a checkpoint with --save-every > 0, and one after Ctrl-C / SIGTERM (then exit)
     lm.eval()  # frozen from here on
-    timings = state["timings"]  # wall time of each phase (summary.json)
+    timings = state.timings  # wall time of each phase
 
     # STEP 2: N candidate utterances per distinct history, sampled once, deduplicated
-    if state["phase"] == "bc":
+    if state.phase == "bc":
         t0 = time.time()
         generator = torch.Generator().manual_seed(args.seed)
         samples = sample_utterances(
@@ -826,10 +847,10 @@ def main():
             flush=True,
         )
         run.log(0, {"charts/candidate_set_size": set_size, "charts/data_utterance_coverage": coverage})
-        state.update(phase="candidates", cand=cand)
+        state.phase, state.cand = "candidates", cand
         run.end_step(0, state)  # a checkpoint with --save-every > 0, and one after Ctrl-C / SIGTERM (then exit)
-    cand = state["cand"]
-    problem = {**timestep_stats(dialogues, tokenizer, lm, cand, tr), **state["bc_nll"]}  # Problem 21.4 + BC fit
+    cand = state.cand
+    problem = {**utterance_timestep_stats(dialogues, tokenizer, lm, cand, tr), **state.bc_nll}  # Problem 21.4 + BC fit
 
     # STEP 3: the critic with twin Q heads, a Polyak target and the CQL penalty
     critic = UtteranceCritic(len(tokenizer), args.critic_dim, args.critic_hidden, tokenizer.pad_token_id).to(device)
@@ -843,10 +864,10 @@ def main():
     u_ids, u_len = table.tensors(device)
     cql_cands = with_data_first(cand[tr["s"]], tr["a"])  # (T, N + 1): C(s) u {a}, data first
     rng = np.random.default_rng(args.seed)  # the critic's minibatches
-    state.update(phase="critic", critic=critic, target=target, optimizer=optimizer, rng=rng)
-    first_step = run.restore(state)  # 1; --resume after critic step k: k + 1 (critic, target, Adam, rng restored)
+    state.phase, state.critic, state.target, state.optimizer, state.rng = "critic", critic, target, optimizer, rng
+    steps_done = run.restore(state)  # --resume after critic step k: k (its critic, target, Adam and rng restored)
     t0 = time.time() - timings.get("critic_s", 0.0)
-    for step in range(first_step, args.critic_steps + 1):
+    for step in range(steps_done + 1, args.critic_steps + 1):
         b = torch.from_numpy(rng.integers(0, len(tr["s"]), size=args.batch_size))  # (B,)
         s, s2 = tr["s"][b], tr["s2"][b]
         ns, ns2 = n_turns_all[s], n_turns_all[s2]  # (B,)
@@ -863,14 +884,14 @@ def main():
                 target.encode_histories(target.encode_turns(t_ids, t_len), hs2, ns2),
                 target.encode_utterances(u_ids[used], u_len[used])[nc_u],
             )  # (B, N, 2)
-            y = td_target(tr["r"][b].to(device), tr["done"][b].to(device), q_next, nc >= 0, args.gamma)
+            y = candidate_td_target(tr["r"][b].to(device), tr["done"][b].to(device), q_next, nc >= 0, args.gamma)
         q = critic.q_values(
             critic.encode_histories(critic.encode_turns(t_ids, t_len), hs, ns),
             critic.encode_utterances(u_ids[used], u_len[used])[cq_u],
         )  # (B, N + 1, 2)
         q_data = q[:, 0]  # (B, 2): Q of the dataset utterance
         q_loss = ((q_data - y[:, None]) ** 2).mean(0).sum()
-        cql = sum(cql_penalty(q[..., j], cq >= 0, q_data[:, j]).mean() for j in range(2))
+        cql = sum(candidate_cql_penalty(q[..., j], cq >= 0, q_data[:, j]).mean() for j in range(2))
         loss = q_loss + args.cql_alpha * cql
         optimizer.zero_grad()
         loss.backward()
@@ -897,7 +918,9 @@ def main():
     t0 = time.time()
     metrics = {**evaluate_agents(lm, critic, tokenizer, args, device, data_stats), **problem}
     timings["eval_s"] = time.time() - t0
-    run.finish(metrics, timings, start_time, models=(lm, tokenizer, critic))
+    print("[time] " + ", ".join(f"{phase} {seconds:.0f}s" for phase, seconds in timings.items()), flush=True)
+    run.log(0, metrics | headline_charts(metrics))
+    run.finish(metrics, {"bc_lm": (lm, tokenizer), "critic": critic}, samples=args.critic_steps * args.batch_size)
 
 
 def evaluate_agents(lm, critic, tokenizer, args, device, data_stats: dict) -> dict:
@@ -942,14 +965,23 @@ def evaluate_agents(lm, critic, tokenizer, args, device, data_stats: dict) -> di
     return metrics
 
 
+def headline_charts(metrics: dict) -> dict:
+    """The headline test result under CleanRL's chart tags."""
+    return {
+        "charts/episodic_return": metrics["eval/episodic_return"],
+        "charts/episodic_length": metrics["eval/episodic_length"],
+    }
+
+
 # === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
 # Long runs: RUN_DIR/checkpoints gets a checkpoint at the end of the BC phase, at the end of the candidate phase and
 # every `--save-every` critic steps (and at the critic's end), and Ctrl-C or SIGTERM writes one at the next of these
 # points, then the run exits: the proposer's weights (safetensors), the candidate sets and the utterance table they
-# index (arrays.npz, with torch's RNG state), from the critic phase on the critic, its target (safetensors), Adam
-# (torch.save, read back with weights_only=True) and the minibatch rng, and state.json (phase, critic step, BC fit,
-# timings, args, python and numpy RNG states, file sizes). Written into a temporary dir, os.replace'd into place,
-# then named by latest.json (temp file + os.replace): a kill leaves the previous one; all deleted when the run ends.
+# index, from the critic phase on the critic, its target, Adam and the minibatch rng: the fields of TrainState
+# (modules as safetensors, tensors in arrays.npz with torch's RNG state, what has a state_dict with torch.save, read
+# back with weights_only=True, the rest and the python / numpy RNG states, args and file sizes in state.json).
+# Written into a temporary dir, os.replace'd into place, then named by latest.json (temp file + os.replace): a kill
+# leaves the previous one; all deleted when the run ends.
 # `--resume RUN_DIR` rebuilds the data (deterministic), skips the phases done, and ends with the same metrics, bit
 # for bit on CPU, as the run uninterrupted (tests/test_resume_dialogue_cql_utterance.py). The BC phase itself is not
 # checkpointed inside (a kill during BC restarts it). Tensorboard: the BC and critic curves share the step axis, so
@@ -957,16 +989,27 @@ def evaluate_agents(lm, critic, tokenizer, args, device, data_stats: dict) -> di
 # checkpoint appear twice.
 SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
 RESUME_FREE_FIELDS = ("resume", "save_every", "runs_dir")  # may change on --resume; the rest is the run's
+ARCH_FIELDS = ("critic_dim", "critic_hidden")  # --eval-only: the critic's sizes, from its run's args.json
 
 
 def parse_args() -> Args:
-    """The command line (tyro), validated; with --resume, the run's own arguments (plus RESUME_FREE_FIELDS)."""
+    """The command line (tyro), validated; with --resume, the run's own arguments (plus RESUME_FREE_FIELDS); with
+    --eval-only, the checkpoint's ARCH_FIELDS."""
     args = tyro.cli(Args)
     if args.resume is not None:
         if args.eval_only:
             raise SystemExit("error: --resume continues a training run; it does not go with --eval-only")
         args = resume_args(args)[0]
     validate(args)
+    if args.eval_only:
+        try:
+            saved = json.loads((Path(args.checkpoint) / "args.json").read_text())
+            args = replace(args, **{key: saved[key] for key in ARCH_FIELDS})
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(
+                f"error: could not load checkpoint '{args.checkpoint}': {str(e).splitlines()[0]}"
+            ) from None
+    check_dataset(args)
     check_writable_dir(Path(args.resume or args.runs_dir), "--resume" if args.resume else "--runs-dir")
     return args
 
@@ -1000,95 +1043,129 @@ def validate(args):
             )
 
 
+def check_dataset(args) -> None:
+    """A one-line error for a --dataset-path that is missing, not a GuessTheImage JSONL dataset, empty, or (with
+    --belief-coef > 0, when training) without the logged secret of every dialogue."""
+    if args.dataset_path is None:
+        return
+    path = Path(args.dataset_path)
+    if not path.is_file():
+        raise SystemExit(f"error: --dataset-path '{path}' does not exist (write one with G.write_dataset)")
+    try:
+        dialogues = G.read_dataset(path)
+        for d in dialogues:
+            for t in d["turns"]:
+                str(t["agent"]), str(t["reply"]), float(t["reward"])  # noqa: B018  (fields must exist)
+            if not d["turns"]:
+                raise ValueError("a dialogue has no turns")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise SystemExit(f"error: --dataset-path '{path}' is not a GuessTheImage JSONL dataset ({e!r})") from None
+    if not dialogues:
+        raise SystemExit(f"error: --dataset-path '{path}' holds no dialogues")
+    secrets = all(d.get("secret_id") in range(G.N_OBJECTS) for d in dialogues)
+    if args.belief_coef > 0 and not args.eval_only and not secrets:
+        raise SystemExit(
+            f"error: --dataset-path '{path}': --belief-coef > 0 needs the logged secret_id (0..{G.N_OBJECTS - 1}) of "
+            "every dialogue; pass --belief-coef 0 for logs without it"
+        )
+
+
 def start_run(args: Args) -> "Run":
     """The run: device, run dir (a new one, or the --resume one), tensorboard, Ctrl-C / SIGTERM handlers."""
     return Run(args)
 
 
 class Run:
-    """What main() uses of run management. `state` (a dict, main() builds it): "phase" (the last phase done: "bc",
-    "candidates" or "critic"), "lm", "table", "bc_nll", "timings", from the candidate phase on "cand", from the
-    critic phase on "critic", "target", "optimizer" and "rng" (the critic's minibatches)."""
-
-    CRITIC_PARTS = ("critic", "target", "optimizer", "rng")
+    """What main() uses of run management: the device, the run dir and tensorboard, the checkpoints of the
+    TrainState (at the phase ends and every --save-every critic steps), --resume, Ctrl-C / SIGTERM, summary.json."""
 
     def __init__(self, args: Args):
-        self.args = args
+        self._args, self.resuming = args, args.resume is not None
         self.device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-        self.checkpoint = None  # --resume: (its checkpoint dir, state.json)
-        if args.resume is not None:
+        self._restored: set[str] = set()  # the TrainState fields loaded from the --resume checkpoint so far
+        if self.resuming:
             self.run_dir = Path(args.resume)
-            self.checkpoint = read_checkpoint_state(self.run_dir)
-            self.writer = SummaryWriter(str(self.run_dir))  # (no purge_step: see the comment at the marker)
+            self._checkpoint = read_checkpoint_state(self.run_dir)  # (its dir, its state.json)
+            self._writer = SummaryWriter(str(self.run_dir))  # (no purge_step: see the comment at the marker)
         else:
             self.run_dir = new_run_dir(args.runs_dir, TASK_ID, args.exp_name, args.seed)
-            self.writer = open_writer(self.run_dir, args)
-        self.stop = None if args.eval_only else install_stop_handlers()
-
-    def load_models(self):
-        """--eval-only: the proposer, its tokenizer and the critic of the finished run `--checkpoint`."""
-        return load_checkpoint(Path(self.args.checkpoint), self.device)
-
-    def restore_phases(self, state: dict) -> dict:
-        """`state` as the --resume checkpoint left it: its phase, the BC fit, the timings and (after the candidate
-        phase) the candidate sets; the proposer's weights are loaded into state["lm"], the sampled utterances added
-        to state["table"] (after the data's, which must be the same), the python, numpy and torch RNG states set.
-        A fresh run: `state` as given."""
-        if self.checkpoint is None:
-            return state
-        step_dir, saved = self.checkpoint
-        arrays = load_proposer_checkpoint(step_dir, saved, state["lm"])
-        state = state | {"phase": saved["phase"], "bc_nll": saved["bc_nll"], "timings": saved["timings"]}
-        if saved["phase"] != "bc":  # the sampled sets and the utterance table they index (data utterances first)
-            table = state["table"]
-            if arrays["utterances"][: len(table.tokens)].tolist() != list(table.ids):
-                raise SystemExit(f"error: the dataset's utterances differ from those in {step_dir}")
-            state["cand"] = torch.from_numpy(arrays["cand"])
-            for utterance in arrays["utterances"][len(table.tokens) :]:
-                table.add(str(utterance))
-        print(f"resumed {self.run_dir} after the {saved['phase']} phase from {step_dir}", flush=True)
-        return state
-
-    def restore(self, state: dict) -> int:
-        """The first critic step: 1, or after a --resume checkpoint of the critic phase the step after it, with the
-        critic, its target, Adam and the minibatch rng of `state` loaded from it."""
-        if self.checkpoint is None or self.checkpoint[1]["phase"] != "critic":
-            return 1
-        step_dir, saved = self.checkpoint
-        load_critic_checkpoint(step_dir, saved, {key: state[key] for key in self.CRITIC_PARTS})
-        return saved["critic_step"] + 1
+            self._writer = open_writer(self.run_dir, args)
+        self._stop = None if args.eval_only else install_stop_handlers()
+        self.start_time = time.time()
 
     def log(self, step: int, metrics: dict) -> None:
+        """Tensorboard: each tag -> value at `step`; a str value as text."""
         for tag, value in metrics.items():
-            self.writer.add_scalar(tag, value, step)
+            if isinstance(value, str):
+                self._writer.add_text(tag, value, step)
+            else:
+                self._writer.add_scalar(tag, value, step)
 
-    def end_step(self, step: int, state: dict) -> None:
+    def load_pretrained(self, path: str, kind: str):
+        """(model, tokenizer) of a save_pretrained dir (--eval-only: the run's bc_lm/); `kind` is "causal", the only
+        kind this script loads."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        assert kind == "causal", kind
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            lm = AutoModelForCausalLM.from_pretrained(path).to(self.device)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise SystemExit(f"error: could not load checkpoint '{path}': {str(e).splitlines()[0]}") from None
+        return lm, tokenizer
+
+    def load_model(self, module: nn.Module) -> nn.Module:
+        """--eval-only: the critic of --checkpoint (critic.safetensors) loaded into `module`."""
+        path = Path(self._args.checkpoint) / "critic.safetensors"
+        try:
+            module.load_state_dict(load_file(path))
+        except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+            raise SystemExit(f"error: could not load checkpoint '{path}': {str(e).splitlines()[0]}") from None
+        return module
+
+    def restore(self, state) -> int:
+        """--resume: load the checkpoint into the TrainState `state`, the fields `state` holds that are not loaded
+        yet (main calls it at the start for the phases done, the proposer, the table and the candidates, and again
+        once the critic phase has built its critic, target, Adam and rng); the first call also sets the python,
+        numpy and torch RNG states. Returns the critic steps the checkpoint had done (0 without --resume or before
+        the critic phase)."""
+        if not self.resuming:
+            return 0
+        step_dir, saved = self._checkpoint
+        if self._restored and saved["fields"]["phase"] != "critic":
+            return 0  # only a checkpoint of the critic phase has more to load (and the next phase end replaced it)
+        first = not self._restored
+        self._restored |= load_training_checkpoint(step_dir, saved, state, self._restored)
+        if first:
+            print(f"resumed {self.run_dir} after the {state.phase} phase from {step_dir}", flush=True)
+        return saved["critic_step"] if saved["fields"]["phase"] == "critic" else 0
+
+    def end_step(self, step: int, state) -> None:
         """At the end of the BC or the candidate phase (step 0) or of critic step `step`: checkpoint `state` when
         --save-every > 0 (every phase end, every --save-every critic steps and the last one) or a stop signal
         arrived; after a stop signal, exit with STOP_EXIT_CODE and the command that continues the run."""
-        every, phase = self.args.save_every, state["phase"]
-        due = every and (phase != "critic" or step % every == 0 or step == self.args.critic_steps)
-        if not (due or self.stop["signal"]):
+        every = self._args.save_every
+        due = every and (state.phase != "critic" or step % every == 0 or step == self._args.critic_steps)
+        if not (due or self._stop["signal"]):
             return
-        arrays = {}
-        if phase != "bc":
-            arrays = {"cand": state["cand"].numpy(), "utterances": np.array(list(state["table"].ids), dtype=str)}
-        progress = {"bc_nll": state["bc_nll"], "timings": state["timings"], "args": asdict(self.args)}
-        parts = {key: state[key] for key in self.CRITIC_PARTS} if phase == "critic" else None
-        checkpoint_or_exit(self.run_dir, phase, step, state["lm"], arrays, progress, self.stop, self.writer, parts)
+        meta = {"critic_step": step, "args": asdict(self._args)}
+        step_dir = save_training_checkpoint(self.run_dir, f"{state.phase}_{step}", state, meta)
+        self._writer.flush()
+        if self._stop["signal"]:
+            self._writer.close()
+            continue_with = f"python {sys.argv[0]} --resume {self.run_dir}"
+            print(f"interrupted: checkpoint {step_dir}; continue with: {continue_with}", file=sys.stderr)
+            raise SystemExit(STOP_EXIT_CODE)
 
     def end_training(self) -> None:
-        restore_signal_handlers(self.stop)  # training is over: Ctrl-C stops at once (a resume would redo the rest)
+        restore_signal_handlers(self._stop)  # training is over: Ctrl-C stops at once (a resume would redo the rest)
 
-    def finish(self, metrics: dict, time_s: dict, start_time: float, models=None) -> None:
-        """tensorboard gets the metrics at step 0; args.json, the models (bc_lm/, critic.safetensors; none with
-        --eval-only) and summary.json (written last: it marks a finished run); the checkpoints are deleted."""
-        args, run_dir = self.args, self.run_dir
-        self.log(0, metrics)
-        self.log(0, {"charts/episodic_return": metrics["eval/episodic_return"],
-                     "charts/episodic_length": metrics["eval/episodic_length"]})  # fmt: skip
-        wall = time.time() - start_time
-        steps_done = 0 if args.eval_only else args.critic_steps * args.batch_size
+    def finish(self, metrics: dict, models: dict, samples: int) -> None:
+        """args.json, `models` (name -> module: name.safetensors; a transformers model or tokenizer, or a (model,
+        tokenizer) pair: save_pretrained into name/) and summary.json (`sps` = samples / wall time; written last: it
+        marks a finished run); the checkpoints are deleted."""
+        args, run_dir = self._args, self.run_dir
+        wall = time.time() - self.start_time
         summary = {
             "script": SCRIPT,
             "run_name": run_dir.name,
@@ -1096,39 +1173,21 @@ class Run:
             "args": asdict(args),
             "metrics": metrics,
             "wall_time_s": wall,
-            "sps": steps_done / wall,
-            "time_s": time_s,  # BC, candidates, critic, eval
+            "sps": samples / wall,
         }
         (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-        if models is not None:
-            save_checkpoint(run_dir, *models)
+        for name, obj in models.items():
+            for part in obj if isinstance(obj, tuple) else (obj,):
+                if hasattr(part, "save_pretrained"):
+                    part.save_pretrained(run_dir / name)
+                else:
+                    save_file(
+                        {k: v.contiguous() for k, v in part.state_dict().items()}, run_dir / f"{name}.safetensors"
+                    )
         write_json_atomic(run_dir / "summary.json", summary)  # written last: it marks a finished run
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a finished run is not resumed
-        self.writer.close()
+        self._writer.close()
         print(f"done in {wall:.0f}s -> {run_dir / 'summary.json'}")
-
-
-def save_checkpoint(run_dir: Path, lm, tokenizer, critic) -> None:
-    """The one place the models are saved: the proposer and its tokenizer with save_pretrained (bc_lm/), the critic
-    as safetensors; `load_checkpoint` reads them back (with the critic's sizes from args.json)."""
-    lm.save_pretrained(run_dir / "bc_lm")
-    tokenizer.save_pretrained(run_dir / "bc_lm")
-    save_file({k: v.contiguous() for k, v in critic.state_dict().items()}, run_dir / "critic.safetensors")
-
-
-def load_checkpoint(ckpt: Path, device):
-    """(proposer, its tokenizer, critic) of a run dir written by `save_checkpoint`; a one-line error otherwise."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        saved = json.loads((ckpt / "args.json").read_text())
-        tokenizer = AutoTokenizer.from_pretrained(ckpt / "bc_lm")
-        lm = AutoModelForCausalLM.from_pretrained(ckpt / "bc_lm").to(device)
-        critic = UtteranceCritic(len(tokenizer), saved["critic_dim"], saved["critic_hidden"], tokenizer.pad_token_id)
-        critic.load_state_dict(load_file(ckpt / "critic.safetensors"))
-    except (OSError, ValueError, KeyError, RuntimeError, json.JSONDecodeError) as e:
-        raise SystemExit(f"error: could not load checkpoint '{ckpt}': {str(e).splitlines()[0]}") from None
-    return lm, tokenizer, critic.to(device)
 
 
 def check_writable_dir(path: Path, flag: str) -> None:
@@ -1204,53 +1263,48 @@ def restore_signal_handlers(stop: dict) -> None:
         signal.signal(sig, previous)
 
 
-def save_training_checkpoint(run_dir: Path, name: str, lm, arrays: dict, state: dict, critic_parts=None) -> Path:
+def save_training_checkpoint(run_dir: Path, name: str, state, meta: dict) -> Path:
     """Write RUN_DIR/checkpoints/<name>/ (returned) atomically: the files go into a temporary dir that os.replace
     moves into place, then latest.json (temp file + os.replace) names it, then older checkpoints are deleted. A kill
     at any point leaves latest.json naming a complete checkpoint. Reads RNG states, never draws from them.
 
-    lm.safetensors (the proposer's weights), arrays.npz (`arrays`: the candidate table, and torch's RNG state),
-    with `critic_parts` (critic, target, optimizer, rng of the critic minibatches) critic / target safetensors and
-    optimizer.pt; state.json: `state` (phase, critic step, BC fit, timings) with the args, the python / numpy RNG
-    states and the file sizes."""
+    Every field of the TrainState `state` that is set, under its name: a module as <name>.safetensors (save_model:
+    GPT-2's output and input embeddings are tied), a tensor in arrays.npz (with torch's RNG state), what has a
+    state_dict as <name>.pt, a numpy Generator's state and the rest in state.json, with `meta` (critic step,
+    args), the python / numpy RNG states and the file sizes."""
     root = run_dir / "checkpoints"
     step_dir, tmp = root / name, root / f".tmp_{name}"
     if not step_dir.is_dir():  # (it exists when Ctrl-C comes right after a resume: the same state)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a kill during a save
         tmp.mkdir(parents=True)
-        save_model(lm, str(tmp / "lm.safetensors"))  # (save_model: GPT-2's output and input embeddings are tied)
-        np.savez(tmp / "arrays.npz", torch_rng=torch.get_rng_state().numpy(), **arrays)
+        arrays, generators, plain = {"torch_rng": torch.get_rng_state().numpy()}, {}, {}
+        for f in fields(state):
+            value = getattr(state, f.name)
+            if value is None:
+                continue
+            if isinstance(value, nn.Module):
+                save_model(value, str(tmp / f"{f.name}.safetensors"))
+            elif isinstance(value, torch.Tensor):
+                arrays[f.name] = value.numpy()
+            elif isinstance(value, np.random.Generator):
+                generators[f.name] = value.bit_generator.state
+            elif hasattr(value, "state_dict"):
+                torch.save(value.state_dict(), tmp / f"{f.name}.pt")
+            else:
+                plain[f.name] = value
+        np.savez(tmp / "arrays.npz", **arrays)
         np_global = np.random.get_state()
         numpy_global = [np_global[0], np_global[1].tolist(), *np_global[2:]]
         rng_states = {"python": random.getstate(), "numpy_global": numpy_global}
-        if critic_parts is not None:
-            for key in ("critic", "target"):
-                weights = {k: v.contiguous() for k, v in critic_parts[key].state_dict().items()}
-                save_file(weights, tmp / f"{key}.safetensors")
-            torch.save(critic_parts["optimizer"].state_dict(), tmp / "optimizer.pt")
-            rng_states["critic_minibatches"] = critic_parts["rng"].bit_generator.state
-        state = state | {"script": SCRIPT, "rng": rng_states,
-                         "files": {path.name: path.stat().st_size for path in sorted(tmp.iterdir())}}  # fmt: skip
-        (tmp / "state.json").write_text(json.dumps(state))
+        files = {path.name: path.stat().st_size for path in sorted(tmp.iterdir())}
+        meta |= {"script": SCRIPT, "fields": plain, "generators": generators, "rng": rng_states, "files": files}
+        (tmp / "state.json").write_text(json.dumps(meta))
         os.replace(tmp, step_dir)
     write_json_atomic(root / "latest.json", {"step_dir": name})
     for old in root.iterdir():
         if old.is_dir() and not old.name.startswith(".") and old != step_dir:
             shutil.rmtree(old)
     return step_dir
-
-
-def checkpoint_or_exit(run_dir, phase, critic_step, lm, arrays, progress, interrupt, writer, critic_parts=None):
-    """Write the checkpoint <phase>_<critic step> (the phase that has ended, or "critic" after `critic_step` steps);
-    after Ctrl-C, exit with the one-line command that continues the run."""
-    state = progress | {"phase": phase, "critic_step": critic_step}
-    step_dir = save_training_checkpoint(run_dir, f"{phase}_{critic_step}", lm, arrays, state, critic_parts)
-    writer.flush()
-    if interrupt["signal"]:
-        writer.close()
-        print(f"interrupted: checkpoint {step_dir}; continue with: python {sys.argv[0]} --resume {run_dir}",
-              file=sys.stderr)  # fmt: skip
-        raise SystemExit(STOP_EXIT_CODE)
 
 
 def read_checkpoint_state(run_dir: Path) -> tuple[Path, dict]:
@@ -1306,35 +1360,42 @@ def resume_args(cli: Args) -> tuple[Args, Path, Path, dict]:
 CHECKPOINT_READ_ERRORS = (SafetensorError, OSError, RuntimeError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
 
 
-def load_proposer_checkpoint(step_dir: Path, state: dict, lm) -> dict:
-    """Load the proposer part of what save_training_checkpoint wrote: its weights into `lm` and the python, numpy
-    and torch RNG states. Returns the saved arrays; a bad file is a one-line error naming it."""
-    path = step_dir / "lm.safetensors"
+def load_training_checkpoint(step_dir: Path, saved: dict, state, done: set) -> set:
+    """Load the fields of a checkpoint written by save_training_checkpoint into the TrainState `state`, but those in
+    `done` and those whose object (module, optimizer, generator) `state` does not hold yet; with an empty `done`,
+    also the python, numpy and torch RNG states. Returns the names loaded; a bad file is a one-line error naming it."""
+    path, loaded = step_dir / "arrays.npz", set()
     try:
-        load_model(lm, str(path))
-        path = step_dir / "arrays.npz"
         with np.load(path, allow_pickle=False) as data:
             arrays = {name: data[name] for name in data.files}
+        for f in fields(state):
+            value = getattr(state, f.name)
+            weights, state_dict = step_dir / f"{f.name}.safetensors", step_dir / f"{f.name}.pt"
+            if f.name in done:
+                continue
+            if weights.is_file() and value is not None:
+                path = weights
+                load_model(value, str(path))
+            elif state_dict.is_file() and value is not None:
+                path = state_dict
+                value.load_state_dict(torch.load(path, weights_only=True))
+            elif f.name in saved["generators"] and value is not None:
+                value.bit_generator.state = saved["generators"][f.name]
+            elif f.name in arrays:
+                setattr(state, f.name, torch.from_numpy(arrays[f.name]))
+            elif f.name in saved["fields"]:
+                setattr(state, f.name, saved["fields"][f.name])
+            else:
+                continue
+            loaded.add(f.name)
     except CHECKPOINT_READ_ERRORS as err:
         raise SystemExit(f"error: cannot load checkpoint file {path}: {str(err).splitlines()[0]}") from None
-    torch.set_rng_state(torch.from_numpy(arrays.pop("torch_rng")))
-    random.setstate((state["rng"]["python"][0], tuple(state["rng"]["python"][1]), state["rng"]["python"][2]))
-    kind, keys, *rest = state["rng"]["numpy_global"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    return arrays
-
-
-def load_critic_checkpoint(step_dir: Path, state: dict, critic_parts: dict) -> None:
-    """Load the critic part of a checkpoint into `critic_parts`: critic, target, optimizer and minibatch rng."""
-    try:
-        for key in ("critic", "target"):
-            path = step_dir / f"{key}.safetensors"
-            critic_parts[key].load_state_dict(load_file(path))
-        path = step_dir / "optimizer.pt"
-        critic_parts["optimizer"].load_state_dict(torch.load(path, weights_only=True))
-    except CHECKPOINT_READ_ERRORS as err:
-        raise SystemExit(f"error: cannot load checkpoint file {path}: {str(err).splitlines()[0]}") from None
-    critic_parts["rng"].bit_generator.state = state["rng"]["critic_minibatches"]
+    if not done:
+        torch.set_rng_state(torch.from_numpy(arrays["torch_rng"]))
+        random.setstate((saved["rng"]["python"][0], tuple(saved["rng"]["python"][1]), saved["rng"]["python"][2]))
+        kind, keys, *rest = saved["rng"]["numpy_global"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    return loaded
 
 
 if __name__ == "__main__":

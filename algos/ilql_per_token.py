@@ -37,7 +37,7 @@ Implementation details:
      trlx's 0.99 per token would discount a 40-token dialogue by 0.67 and double the price of a question).
   4. Decoding runs all active dialogues in lockstep with a KV cache: one left-padded prefill per turn, then one
      forward pass per generated token, until every dialogue has written <sep> (at most `utterance_budget` tokens:
-     12 with the built-in tokenizer). The agent never writes a special token other than <sep> (pad, bos, eos, unk
+     13 with the built-in tokenizer). The agent never writes a special token other than <sep> (pad, bos, eos, unk
      are masked to -inf before top-k: they are not text), and its tokens are decoded with skip_special_tokens
      before the answerer reads them.
   5. β is chosen on VALIDATION episodes (`--val-seed`, a different secret order than the test `--eval-seed`);
@@ -130,7 +130,6 @@ Scale out: torchrun --standalone --nproc_per_node 8 algos/ilql_per_token.py --cu
 Continue an interrupted run: python algos/ilql_per_token.py --resume runs/<run_name>
 """
 
-import inspect
 import json
 import math
 import os
@@ -139,7 +138,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -164,7 +163,7 @@ import envs.guess_image as G  # noqa: E402
 from envs.tokenizer import build_tokenizer  # noqa: E402
 
 TASK_ID = "seqrl-GuessTheImage-v0"  # run-name prefix
-N_POSITIONS = 160  # context: 7 turns of the longest malformed utterance (12 words) + replies, + 12 new = 146 tokens
+N_POSITIONS = 160  # context: 7 turns of the longest malformed utterance (12 words) + replies, + 13 new = 147 tokens
 SEP_TOKEN, PAD_TOKEN = "<sep>", "<pad>"  # added to a checkpoint's tokenizer that lacks a turn separator / pad token
 GEN_BATCH = 512  # dialogues per decoding forward pass
 LENGTH_BLOCK = 50  # `--group-by-length`: minibatches per length-sorted block
@@ -292,7 +291,8 @@ def expectile_loss(diff: torch.Tensor, tau: float) -> torch.Tensor:
     return weight * diff.pow(2)
 
 
-def cql_penalty(q_values: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+# not dialogue_cql_utterance's candidate_cql_penalty: here over the whole vocabulary, one action token per state
+def token_cql_penalty(q_values: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
     """Per-token CQL term logsumexp_a' Q(s, a') - Q(s, a_data), elementwise over (...,). q_values (..., V).
     Identical to F.cross_entropy(q_values, actions, reduction="none"): Q-values used as logits (tested)."""
     q_data = q_values.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
@@ -324,10 +324,10 @@ def q_targets(
 
 
 @torch.no_grad()
-def polyak_update(target: nn.Module, source: nn.Module, alpha: float) -> None:
-    """θ̂ <- α θ + (1 - α) θ̂ for every parameter (trlx `_sync_target_q_heads`)."""
-    for t, s in zip(target.parameters(), source.parameters(), strict=True):
-        t.mul_(1.0 - alpha).add_(s, alpha=alpha)
+def polyak_update(target: nn.Module, online: nn.Module, tau: float) -> None:
+    """target <- (1 - tau) target + tau online (tau = 1: hard copy)."""
+    for t, o in zip(target.parameters(), online.parameters(), strict=True):
+        t.mul_(1.0 - tau).add_(o, alpha=tau)
 
 
 def decoding_scores(
@@ -371,23 +371,23 @@ def ilql_losses(out: dict, batch: dict, args) -> dict:
     loss_q = sum(((at_actions(out[k]) - y).pow(2) * mask).sum() / n for k in ("q1", "q2"))
     target_q = torch.minimum(at_actions(out["tq1"]), at_actions(out["tq2"])).detach()  # (B, L-1)
     loss_v = (expectile_loss(target_q - out["v"][:, :-1], args.tau) * mask).sum() / n
-    loss_cql = sum((cql_penalty(out[k][:, :-1], actions) * mask).sum() / n for k in ("q1", "q2"))
+    loss_cql = sum((token_cql_penalty(out[k][:, :-1], actions) * mask).sum() / n for k in ("q1", "q2"))
     token_ce = F.cross_entropy(out["logits"][:, :-1].transpose(1, 2), actions, reduction="none")  # (B, L-1)
     loss_bc = (token_ce * mask).sum() / n  # BC: the agent's tokens only
     loss_belief = torch.zeros((), device=mask.device)
-    if "secret" in batch and getattr(args, "belief_coef", 0.0) > 0:  # auxiliary: the belief from every prefix
+    if "secret" in batch and args.belief_coef > 0:  # auxiliary: the belief from every prefix
         loss_belief = belief_loss(out["belief"], batch["secret"], batch["attention_mask"], batch.get("n_real"))
     lm_mask = batch.get("lm_mask")  # (B, L-1): every real next token (agent + answerer), if given
     if lm_mask is not None:
         loss_lm = (token_ce * lm_mask).sum() / batch.get("n_lm", lm_mask.sum()).clamp(min=1.0)
     else:
         loss_lm = loss_bc
-    loss_pi = loss_lm if getattr(args, "lm_all_tokens", False) else loss_bc
+    loss_pi = loss_lm if args.lm_all_tokens else loss_bc
     if args.bc_only:
         total = args.bc_weight * loss_pi
     else:
         total = loss_q + loss_v + args.cql_weight * loss_cql + args.bc_weight * loss_pi
-    total = total + getattr(args, "belief_coef", 0.0) * loss_belief
+    total = total + args.belief_coef * loss_belief
     return {
         "loss": total,
         "q": loss_q,
@@ -405,32 +405,13 @@ def ilql_losses(out: dict, batch: dict, args) -> dict:
 # Data
 # ---------------------------------------------------------------------------------------------------------------
 def load_dialogues(args) -> list[dict]:
+    """The offline dialogues: `--dataset-path`'s JSONL (written by `G.write_dataset`; `parse_args` checked it) or
+    `G.make_dataset(--dataset-size, --dataset-seed)`. A logged dialogue without a return gets its rewards' sum."""
     if args.dataset_path is None:
         return G.make_dataset(args.dataset_size, seed=args.dataset_seed)
-    path = Path(args.dataset_path)
-    if not path.is_file():
-        raise SystemExit(f"error: --dataset-path '{path}' does not exist")
-    try:
-        dialogues = G.read_dataset(path)
-        for d in dialogues:
-            for t in d["turns"]:
-                _ = (str(t["agent"]), str(t["reply"]), float(t["reward"]))
-            d["return"] = float(d.get("return", sum(t["reward"] for t in d["turns"])))
-            if not d["turns"]:
-                raise ValueError("a dialogue has no turns")
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise SystemExit(f"error: --dataset-path '{path}' is not a GuessTheImage JSONL dataset ({e!r})") from None
-    if not dialogues:
-        raise SystemExit(f"error: --dataset-path '{path}' holds no dialogues")
-    if (
-        args.belief_coef > 0
-        and not args.eval_only
-        and not all(d.get("secret_id") in range(G.N_OBJECTS) for d in dialogues)
-    ):
-        raise SystemExit(
-            f"error: --dataset-path '{path}': --belief-coef > 0 needs the logged secret_id (0..{G.N_OBJECTS - 1}) of "
-            "every dialogue; pass --belief-coef 0 for logs without it"
-        )
+    dialogues = G.read_dataset(args.dataset_path)
+    for d in dialogues:
+        d["return"] = float(d.get("return", sum(t["reward"] for t in d["turns"])))
     return dialogues
 
 
@@ -454,6 +435,19 @@ class MinibatchSampler:
         self.lengths, self.batch_size, self.group_by_length = lengths, min(batch_size, len(lengths)), group_by_length
         self.world_size, self.generator, self.queue = world_size, torch.Generator().manual_seed(seed), []
 
+    def state_dict(self) -> dict:
+        """The generator and the rest of the epoch's minibatches (what a checkpoint keeps)."""
+        return {
+            "generator": self.generator.get_state(),
+            "queue": torch.cat(self.queue) if self.queue else torch.zeros(0, dtype=torch.long),
+            "queue_sizes": torch.tensor([len(q) for q in self.queue], dtype=torch.long),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        sizes = state["queue_sizes"].tolist()
+        self.queue = list(state["queue"].split(sizes)) if sizes else []
+
     def draw(self) -> torch.Tensor:
         if self.group_by_length:  # losses stay means over each minibatch's own action tokens
             self.queue = self.queue or length_grouped_batches(self.lengths, self.batch_size, self.generator)
@@ -463,25 +457,23 @@ class MinibatchSampler:
         return torch.randint(0, len(self.lengths), (self.batch_size,))
 
 
-def make_minibatch(data: dict, idx: torch.Tensor, device, rank: int = 0, world_size: int = 1) -> dict:
-    """The minibatch of dialogues `idx` (the one place a batch is formed), trimmed to its longest dialogue:
-    input_ids / attention_mask (B, L); action_mask / rewards / dones / next_idx / lm_mask (B, L-1); secret (B,).
-    Under torchrun: this rank's contiguous shard of the global minibatch `idx`, plus the global minibatch's token
-    counts (n_actions, n_lm, n_real), the denominators of its means (`ilql_losses`)."""
-    counts = {}
-    if world_size > 1:
-        lengths = data["lengths"][idx]  # (B_global,)
-        counts = {"n_actions": data["action_mask"][idx].sum(), "n_lm": (lengths - 1).sum(), "n_real": lengths.sum()}
-        idx = torch.tensor_split(idx, world_size)[rank]  # contiguous; sizes differ by at most 1 (`shard_error`)
-    width = int(data["lengths"][idx].max())
+def make_minibatch(data: dict, idx: torch.Tensor, shard: torch.Tensor, device) -> dict:
+    """The minibatch of dialogues `shard` (the one place a batch is formed), trimmed to its longest dialogue:
+    input_ids / attention_mask (B, L); action_mask / rewards / dones / next_idx / lm_mask (B, L-1); secret (B,);
+    and the token counts of the whole minibatch `idx` (n_actions, n_lm, n_real), the denominators of the loss means
+    (`ilql_losses`). In one process `shard` is `idx`; under torchrun it is this rank's part of it, whose losses are
+    then its share of the global means (their sum over ranks is the one-process value)."""
+    lengths = data["lengths"][idx]  # (B_global,)
+    counts = {"n_actions": data["action_mask"][idx].sum(), "n_lm": (lengths - 1).sum(), "n_real": lengths.sum()}
+    width = int(data["lengths"][shard].max())
     batch = {
-        k: data[k][idx, : width - (k != "input_ids")].to(device)
+        k: data[k][shard, : width - (k != "input_ids")].to(device)
         for k in ("input_ids", "action_mask", "rewards", "dones", "next_idx")
     }
-    attention_mask = (torch.arange(width)[None, :] < data["lengths"][idx][:, None]).long().to(device)
+    attention_mask = (torch.arange(width)[None, :] < data["lengths"][shard][:, None]).long().to(device)
     batch["lm_mask"] = attention_mask[:, 1:].float()  # (B, L-1): the next token is real (not padding)
-    batch["attention_mask"], batch["secret"] = attention_mask, data["secret"][idx].to(device)  # (B, L), (B,)
-    batch.update({k: v.float().to(device) for k, v in counts.items()})  # () each: global counts (torchrun only)
+    batch["attention_mask"], batch["secret"] = attention_mask, data["secret"][shard].to(device)  # (B, L), (B,)
+    batch.update({k: v.float().to(device) for k, v in counts.items()})  # () each
     return batch
 
 
@@ -573,9 +565,10 @@ class ILQLHeads(nn.Module):
             "belief": self.belief(hidden),
         }
 
-    def sync_targets(self, alpha: float) -> None:
-        polyak_update(self.target_q1, self.q1, alpha)
-        polyak_update(self.target_q2, self.q2, alpha)
+    def sync_targets(self, polyak: float) -> None:
+        """θ̂ <- α θ + (1 - α) θ̂ with α = `polyak` (trlx `_sync_target_q_heads`)."""
+        polyak_update(self.target_q1, self.q1, polyak)
+        polyak_update(self.target_q2, self.q2, polyak)
 
 
 def forward_all(lm, heads: ILQLHeads, input_ids, attention_mask, position_ids=None, cache=None, last_only=False):
@@ -583,21 +576,13 @@ def forward_all(lm, heads: ILQLHeads, input_ids, attention_mask, position_ids=No
     `last_only`, as decoding needs) and the KV cache (used only when decoding, i.e. when position_ids are given).
     The backbone (`lm.base_model`) returns the final-norm hidden state; the LM head and the ILQL heads read it."""
     decoding = position_ids is not None
-    backbone = lm.base_model
-    # transformers >= 5.2x names the KV cache `cache`, older versions `past_key_values`
-    cache_kw = "cache" if "cache" in inspect.signature(backbone.forward).parameters else "past_key_values"
-    out = backbone(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=decoding,
-        **({cache_kw: cache} if cache is not None else {}),
+    out = lm.base_model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=decoding, cache=cache
     )
     hidden = out.last_hidden_state  # (B, T, d), after the final layer norm
     if last_only:
         hidden = hidden[:, -1:]  # (B, 1, d)
-    new_cache = out["cache"] if "cache" in out else out.get("past_key_values")  # (reading the old name warns)
-    return {"logits": lm.get_output_embeddings()(hidden), **heads(hidden), "cache": new_cache}
+    return {"logits": lm.get_output_embeddings()(hidden), **heads(hidden), "cache": out.get("cache")}
 
 
 def add_dialogue_tokens(tokenizer, lm) -> list[str]:
@@ -636,15 +621,15 @@ def banned_token_mask(tokenizer, n_logits: int) -> torch.Tensor:
 
 
 def utterance_budget(tokenizer) -> int:
-    """Tokens one generated utterance may take, its closing separator included: the longest valid utterance in this
-    tokenizer's tokens + the separator, and at least G.MAX_UTTERANCE_WORDS (the env shows a malformed utterance cut
-    to that many words). 12 for the built-in word-level tokenizer (longest valid utterance: 7 words)."""
+    """Tokens one sampled utterance may take, its closing separator included: G.MAX_UTTERANCE_WORDS words (what the
+    env shows of a malformed utterance) or the longest valid utterance in this tokenizer's tokens, whichever is
+    longer, + the separator. 13 for the built-in word-level tokenizer (longest valid utterance: 7 words)."""
     longest = max(len(tokenizer(u, add_special_tokens=False)["input_ids"]) for u in G.all_utterances())
-    return max(G.MAX_UTTERANCE_WORDS, longest + 1)
+    return max(G.MAX_UTTERANCE_WORDS, longest) + 1
 
 
 def n_logits(lm) -> int:
-    """Rows of the LM head: the width of the Q heads (the tokenizer's size, or more for padded tables)."""
+    """Rows of the LM head (the tokenizer's size, or more for checkpoints that pad their embedding table)."""
     return lm.get_output_embeddings().weight.shape[0]
 
 
@@ -778,6 +763,27 @@ class ILQLAgent:
 # ---------------------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class TrainState:
+    """What the training loop carries from step to step: all that a checkpoint holds for `--resume`."""
+
+    lm: nn.Module  # backbone + LM head (π_BC)
+    heads: nn.Module  # ILQLHeads: Q1, Q2, their Polyak targets, V, belief
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: MinibatchSampler
+    loss_sums: dict = field(default_factory=dict)  # each loss summed over the steps since the last log
+    first_losses: dict = field(default_factory=dict)  # the first logged means (model/first_*_loss)
+    last_losses: dict = field(default_factory=dict)  # the last logged means (model/final_*_loss)
+    n_tokens: int = 0  # action tokens trained on (stdout's action-tokens/s)
+
+
+def interval_means(loss_sums: dict, step: int, log_every: int) -> dict:
+    """Each loss's mean over the steps since the last log (logs fall every `log_every` steps and at the last)."""
+    count = log_every if step % log_every == 0 else step % log_every
+    return {k: v / count for k, v in loss_sums.items()}
+
+
 def main():
     args = parse_args()  # one-line errors; --resume: the run's own arguments
     random.seed(args.seed)
@@ -790,11 +796,17 @@ def main():
     data_stats = G.dataset_stats(dialogues)
     train_dialogues = filter_top(dialogues, args.filter_top_frac)
     args.n_train_dialogues = len(train_dialogues)
-    run = start_run(args)  # torchrun: rank, world size, device
 
     # model: backbone + LM head + ILQL heads (--eval-only: the trained model of --checkpoint)
-    lm, heads, tokenizer = run.load_model() if args.eval_only else build_model(args, run.device)
-    run.begin(lm, heads)  # rank 0's weights on every rank; then the run dir, tensorboard, stop handlers
+    if args.eval_only:
+        run = start_run(args)  # torchrun, the run dir, tensorboard
+        lm, tokenizer = run.load_pretrained(args.checkpoint, "causal")
+        heads = run.load_model(ILQLHeads(lm.config.hidden_size, n_logits(lm)).to(run.device))
+    else:  # built before the run starts: a model that fails to load leaves no run dir
+        lm, heads, tokenizer = build_model(args, torch.device("cpu"))
+        run = start_run(args)  # torchrun, the run dir, tensorboard, Ctrl-C / SIGTERM
+        lm, heads = lm.to(run.device), heads.to(run.device)
+        run.broadcast_params(lm, heads)  # torchrun: identical starts whatever each rank's RNG did
     data = build_tensors(train_dialogues, tokenizer)
     problem = timestep_stats(data, tokenizer, lm)  # the problem this script faces (lecture Problem 21.4)
 
@@ -806,11 +818,14 @@ def main():
     schedule = lambda s: min((s + 1) / warmup, 1.0 - 0.9 * max(0.0, s - decay_start) / decay_steps)  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     sampler = MinibatchSampler(data["lengths"], args.batch_size, args.group_by_length, args.seed, run.world_size)
-    first_step = run.restore(lm, heads, optimizer, scheduler, sampler)  # 1; --resume: the step after its checkpoint
+    state = TrainState(lm, heads, optimizer, scheduler, sampler)
+    steps_done = run.restore(state)  # 0; --resume: the checkpoint's step (its weights, optimizer, sampler, RNGs)
+    last_step = 0 if args.eval_only else args.num_steps  # --eval-only: no training
     lm.train()
-    for step in range(first_step, (0 if args.eval_only else args.num_steps) + 1):  # --eval-only: no training
+    for step in range(steps_done + 1, last_step + 1):
         # 1. a minibatch of logged dialogues (torchrun: this rank's shard, with the global minibatch's token counts)
-        batch = make_minibatch(data, sampler.draw(), run.device, run.rank, run.world_size)
+        idx = sampler.draw()
+        batch = make_minibatch(data, idx, run.shard(idx), run.device)
         # 2. one forward pass: LM logits, Q1/Q2, their targets and V at every position; all ILQL losses
         out = forward_all(lm, heads, batch["input_ids"], batch["attention_mask"])
         losses = ilql_losses(out, batch, args)
@@ -822,22 +837,39 @@ def main():
         optimizer.step()
         scheduler.step()
         heads.sync_targets(args.polyak)  # CRUCIAL: target heads trail the online Q heads (Polyak)
-        # 4. log (means over --log-every steps) and checkpoint (every --save-every steps, or on Ctrl-C / SIGTERM)
-        n_actions = batch.get("n_actions", batch["action_mask"].sum())  # action tokens of the global minibatch
-        run.log_losses(step, losses, grad_norm=grad_norm, lr=scheduler.get_last_lr()[0], n_actions=n_actions)
-        run.end_step(step, dict(lm=lm, heads=heads, optimizer=optimizer, scheduler=scheduler, sampler=sampler))
+        # 4. log the means over --log-every steps (torchrun: losses summed over ranks, the global minibatch's values)
+        step_losses = torch.tensor([float(v.detach()) for v in losses.values()], dtype=torch.float64)
+        for k, v in zip(losses, run.global_sum(step_losses.to(run.device)).tolist(), strict=True):
+            state.loss_sums[k] = state.loss_sums.get(k, 0.0) + v
+        state.n_tokens += int(batch["n_actions"])
+        if step % args.log_every == 0 or step == args.num_steps:
+            means = interval_means(state.loss_sums, step, args.log_every)
+            state.loss_sums, state.last_losses, state.first_losses = {}, means, state.first_losses or means
+            elapsed = time.time() - run.start_time
+            metrics = {f"losses/{k}": v for k, v in means.items()} | {"losses/grad_norm": float(grad_norm)}
+            run.log(step, metrics | {"charts/learning_rate": scheduler.get_last_lr()[0], "charts/SPS": step / elapsed})
+            if run.rank == 0:
+                losses_text = " ".join(f"{k}={v:.4f}" for k, v in means.items())
+                speed = f"SPS={step / elapsed:.1f} action-tokens/s={state.n_tokens / elapsed:.0f}"
+                print(f"step {step}: {losses_text} {speed}", flush=True)
+        run.end_step(step, state)  # a checkpoint every --save-every steps and at the last; Ctrl-C / SIGTERM: exit
+    run.end_training()  # Ctrl-C and SIGTERM stop the run at once again
 
     # evaluation: β sweep on validation episodes (choose β) and on test episodes (report)
     lm.eval()
     run.broadcast_params(lm, heads)  # torchrun: every rank evaluates rank 0's weights, the ones saved
     metrics = reference_metrics(lm, heads, tokenizer, data_stats, args, run.device)
-    results = sweep_betas(lm, heads, tokenizer, args.betas[run.rank :: run.world_size], args, run.device)
+    results = sweep_betas(lm, heads, tokenizer, run.shard(list(args.betas)), args, run.device)
     results = {beta: res for part in run.gather(results) for beta, res in part.items()}  # torchrun: every rank's βs
     metrics.update(beta_metrics(results, args.betas))
-    metrics.update({f"model/final_{k}_loss": v for k, v in run.last_log.items() if k in ("bc", "lm", "q", "v", "cql")})
-    metrics.update({f"model/first_{k}_loss": v for k, v in run.first_log.items() if k in ("bc", "lm")})
+    metrics.update(
+        {f"model/final_{k}_loss": v for k, v in state.last_losses.items() if k in ("bc", "lm", "q", "v", "cql")}
+    )
+    metrics.update({f"model/first_{k}_loss": v for k, v in state.first_losses.items() if k in ("bc", "lm")})
     metrics.update(problem)
-    run.finish(metrics, lm, heads, tokenizer)  # tensorboard, the model, summary.json
+    charts = {"charts/episodic_return": metrics["eval/episodic_return"]}
+    run.log(last_step, metrics | charts | {"charts/episodic_length": metrics["eval/episodic_length"]})
+    run.finish(metrics, {"model": (lm, tokenizer), "model/ilql_heads": heads}, samples=last_step)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -908,16 +940,19 @@ def beta_metrics(results: dict, betas) -> dict:
 
 
 # === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
 HEADS_FILE = "ilql_heads.safetensors"  # Q1, Q2, target Q1, target Q2, V heads, next to the save_pretrained model
 SEED_STRIDE = 10_000  # torchrun: rank r reseeds its global torch RNG (dropout of real checkpoints) with seed + r * this
 CKPT_DIR = "checkpoints"  # `--save-every`: RUN_DIR/checkpoints/step_<N>/ and latest.json naming the newest complete one
-RESUME_FREE = ("resume", "save_every", "runs_dir", "cuda")  # the only arguments a resumed run may change
+RESUME_FREE_FIELDS = ("resume", "save_every", "runs_dir", "cuda")  # the only arguments a resumed run may change
+ARCH_FIELDS = ("model_name_or_path", "arch", "n_layer", "n_embd", "n_head")  # --eval-only: its checkpoint's model
 DIST_TIMEOUT = timedelta(minutes=10)  # a rank waiting this long in a collective gives up (a failed rank never hangs)
 
 
 def parse_args() -> Args:
-    """The arguments, every check that needs no data as a one-line error; --bc-only sweeps β = 0 only; --resume
-    takes the run's own arguments (only RESUME_FREE may differ)."""
+    """The arguments, every check that needs no model as a one-line error (the --dataset-path file too); --bc-only
+    sweeps β = 0 only; --resume takes the run's own arguments (only RESUME_FREE_FIELDS may differ), --eval-only the
+    architecture (ARCH_FIELDS) in its checkpoint's args.json."""
     args = tyro.cli(Args)
     if not 0.0 < args.filter_top_frac <= 1.0:
         raise SystemExit(f"error: --filter-top-frac must be in (0, 1], got {args.filter_top_frac}")
@@ -947,8 +982,41 @@ def parse_args() -> Args:
         args.betas = (0.0,)  # the Q/V heads are untrained: only β = 0 (pure BC) is meaningful
     if args.resume is not None:
         args = read_resume(args, int(os.environ.get("WORLD_SIZE", 1)))[0]  # the run's own arguments
+    if args.eval_only:
+        saved = checkpoint_model_dir(args.checkpoint).parent / "args.json"
+        if saved.is_file():  # a run dir of this script: the architecture of its model
+            saved_args = read_json(saved)
+            args = replace(args, **{k: saved_args[k] for k in ARCH_FIELDS if k in saved_args})
+    check_dataset(args)
     check_writable_dir(Path(args.resume or args.runs_dir), "--resume" if args.resume else "--runs-dir")
     return args
+
+
+def check_dataset(args) -> None:
+    """A one-line error for a --dataset-path that is missing, not a GuessTheImage JSONL dataset, empty, or (with
+    --belief-coef > 0, when training) without the logged secret of every dialogue."""
+    if args.dataset_path is None:
+        return
+    path = Path(args.dataset_path)
+    if not path.is_file():
+        raise SystemExit(f"error: --dataset-path '{path}' does not exist (write one with G.write_dataset)")
+    try:
+        dialogues = G.read_dataset(path)
+        for d in dialogues:
+            for t in d["turns"]:
+                str(t["agent"]), str(t["reply"]), float(t["reward"])  # noqa: B018  (fields must exist)
+            if not d["turns"]:
+                raise ValueError("a dialogue has no turns")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise SystemExit(f"error: --dataset-path '{path}' is not a GuessTheImage JSONL dataset ({e!r})") from None
+    if not dialogues:
+        raise SystemExit(f"error: --dataset-path '{path}' holds no dialogues")
+    secrets = all(d.get("secret_id") in range(G.N_OBJECTS) for d in dialogues)
+    if args.belief_coef > 0 and not args.eval_only and not secrets:
+        raise SystemExit(
+            f"error: --dataset-path '{path}': --belief-coef > 0 needs the logged secret_id (0..{G.N_OBJECTS - 1}) of "
+            "every dialogue; pass --belief-coef 0 for logs without it"
+        )
 
 
 def shard_error(global_batch: int, n_data: int, world_size: int, group_by_length: bool) -> str | None:
@@ -967,73 +1035,160 @@ def shard_error(global_batch: int, n_data: int, world_size: int, group_by_length
 
 
 def start_run(args) -> "Run":
-    """torchrun (WORLD_SIZE > 1: join the process group; one process runs exactly the single-process code) and the
-    check that needs the number of processes. The run dir, tensorboard and the stop handlers follow in `Run.begin`,
-    once the model has loaded: a run whose model fails to load leaves no run dir."""
+    """torchrun (WORLD_SIZE > 1: join the process group; one process runs exactly the single-process code), the
+    check that needs the number of processes, per-rank noise (dropout; main broadcasts rank 0's weights), then the
+    run dir (new, or the resumed one; rank 0 creates it, the others learn its name), tensorboard (rank 0; a resume
+    drops what was logged after its checkpoint) and, when training follows, the stop handlers."""
     rank, world_size, device = init_torchrun(args.cuda)
     if world_size > 1 and not args.eval_only and args.num_steps > 0:
         n_data = args.n_train_dialogues
         error = shard_error(min(args.batch_size, n_data), n_data, world_size, args.group_by_length)
         if error:
             raise SystemExit(f"error: {error}")
+    if world_size > 1:
+        torch.manual_seed(args.seed + SEED_STRIDE * rank)
     return Run(args, rank, world_size, device)
 
 
 class Run:
     """What training and evaluation call for run management: torchrun (rank, world_size, device and the
-    collectives, no-ops in one process), the run dir and tensorboard writer (rank 0), the loss log, checkpoints,
-    --resume, Ctrl-C / SIGTERM and summary.json. Only rank 0 writes."""
+    collectives, no-ops in one process), the run dir and tensorboard writer (rank 0), checkpoints, --resume,
+    Ctrl-C / SIGTERM and summary.json. Only rank 0 writes."""
 
     def __init__(self, args, rank: int, world_size: int, device: torch.device):
-        self.args, self.rank, self.world_size, self.device = args, rank, world_size, device
-        self.resume_state, self.resume_dir = latest_checkpoint(Path(args.resume)) if args.resume else (None, None)
-        self.run_dir, self.writer, self.stop = None, NullWriter(), {"signal": None, "previous": {}}
-        self.step, self.n_tokens, self.log_acc, self.last_log, self.first_log = 0, 0, {}, {}, {}
-        self.train_times = None  # (wall, CPU) seconds of training, taken after the last step
-
-    def load_model(self):
-        """--eval-only: the trained model of --checkpoint."""
-        return load_checkpoint(self.args.checkpoint, self.device)
-
-    def begin(self, lm, heads) -> None:
-        """Torchrun: rank 0's weights on every rank (identical starts whatever each rank's RNG did), then per-rank
-        noise (dropout). Then the run dir (new, or the resumed one; rank 0 creates it, the others learn its name),
-        tensorboard (rank 0; a resume drops what was logged after its checkpoint) and, when training follows, the
-        stop handlers."""
-        args = self.args
-        if self.world_size > 1:
-            self.broadcast_params(lm, heads)
-            torch.manual_seed(args.seed + SEED_STRIDE * self.rank)
-        if self.resume_dir is not None:
+        self.rank, self.world_size, self.device, self.resuming = rank, world_size, device, args.resume is not None
+        self._args, self._stop, self._writer = args, {"signal": None, "previous": {}}, NullWriter()
+        self._resume_state, self._resume_dir = latest_checkpoint(Path(args.resume)) if self.resuming else (None, None)
+        if self.resuming:
             run_dir = Path(args.resume)
         else:
-            run_dir = new_run_dir(args.runs_dir, TASK_ID, args.exp_name, args.seed) if self.rank == 0 else None
-        if self.world_size > 1:
+            run_dir = new_run_dir(args.runs_dir, TASK_ID, args.exp_name, args.seed) if rank == 0 else None
+        if world_size > 1:
             shared = [str(run_dir)]
             dist.broadcast_object_list(shared, src=0)
             run_dir = Path(shared[0])
         self.run_dir = run_dir
-        if self.rank == 0:
-            purge_step = None if self.resume_state is None else self.resume_state["step"] + 1
-            self.writer = open_writer(run_dir, args, purge_step)
+        if rank == 0:
+            purge_step = self._resume_state["step"] + 1 if self.resuming else None
+            self._writer = open_writer(run_dir, args, purge_step)
         if not args.eval_only and args.num_steps > 0:
-            self.stop = install_stop_handlers()
-        self.start, self.cpu_start = time.time(), time.process_time()
+            self._stop = install_stop_handlers()
+        self.start_time, self._cpu_start = time.time(), time.process_time()
+        self._train_times = None  # (wall, CPU) seconds of training, taken by end_training
 
-    def restore(self, lm, heads, optimizer, scheduler, sampler) -> int:
-        """--resume: the checkpoint's weights, optimizer and scheduler, minibatch sampler, RNGs and loss log, so the
-        run continues exactly where it stopped. Returns the first step to train (1 without --resume)."""
-        if self.resume_dir is None:
-            return 1
-        state = self.resume_state
-        saved = load_train_checkpoint(self.resume_dir, self.rank, lm, heads, optimizer, scheduler, self.device)
-        sampler.generator.set_state(saved["generator"])
-        sizes = saved["queue_sizes"].tolist()
-        sampler.queue = list(saved["queue"].split(sizes)) if sizes else []
-        self.step, self.n_tokens, self.log_acc = state["step"], state["n_tokens"], state["log_acc"]
-        self.last_log, self.first_log = state["last_log"], state["first_log"]
-        self.start, self.cpu_start = self.start - state["train_time_s"], self.cpu_start - state["train_cpu_time_s"]
-        return self.step + 1
+    def log(self, step: int, metrics: dict) -> None:
+        """Tensorboard (rank 0): each tag -> value at `step`; a str value as text."""
+        for tag, value in metrics.items():
+            if isinstance(value, str):
+                self._writer.add_text(tag, value, step)
+            else:
+                self._writer.add_scalar(tag, value, step)
+
+    def load_pretrained(self, path: str, kind: str):
+        """(model, tokenizer) of a save_pretrained dir: --checkpoint's run dir (its model/) or model dir. `kind` is
+        "causal", the only kind this script loads."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        assert kind == "causal", kind
+        model_dir = checkpoint_model_dir(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            lm = AutoModelForCausalLM.from_pretrained(model_dir).to(self.device)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise SystemExit(f"error: could not load checkpoint '{model_dir}': {str(e).splitlines()[0]}") from None
+        return lm, tokenizer
+
+    def load_model(self, module: nn.Module) -> nn.Module:
+        """--eval-only: the ILQL heads of --checkpoint (HEADS_FILE next to its model) loaded into `module`."""
+        path = checkpoint_model_dir(self._args.checkpoint) / HEADS_FILE
+        try:
+            module.load_state_dict(load_file(path, device=str(self.device)))
+        except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+            raise SystemExit(f"error: could not load checkpoint '{path}': {str(e).splitlines()[0]}") from None
+        return module
+
+    def restore(self, state) -> int:
+        """--resume: the checkpoint's TrainState (weights, optimizer, scheduler, minibatch sampler, loss sums) and
+        RNGs loaded into `state`, so the run continues exactly where it stopped. Returns the steps it had done (0
+        without --resume)."""
+        if not self.resuming:
+            return 0
+        saved = self._resume_state
+        load_train_checkpoint(self._resume_dir, self.rank, state, self.device)
+        self.start_time -= saved["train_time_s"]
+        self._cpu_start -= saved["train_cpu_time_s"]
+        return saved["step"]
+
+    def end_step(self, step: int, state) -> None:
+        """A checkpoint every --save-every steps, at the last step, and when a stop signal arrived on any rank (every
+        rank stops at the same step: a lone exit would hang the others' next collective); after a stop checkpoint
+        the run exits with STOP_EXIT_CODE, naming the --resume command."""
+        args = self._args
+        stop = self._stop["signal"] is not None
+        if self.world_size > 1:
+            stop = bool(self.global_sum(torch.tensor([float(stop)], dtype=torch.float64, device=self.device))[0] > 0)
+        if stop or (args.save_every and (step % args.save_every == 0 or step == args.num_steps)):
+            self._checkpoint(step, state)
+        if stop:
+            self._writer.close()
+            if self.world_size > 1:
+                dist.destroy_process_group()
+            if self.rank == 0:
+                launcher = f"torchrun --nproc_per_node {self.world_size} " if self.world_size > 1 else "python "
+                why = self._stop["signal"] or "interrupted on another rank"
+                print(
+                    f"{why}: checkpoint saved at step {step} of {args.num_steps}; continue with: "
+                    f"{launcher}{sys.argv[0]} --resume {self.run_dir}",
+                    file=sys.stderr,
+                )
+            raise SystemExit(STOP_EXIT_CODE)
+
+    def end_training(self) -> None:
+        """After the last step: Ctrl-C stops at once again (a resume would redo what follows). Every rank stays:
+        the evaluation's β sweep is split over the ranks."""
+        restore_signal_handlers(self._stop)
+        self._train_times = time.time() - self.start_time, time.process_time() - self._cpu_start
+
+    def finish(self, metrics: dict, models: dict, samples: int) -> None:
+        """Rank 0 saves `models` (name -> module: name.safetensors; a transformers model or tokenizer, or a (model,
+        tokenizer) pair: save_pretrained into name/), args.json and, last, summary.json (`sps` = samples / training
+        time; its presence marks the run finished for --resume); every rank tears down together."""
+        wall_cpu = time.time() - self.start_time, time.process_time() - self._cpu_start
+        train_time, train_cpu = self._train_times or wall_cpu
+        if self.rank == 0:
+            run_dir = self.run_dir
+            for name, obj in models.items():
+                for part in obj if isinstance(obj, tuple) else (obj,):
+                    if hasattr(part, "save_pretrained"):
+                        part.save_pretrained(run_dir / name)
+                    else:
+                        weights = {k: v.contiguous() for k, v in part.state_dict().items()}
+                        save_file(weights, str(run_dir / f"{name}.safetensors"))
+            (run_dir / "args.json").write_text(json.dumps(asdict(self._args), indent=2))
+            summary = {
+                "script": SCRIPT,
+                "run_name": run_dir.name,
+                "run_dir": str(run_dir),
+                "args": asdict(self._args),
+                "metrics": metrics,
+                "wall_time_s": wall_cpu[0],
+                "train_time_s": train_time,
+                "cpu_time_s": wall_cpu[1],
+                "train_cpu_time_s": train_cpu,
+                "sps": samples / train_time if samples else 0.0,
+            }
+            write_json_atomic(run_dir / "summary.json", summary)  # last: its presence marks the run finished (--resume)
+            self._writer.close()
+            m = metrics
+            print(
+                f"best β={m['eval/best_beta']:g} (on validation): test return {m['eval/episodic_return']:.3f} "
+                f"(normalized {m['eval/normalized_score']:.1f}), BC {m.get('eval/bc_episodic_return', 0):.3f}, "
+                f"dataset {m['dataset/mean_return']:.3f}, optimal {m['ref/optimal_episodic_return']:.3f}; "
+                f"wall {wall_cpu[0]:.0f}s -> {run_dir}"
+            )
+        if self.world_size > 1:  # every rank tears down together, after rank 0 has saved (each frees its gloo threads)
+            dist.barrier()
+            dist.destroy_process_group()
 
     def sync_grads(self, params) -> None:
         sync_grads(params, self.world_size)
@@ -1053,128 +1208,41 @@ class Run:
         dist.all_gather_object(gathered, obj)
         return gathered
 
-    def log_losses(self, step: int, losses: dict, grad_norm, lr: float, n_actions) -> None:
-        """Add this step's losses to running sums (torchrun: summed over ranks, the global minibatch's values); every
-        --log-every steps and at the last step, their means go to tensorboard and stdout. (`log(step, metrics)`, in
-        the other scripts, writes given scalars at once: another meaning, so another name.)"""
-        args = self.args
-        self.n_tokens += int(n_actions)
-        step_losses = {k: float(v.detach()) for k, v in losses.items()}
-        if self.world_size > 1:
-            summed = self.global_sum(torch.tensor([*step_losses.values()], dtype=torch.float64, device=self.device))
-            step_losses = dict(zip(step_losses, summed.tolist(), strict=True))
-        for k, v in step_losses.items():
-            self.log_acc[k] = self.log_acc.get(k, 0.0) + v
-        if step % args.log_every == 0 or step == args.num_steps:
-            count = args.log_every if step % args.log_every == 0 else step % args.log_every
-            for k, v in self.log_acc.items():
-                self.writer.add_scalar(f"losses/{k}", v / count, step)
-            self.writer.add_scalar("losses/grad_norm", float(grad_norm), step)
-            self.writer.add_scalar("charts/learning_rate", lr, step)
-            sps = step / (time.time() - self.start)
-            self.writer.add_scalar("charts/SPS", sps, step)
-            if self.rank == 0:
-                print(
-                    f"step {step}: "
-                    + " ".join(f"{k}={v / count:.4f}" for k, v in self.log_acc.items())
-                    + f" SPS={sps:.1f} action-tokens/s={self.n_tokens / (time.time() - self.start):.0f}",
-                    flush=True,
-                )
-            self.last_log, self.log_acc = {k: v / count for k, v in self.log_acc.items()}, {}
-            self.first_log = self.first_log or self.last_log
+    def shard(self, items: list) -> list:
+        """This rank's contiguous share of `items` (all of them in one process); shares differ by at most one item,
+        the first ranks taking the larger (torch.tensor_split's rule; `shard_error` keeps every share non-empty)."""
+        size, extra = divmod(len(items), self.world_size)
+        start = self.rank * size + min(self.rank, extra)
+        return items[start : start + size + (self.rank < extra)]
 
-    def end_step(self, step: int, state: dict) -> None:
-        """A checkpoint every --save-every steps, at the last step, and when a stop signal arrived on any rank (every
-        rank stops at the same step: a lone exit would hang the others' next collective); after a stop checkpoint
-        the run exits with STOP_EXIT_CODE, naming the --resume command. After the last step, Ctrl-C stops at once."""
-        args, self.step = self.args, step
-        stop = self.stop["signal"] is not None
-        if self.world_size > 1:
-            stop = bool(self.global_sum(torch.tensor([float(stop)], dtype=torch.float64, device=self.device))[0] > 0)
-        if stop or (args.save_every and (step % args.save_every == 0 or step == args.num_steps)):
-            self.checkpoint(step, **state)
-        if stop:
-            self.writer.close()
-            if self.world_size > 1:
-                dist.destroy_process_group()
-            if self.rank == 0:
-                launcher = f"torchrun --nproc_per_node {self.world_size} " if self.world_size > 1 else "python "
-                why = self.stop["signal"] or "interrupted on another rank"
-                print(f"{why}: checkpoint saved at step {step} of {args.num_steps}; continue with: "
-                      f"{launcher}{sys.argv[0]} --resume {self.run_dir}", file=sys.stderr)  # fmt: skip
-            raise SystemExit(STOP_EXIT_CODE)
-        if step == args.num_steps:  # training is over: Ctrl-C stops at once again
-            restore_signal_handlers(self.stop)
-            self.train_times = time.time() - self.start, time.process_time() - self.cpu_start
-
-    def checkpoint(self, step: int, lm, heads, optimizer, scheduler, sampler) -> None:
+    def _checkpoint(self, step: int, state) -> None:
         """The training checkpoint of `step` (`save_train_checkpoint`), written by rank 0 with every rank's torch
         RNG state; no rank goes on before it is complete (torchrun would stop rank 0 mid-write)."""
         rank_rngs = self.gather(rng_state(self.device))
         if self.rank == 0:
-            queue = sampler.queue
-            sampler_state = {
-                "generator": sampler.generator.get_state(),
-                "queue": torch.cat(queue) if queue else torch.zeros(0, dtype=torch.long),
-                "queue_sizes": torch.tensor([len(q) for q in queue], dtype=torch.long),
-            }
-            state = {
-                "script": Path(__file__).stem,
+            meta = {
+                "script": SCRIPT,
                 "step": step,
                 "world_size": self.world_size,
-                "args": asdict(self.args),
-                "n_tokens": self.n_tokens,
-                "log_acc": self.log_acc,
-                "last_log": self.last_log,
-                "first_log": self.first_log,
-                "train_time_s": time.time() - self.start,
-                "train_cpu_time_s": time.process_time() - self.cpu_start,
+                "args": asdict(self._args),
+                "train_time_s": time.time() - self.start_time,
+                "train_cpu_time_s": time.process_time() - self._cpu_start,
                 "python_random": random.getstate(),
                 "numpy_random": numpy_rng_json(),
             }
-            save_train_checkpoint(self.run_dir, step, lm, heads, optimizer, scheduler, sampler_state, rank_rngs, state)
-            self.writer.flush()  # the scalars logged so far reach the disk with the checkpoint
+            save_train_checkpoint(self.run_dir, step, state, rank_rngs, meta)
+            self._writer.flush()  # the scalars logged so far reach the disk with the checkpoint
         if self.world_size > 1:
             dist.barrier()
 
-    def finish(self, metrics: dict, lm, heads, tokenizer) -> None:
-        """The final scalars; rank 0 saves the model (save_pretrained + the ILQL heads), args.json and, last,
-        summary.json (its presence marks the run finished for --resume); every rank tears down together."""
-        restore_signal_handlers(self.stop)
-        train_time, train_cpu = self.train_times or (time.time() - self.start, time.process_time() - self.cpu_start)
-        for k, v in metrics.items():
-            self.writer.add_scalar(k, v, self.step)
-        self.writer.add_scalar("charts/episodic_return", metrics["eval/episodic_return"], self.step)
-        self.writer.add_scalar("charts/episodic_length", metrics["eval/episodic_length"], self.step)
-        if self.rank == 0:
-            run_dir = self.run_dir
-            save_checkpoint(run_dir / "model", lm, tokenizer, heads)
-            (run_dir / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
-            wall = time.time() - self.start
-            summary = {
-                "script": Path(__file__).stem,
-                "run_name": run_dir.name,
-                "run_dir": str(run_dir),
-                "args": asdict(self.args),
-                "metrics": metrics,
-                "wall_time_s": wall,
-                "train_time_s": train_time,
-                "cpu_time_s": time.process_time() - self.cpu_start,
-                "train_cpu_time_s": train_cpu,
-                "sps": self.step / train_time if self.step else 0.0,
-            }
-            write_json_atomic(run_dir / "summary.json", summary)  # last: its presence marks the run finished (--resume)
-            self.writer.close()
-            m = metrics
-            print(
-                f"best β={m['eval/best_beta']:g} (on validation): test return {m['eval/episodic_return']:.3f} "
-                f"(normalized {m['eval/normalized_score']:.1f}), BC {m.get('eval/bc_episodic_return', 0):.3f}, "
-                f"dataset {m['dataset/mean_return']:.3f}, optimal {m['ref/optimal_episodic_return']:.3f}; "
-                f"wall {wall:.0f}s -> {run_dir}"
-            )
-        if self.world_size > 1:  # every rank tears down together, after rank 0 has saved (each frees its gloo threads)
-            dist.barrier()
-            dist.destroy_process_group()
+
+def checkpoint_model_dir(path: str) -> Path:
+    """The save_pretrained dir of --checkpoint (a run dir of this script, or its model/ dir); one-line error else."""
+    p = Path(path)
+    p = p / "model" if (p / "model").is_dir() else p
+    if not (p / "config.json").is_file() or not (p / HEADS_FILE).is_file():
+        raise SystemExit(f"error: --checkpoint '{path}' is not a run dir of this script (no config.json/{HEADS_FILE})")
+    return p
 
 
 def rng_state(device) -> dict:
@@ -1189,24 +1257,29 @@ def read_json(path: Path):
     return json.loads(path.read_text())
 
 
-def save_train_checkpoint(run_dir, step, lm, heads, optimizer, scheduler, sampler: dict, rank_rngs, state) -> Path:
-    """RUN_DIR/checkpoints/step_<step>/: lm.safetensors (backbone + LM head), heads.safetensors (Q1, Q2, their
-    Polyak targets, V, belief), optim.pt (optimizer + scheduler state_dicts), sampler.pt (minibatch generator state
-    and the rest of the epoch's minibatches), rng_rank<r>.pt (per rank), state.json (script, step, args, counters,
-    the loss log so far, python / numpy RNG). Atomic: written under a temporary name and renamed, then latest.json is
-    replaced (temp file + os.replace); older step dirs are deleted only after that, so a kill at any point leaves
-    latest.json naming a complete checkpoint."""
+def save_train_checkpoint(run_dir, step: int, state, rank_rngs, meta: dict) -> Path:
+    """RUN_DIR/checkpoints/step_<step>/: every field of the TrainState `state` under its name: a module as
+    <name>.safetensors (save_model drops the tied LM-head copy, load_model reties it), what has a state_dict
+    (optimizer, scheduler, sampler) as <name>.pt, the rest in state.json (with `meta`: script, step, args, timings,
+    python / numpy RNG); rng_rank<r>.pt per rank. Atomic: written under a temporary name and renamed, then
+    latest.json is replaced (temp file + os.replace); older step dirs are deleted only after that, so a kill at any
+    point leaves latest.json naming a complete checkpoint."""
     ckpt = Path(run_dir) / CKPT_DIR
     tmp, final = ckpt / f".tmp_step_{step}", ckpt / f"step_{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_model(lm, str(tmp / "lm.safetensors"))  # save_model drops the tied (shared) LM-head copy; load_model reties
-    save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, str(tmp / "heads.safetensors"))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optim.pt")
-    torch.save(sampler, tmp / "sampler.pt")
+    plain = {}
+    for f in fields(state):
+        value = getattr(state, f.name)
+        if isinstance(value, nn.Module):
+            save_model(value, str(tmp / f"{f.name}.safetensors"))
+        elif hasattr(value, "state_dict"):
+            torch.save(value.state_dict(), tmp / f"{f.name}.pt")
+        else:
+            plain[f.name] = value
     for r, rng in enumerate(rank_rngs):
         torch.save(rng, tmp / f"rng_rank{r}.pt")
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    (tmp / "state.json").write_text(json.dumps({**meta, "fields": plain}, indent=1))
     if final.exists():  # left by an attempt killed before latest.json named it
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -1215,6 +1288,28 @@ def save_train_checkpoint(run_dir, step, lm, heads, optimizer, scheduler, sample
         if old.is_dir() and old != final:
             shutil.rmtree(old)
     return final
+
+
+def load_train_checkpoint(step_dir: Path, rank: int, state, device) -> None:
+    """Load what save_train_checkpoint wrote into the TrainState `state`, field by field, and set the RNGs."""
+    saved = checkpoint_file(step_dir, "state.json", read_json)
+    load = lambda f: torch.load(f, weights_only=True)  # noqa: E731
+    for f in fields(state):
+        value = getattr(state, f.name)
+        if isinstance(value, nn.Module):
+            checkpoint_file(step_dir, f"{f.name}.safetensors", lambda p: load_model(value, str(p), device=str(device)))  # noqa: B023
+        elif hasattr(value, "state_dict"):
+            value.load_state_dict(checkpoint_file(step_dir, f"{f.name}.pt", load))
+        else:
+            setattr(state, f.name, saved["fields"][f.name])
+    rng = checkpoint_file(step_dir, f"rng_rank{rank}.pt", load)
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"], device)
+    random.setstate((saved["python_random"][0], tuple(saved["python_random"][1]), saved["python_random"][2]))
+    numpy_state = saved["numpy_random"]
+    numpy_state["state"]["key"] = np.array(numpy_state["state"]["key"], dtype=np.uint32)
+    np.random.set_state(numpy_state)
 
 
 def checkpoint_file(step_dir: Path, name: str, loader):
@@ -1249,69 +1344,24 @@ def read_resume(args, world_size: int):
     run's arguments, its state.json and the newest complete step dir."""
     run_dir = Path(args.resume)
     state, step_dir = latest_checkpoint(run_dir)
-    if state.get("script") != Path(__file__).stem:
-        raise SystemExit(f"error: --resume '{run_dir}' is a run of {state.get('script')}, not of {Path(__file__).stem}")
+    if state.get("script") != SCRIPT:
+        raise SystemExit(f"error: --resume '{run_dir}' is a run of {state.get('script')}, not of {SCRIPT}")
     if state["world_size"] != world_size:
         raise SystemExit(f"error: --resume '{run_dir}' ran on {state['world_size']} process(es), not {world_size}")
     plain = lambda v: json.loads(json.dumps(v))  # noqa: E731  (tuples -> lists, as in state.json)
     given, default, saved = asdict(args), asdict(Args()), state["args"]
     for k, v in given.items():
-        if k not in RESUME_FREE and plain(v) != plain(default[k]) and plain(v) != saved.get(k):
+        if k not in RESUME_FREE_FIELDS and plain(v) != plain(default[k]) and plain(v) != saved.get(k):
             flag = "--" + k.replace("_", "-")
             raise SystemExit(f"error: --resume keeps the run's arguments: {flag} {v} differs from its {saved.get(k)}")
-    saved = {**saved, **{k: given[k] for k in RESUME_FREE}, "betas": tuple(saved["betas"])}
+    saved = {**saved, **{k: given[k] for k in RESUME_FREE_FIELDS}, "betas": tuple(saved["betas"])}
     return Args(**saved), state, step_dir
-
-
-def load_train_checkpoint(step_dir: Path, rank: int, lm, heads, optimizer, scheduler, device) -> dict:
-    """Restore what save_train_checkpoint wrote (weights, optimizer, scheduler, RNGs); returns the sampler state."""
-    checkpoint_file(step_dir, "lm.safetensors", lambda f: load_model(lm, str(f), device=str(device)))
-    heads.load_state_dict(checkpoint_file(step_dir, "heads.safetensors", lambda f: load_file(f, device=str(device))))
-    optim = checkpoint_file(step_dir, "optim.pt", lambda f: torch.load(f, weights_only=True))
-    optimizer.load_state_dict(optim["optimizer"])
-    scheduler.load_state_dict(optim["scheduler"])
-    sampler = checkpoint_file(step_dir, "sampler.pt", lambda f: torch.load(f, weights_only=True))
-    rng = checkpoint_file(step_dir, f"rng_rank{rank}.pt", lambda f: torch.load(f, weights_only=True))
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng:
-        torch.cuda.set_rng_state(rng["cuda"], device)
-    state = json.loads((step_dir / "state.json").read_text())
-    random.setstate((state["python_random"][0], tuple(state["python_random"][1]), state["python_random"][2]))
-    numpy_state = state["numpy_random"]
-    numpy_state["state"]["key"] = np.array(numpy_state["state"]["key"], dtype=np.uint32)
-    np.random.set_state(numpy_state)
-    return sampler
 
 
 def numpy_rng_json() -> dict:
     state = np.random.get_state(legacy=False)
     state["state"]["key"] = state["state"]["key"].tolist()
     return state
-
-
-def save_checkpoint(model_dir: Path, lm, tokenizer, heads) -> None:
-    """The one place the model is saved: backbone + LM head and tokenizer with save_pretrained, the ILQL heads as
-    safetensors next to them (`load_checkpoint` reads them back)."""
-    lm.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, str(model_dir / HEADS_FILE))
-
-
-def load_checkpoint(path: str, device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    p = Path(path)
-    p = p / "model" if (p / "model").is_dir() else p
-    if not (p / "config.json").is_file() or not (p / HEADS_FILE).is_file():
-        raise SystemExit(f"error: --checkpoint '{path}' is not a run dir of this script (no config.json/{HEADS_FILE})")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(p)
-        lm = AutoModelForCausalLM.from_pretrained(p).to(device)
-        heads = ILQLHeads(lm.config.hidden_size, n_logits(lm)).to(device)
-        heads.load_state_dict(load_file(p / HEADS_FILE, device=str(device)))
-    except (OSError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"error: could not load checkpoint '{p}': {str(e).splitlines()[0]}") from None
-    return lm, heads, tokenizer
 
 
 def check_writable_dir(path: Path, flag: str) -> None:

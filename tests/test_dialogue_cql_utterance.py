@@ -21,11 +21,11 @@ def test_cql_penalty_matches_hand_computation():
     q_data = q[:, 0]
     expected0 = math.log(math.exp(1.0) + math.exp(0.0) + math.exp(2.0)) - 1.0  # 5.0 is padding
     expected1 = math.log(2 * math.exp(0.5)) - 0.5  # = log 2
-    got = m.cql_penalty(q, mask, q_data)
+    got = m.candidate_cql_penalty(q, mask, q_data)
     assert got.tolist() == pytest.approx([expected0, expected1], abs=1e-6)
     # the gradient is softmax over the candidates minus the one-hot of the data utterance
     qg = q.clone().requires_grad_(True)
-    m.cql_penalty(qg, mask, qg[:, 0]).sum().backward()
+    m.candidate_cql_penalty(qg, mask, qg[:, 0]).sum().backward()
     p = torch.tensor([math.exp(1.0), 1.0, math.exp(2.0)]) / (math.exp(1.0) + 1.0 + math.exp(2.0))
     assert qg.grad[0, :3].tolist() == pytest.approx((p - torch.tensor([1.0, 0.0, 0.0])).tolist(), abs=1e-6)
     assert qg.grad[0, 3].item() == 0.0
@@ -43,10 +43,10 @@ def test_td_target_max_over_sampled_set_min_over_twins_zero_at_done():
     mask = torch.tensor([[True, True, False], [True, True, True], [True, True, True]])
     rewards = torch.tensor([-0.05, -0.05, 1.0])
     dones = torch.tensor([False, False, True])
-    y = m.td_target(rewards, dones, next_q, mask, gamma=0.9)
+    y = m.candidate_td_target(rewards, dones, next_q, mask, gamma=0.9)
     assert y.tolist() == pytest.approx([-0.05 + 0.9 * 0.5, -0.05 + 0.9 * 0.7, 1.0], abs=1e-6)
     # a done row without candidates is fine too (no -inf leaks)
-    y2 = m.td_target(rewards[2:], dones[2:], next_q[2:], torch.zeros(1, 3, dtype=torch.bool), gamma=0.9)
+    y2 = m.candidate_td_target(rewards[2:], dones[2:], next_q[2:], torch.zeros(1, 3, dtype=torch.bool), gamma=0.9)
     assert y2.tolist() == pytest.approx([1.0])
 
 
@@ -59,7 +59,7 @@ def test_training_target_uses_sampled_candidates_not_data_utterance():
     # the target over the sampled set: give the data-only utterance 9 a huge Q; it must not enter the max
     u_q = {2: 0.1, 3: 0.4, 5: 0.2, 7: 0.3, 9: 100.0}
     q_of = torch.tensor([[[u_q.get(int(i), 0.0)] * 2 for i in row] for row in sampled])  # (2, 3, 2)
-    y = m.td_target(torch.zeros(2), torch.zeros(2, dtype=torch.bool), q_of, sampled >= 0, gamma=1.0)
+    y = m.candidate_td_target(torch.zeros(2), torch.zeros(2, dtype=torch.bool), q_of, sampled >= 0, gamma=1.0)
     assert y.tolist() == pytest.approx([0.4, 0.4])
 
 
@@ -106,8 +106,8 @@ def sampler_case(arch, tmp_path):
 
     torch.manual_seed(0)
     if arch == "builtin":
-        return m.build_lm(m.Args(n_embd=32, n_head=4))
-    return m.build_lm(m.Args(model_name_or_path=str(save_tiny_checkpoint(arch, tmp_path / arch))))
+        return m.build_proposer(m.Args(n_embd=32, n_head=4))
+    return m.build_proposer(m.Args(model_name_or_path=str(save_tiny_checkpoint(arch, tmp_path / arch))))
 
 
 @pytest.mark.parametrize("arch", ["builtin", "gpt2", "llama", "gpt_neox"])
@@ -210,7 +210,7 @@ def test_belief_loss_matches_hand_computation():
     weights = torch.tensor([1.0, 2.0])
     nll = lambda b, t: -torch.log_softmax(logits[b, t], -1)[secret[b]]  # noqa: E731
     expected = (nll(0, 0) + nll(0, 1) + 2.0 * nll(1, 0)) / 4.0
-    assert m.belief_loss(logits, secret, real, weights).item() == pytest.approx(expected.item(), rel=1e-5)
+    assert m.weighted_belief_loss(logits, secret, real, weights).item() == pytest.approx(expected.item(), rel=1e-5)
 
 
 def test_critic_history_turns_bind_question_and_answer():
@@ -352,7 +352,7 @@ def test_real_checkpoint_keeps_its_weights_and_tokenizer(hf_checkpoint):
 
     original_tok = AutoTokenizer.from_pretrained(hf_checkpoint)
     original = AutoModelForCausalLM.from_pretrained(hf_checkpoint)
-    lm, tok = m.build_lm(m.Args(model_name_or_path=str(hf_checkpoint)))
+    lm, tok = m.build_proposer(m.Args(model_name_or_path=str(hf_checkpoint)))
     n = len(original_tok)
     assert type(lm) is type(original) and tok.get_vocab().items() >= original_tok.get_vocab().items()
     assert (tok.bos_token_id, tok.eos_token_id) == (original_tok.bos_token_id, original_tok.eos_token_id)
@@ -368,6 +368,7 @@ def test_real_checkpoint_keeps_its_weights_and_tokenizer(hf_checkpoint):
 def test_real_checkpoint_end_to_end(hf_checkpoint, runs_dir):
     """Train and act with a real architecture: the proposer's BC loss falls, candidates are sampled through the
     StaticCache, the critic is trained on the model's own token ids, and the run dir reloads for --eval-only."""
+    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     original_tok = AutoTokenizer.from_pretrained(hf_checkpoint)
@@ -378,7 +379,11 @@ def test_real_checkpoint_end_to_end(hf_checkpoint, runs_dir):
     check_evaluation_bookkeeping(mt)
     assert mt["timestep/vocab_size"] == len(original_tok) + 2 and mt["timestep/actions_per_step"] >= 1.0
     run_dir = runs_dir / summary["run_name"]
-    lm, tok, critic = m.load_checkpoint(run_dir, "cpu")
+    tok = AutoTokenizer.from_pretrained(run_dir / "bc_lm")  # what --eval-only loads: bc_lm/ and the critic
+    critic = m.UtteranceCritic(
+        len(tok), summary["args"]["critic_dim"], summary["args"]["critic_hidden"], tok.pad_token_id
+    )
+    critic.load_state_dict(load_file(run_dir / "critic.safetensors"))
     assert tok.eos_token_id == original_tok.eos_token_id and tok.sep_token_id == len(original_tok)
     assert critic.embed.num_embeddings == len(tok) and critic.embed.padding_idx == tok.pad_token_id
     again = run_script("dialogue_cql_utterance", *args, "--eval-only", "--checkpoint", str(run_dir), runs_dir=runs_dir)

@@ -92,11 +92,11 @@ def test_cql_penalty_is_cross_entropy_of_q_as_logits():
     q = torch.tensor([[1.0, 2.0, 3.0], [0.5, -1.0, 0.0]])
     actions = torch.tensor([0, 2])
     hand = [math.log(math.e + math.e**2 + math.e**3) - 1.0, math.log(math.exp(0.5) + math.exp(-1) + 1.0) - 0.0]
-    assert M.cql_penalty(q, actions).tolist() == pytest.approx(hand)
+    assert M.token_cql_penalty(q, actions).tolist() == pytest.approx(hand)
     big = torch.randn(4, 7, 136)  # (B, L, V), the training shapes
     acts = torch.randint(0, 136, (4, 7))
     ce = F.cross_entropy(big.transpose(1, 2), acts, reduction="none")
-    assert torch.allclose(M.cql_penalty(big, acts), ce, atol=1e-5)
+    assert torch.allclose(M.token_cql_penalty(big, acts), ce, atol=1e-5)
 
 
 def test_backup_skips_answerer_tokens_and_stops_at_dialogue_end():
@@ -166,7 +166,11 @@ def test_lm_loss_covers_answerer_tokens_and_bc_only_agent_tokens():
         "next_idx": torch.full((b, length - 1), -1),
     }
     ce = F.cross_entropy(out["logits"][:, :-1].transpose(1, 2), batch["input_ids"][:, 1:], reduction="none")
-    args = type("A", (), dict(gamma=1.0, tau=0.7, cql_weight=0.1, bc_weight=1.0, bc_only=True, lm_all_tokens=True))
+    args = type(
+        "A",
+        (),
+        dict(gamma=1.0, tau=0.7, cql_weight=0.1, bc_weight=1.0, bc_only=True, lm_all_tokens=True, belief_coef=0.0),
+    )
     losses = M.ilql_losses(out, batch, args)
     assert losses["bc"].item() == pytest.approx(ce[batch["action_mask"]].mean().item(), rel=1e-5)
     assert losses["lm"].item() == pytest.approx(ce[batch["lm_mask"].bool()].mean().item(), rel=1e-5)
@@ -233,7 +237,7 @@ def test_batched_cached_decoding_matches_plain_loop(beta):
         max_new_tokens=budget,
     )
     assert got == [plain_greedy(lm, heads, p, beta, tok.sep_token_id, banned, budget) for p in prompts]
-    assert budget == G.MAX_UTTERANCE_WORDS  # the built-in tokenizer: the default runs' budget is unchanged
+    assert budget == G.MAX_UTTERANCE_WORDS + 1  # the built-in tokenizer: every word the env reads, then <sep>
 
 
 def test_banned_tokens_are_the_non_text_specials_and_padded_rows():
@@ -493,7 +497,8 @@ def test_real_checkpoint_keeps_its_weights_and_tokenizer(hf_checkpoint):
 def test_real_checkpoint_end_to_end(hf_checkpoint, runs_dir):
     """Train and act with a real architecture: the LM loss falls, the evaluation runs with the model's own special
     tokens, the saved checkpoint reloads, and the trained agent never writes a special token."""
-    from transformers import AutoTokenizer
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     original_tok = AutoTokenizer.from_pretrained(hf_checkpoint)
     summary = run_script("ilql_per_token", *HF_RUN, "--model-name-or-path", str(hf_checkpoint), runs_dir=runs_dir)
@@ -501,7 +506,10 @@ def test_real_checkpoint_end_to_end(hf_checkpoint, runs_dir):
     assert m["model/final_lm_loss"] < m["model/first_lm_loss"] - 1.0, m  # it trains (from ~ln 400 = 6)
     check_evaluation_bookkeeping(m, betas=(0.0, 4.0))
     assert m["timestep/vocab_size"] == len(original_tok) + 2
-    lm, heads, tok = M.load_checkpoint(str(Path(summary["run_dir"]) / "model"), torch.device("cpu"))
+    model_dir = Path(summary["run_dir"]) / "model"  # what --eval-only loads: save_pretrained + the ILQL heads
+    tok, lm = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir)
+    heads = M.ILQLHeads(lm.config.hidden_size, M.n_logits(lm))
+    heads.load_state_dict(load_file(model_dir / M.HEADS_FILE))
     assert tok.eos_token_id == original_tok.eos_token_id and tok.sep_token_id == len(original_tok)
     histories = [[], [("is it big ?", "yes , it is big .")], [("is it red ?", "no , it is not red .")]] * 4
     agent = M.ILQLAgent(lm, heads, tok, 4.0, top_k=20, greedy=False, seed=0, device=torch.device("cpu"))

@@ -118,47 +118,49 @@ def test_sigint_truncated_checkpoint_and_refusals(uninterrupted, tmp_path):
 
 
 def test_checkpoint_round_trip_is_exact(tmp_path):
-    """What save_training_checkpoint writes (proposer with tied embeddings, candidate arrays, critic, target, Adam,
-    minibatch rng, RNG states), load_proposer_checkpoint and load_critic_checkpoint restore bit for bit; the older
-    checkpoint is deleted."""
+    """What save_training_checkpoint writes of a TrainState (proposer with tied embeddings, utterance table,
+    candidates, critic, target, Adam, minibatch rng, RNG states), load_training_checkpoint restores bit for bit, the
+    critic phase's parts once they are built; the older checkpoint is deleted."""
     import numpy as np
     import torch
 
     torch.manual_seed(0)
     args = cql.Args(n_embd=16, n_head=4, critic_dim=8, critic_hidden=8)
-    lm, tokenizer = cql.build_lm(args)
+    lm, tokenizer = cql.build_proposer(args)
     new_critic = lambda: cql.UtteranceCritic(len(tokenizer), 8, 8, tokenizer.pad_token_id)  # noqa: E731
     critic, target = new_critic(), new_critic()
     optimizer = torch.optim.Adam(critic.parameters(), lr=1e-3)
     sum(param.square().sum() for param in critic.parameters()).backward()
     optimizer.step()
     rng = np.random.default_rng(0)
-    parts = {"critic": critic, "target": target, "optimizer": optimizer, "rng": rng}
-    arrays = {"cand": rng.integers(-1, 9, size=(5, 3)), "utterances": np.array(["is it red ?", "", "it is big ."])}
-    progress = {"bc_nll": {"model/bc_nll_end": 1.25}, "timings": {"bc_s": 1.0}, "args": {}}
-    cql.checkpoint_or_exit(tmp_path, "bc", 0, lm, {}, progress, {"signal": None}, _NullWriter())
-    cql.checkpoint_or_exit(tmp_path, "critic", 20, lm, arrays, progress, {"signal": None}, _NullWriter(), parts)
+    table = cql.UtteranceTable(tokenizer)
+    table.add("is it red ?")  # the data's utterance
+    state = cql.TrainState(phase="bc", lm=lm, table=table, bc_nll={"model/bc_nll_end": 1.25}, timings={"bc_s": 1.0})
+    cql.save_training_checkpoint(tmp_path, "bc_0", state, {"critic_step": 0, "args": {}})
+    state.phase, state.cand = "critic", torch.from_numpy(rng.integers(-1, 9, size=(5, 3)))
+    state.critic, state.target, state.optimizer, state.rng = critic, target, optimizer, rng
+    table.add("it is big .")  # a sampled one
+    cql.save_training_checkpoint(tmp_path, "critic_20", state, {"critic_step": 20, "args": {}})
     assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["critic_20", "latest.json"]
     expected = (rng.random(), torch.rand(1), np.random.random())  # the draws after the save
 
-    step_dir, state = cql.read_checkpoint_state(tmp_path)
-    assert state["phase"] == "critic" and state["critic_step"] == 20 and state["bc_nll"] == progress["bc_nll"]
+    step_dir, saved = cql.read_checkpoint_state(tmp_path)
+    assert saved["fields"]["phase"] == "critic" and saved["critic_step"] == 20
     torch.manual_seed(1)
-    fresh_lm, _ = cql.build_lm(args)
-    fresh = {"critic": new_critic(), "target": new_critic(), "rng": np.random.default_rng(3)}
-    fresh["optimizer"] = torch.optim.Adam(fresh["critic"].parameters(), lr=1e-3)
-    got = cql.load_proposer_checkpoint(step_dir, state, fresh_lm)
-    cql.load_critic_checkpoint(step_dir, state, fresh)
-    for old, new in ((lm, fresh_lm), (critic, fresh["critic"]), (target, fresh["target"])):
+    fresh_lm, _ = cql.build_proposer(args)
+    fresh_critic, fresh_target = new_critic(), new_critic()
+    fresh_table = cql.UtteranceTable(tokenizer)
+    fresh_table.add("is it red ?")
+    fresh = cql.TrainState(phase=None, lm=fresh_lm, table=fresh_table)
+    done = cql.load_training_checkpoint(step_dir, saved, fresh, set())  # the start of main: the phases done
+    assert fresh.phase == "critic" and fresh.bc_nll == state.bc_nll and fresh.timings == state.timings
+    assert torch.equal(fresh.cand, state.cand) and list(fresh_table.ids) == ["is it red ?", "it is big ."]
+    fresh.critic, fresh.target, fresh.rng = fresh_critic, fresh_target, np.random.default_rng(3)
+    fresh.optimizer = torch.optim.Adam(fresh.critic.parameters(), lr=1e-3)
+    cql.load_training_checkpoint(step_dir, saved, fresh, done)  # the critic phase, once its parts are built
+    for old, new in ((lm, fresh_lm), (critic, fresh.critic), (target, fresh.target)):
         assert all(torch.equal(value, new.state_dict()[key]) for key, value in old.state_dict().items())
     assert fresh_lm.lm_head.weight.data_ptr() == fresh_lm.transformer.wte.weight.data_ptr()  # still tied
     for key, value in optimizer.state_dict()["state"][0].items():
-        assert torch.equal(fresh["optimizer"].state_dict()["state"][0][key], value)
-    np.testing.assert_array_equal(got["cand"], arrays["cand"])
-    assert got["utterances"].tolist() == ["is it red ?", "", "it is big ."]
-    assert (fresh["rng"].random(), torch.rand(1), np.random.random()) == expected
-
-
-class _NullWriter:
-    def flush(self):
-        pass
+        assert torch.equal(fresh.optimizer.state_dict()["state"][0][key], value)
+    assert (fresh.rng.random(), torch.rand(1), np.random.random()) == expected

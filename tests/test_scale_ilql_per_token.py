@@ -42,7 +42,8 @@ def grad_problem():
 def shard_losses_and_grads(lm, heads, data, args, rank=0, world_size=1):
     """The losses of one rank's shard of the global minibatch GRAD_IDX (all of it for world_size 1), after
     backward(): the gradients are in the parameters' .grad."""
-    batch = M.make_minibatch(data, torch.tensor(GRAD_IDX), torch.device("cpu"), rank, world_size)
+    idx = torch.tensor(GRAD_IDX)
+    batch = M.make_minibatch(data, idx, idx.tensor_split(world_size)[rank], torch.device("cpu"))
     out = M.forward_all(lm, heads, batch["input_ids"], batch["attention_mask"])
     losses = M.ilql_losses(out, batch, args)
     losses["loss"].backward()
