@@ -21,9 +21,8 @@ Implementation details:
      trained by next-token cross-entropy given the history <bos> a1 <sep> r1 <sep> ... (`G.tokenize_dialogue`
      layout) on every token, the answerer's replies included (`--bc-all-tokens`, as ILQL's LM head: predicting the
      replies is a world-model auxiliary that teaches the model to read the answers; it only ever samples agent
-     tokens). Agent tokens only (`--no-bc-all-tokens`) scored CQL 0.080 vs 0.277 (seed 1, 5 epochs). Identical
-     dialogues are merged and weighted by their count (20k -> ~11k distinct, the same loss); AdamW, warmup then
-     cosine decay.
+     tokens; agent tokens only scored far lower). Identical dialogues are merged and weighted by their count
+     (20k -> ~11k distinct, the same loss); AdamW, warmup then cosine decay.
   2. Candidates: for every distinct history of the dataset (20k dialogues have ~22k distinct non-final histories,
      many repeat) N utterances are sampled ONCE after BC training, normalised (`G.normalize_utterance`) and
      deduplicated. The dataset utterance is added to the set for the CQL logsumexp of its own state; the Bellman
@@ -46,9 +45,8 @@ Implementation details:
      `--act-temperatures`; the one with the best return on 180 validation episodes (another secret order) is the
      headline, as `ilql_per_token.py` chooses beta. A cooler proposer puts fewer malformed or premature utterances
      into the set and the critic picks among supported ones. Training candidates are sampled at `--temperature`
-     0.7: still a diverse set for the max and the CQL logsumexp, with fewer malformed ones (seed 3: 0.611 vs 0.351
-     at 1.0). Choosing the acting temperature on validation beat a fixed 0.5 (seeds 1 / 2: 0.592 / 0.617 vs
-     0.583 / 0.606).
+     0.7: still a diverse set for the max and the CQL logsumexp, with fewer malformed ones than at 1.0. Choosing
+     the acting temperature on validation beat a fixed 0.5.
   8. Real checkpoints (`--model-name-or-path`: a save_pretrained dir or a hub id, e.g. gpt2, EleutherAI/pythia-70m,
      a TinyLlama): the task speaks words, the model's tokenizer speaks tokens. The proposer is the checkpoint with
      its own tokenizer and pretrained weights; the dialogue is framed with its BOS / EOS, and "<sep>" (turn
@@ -63,31 +61,8 @@ Implementation details:
      Ctrl-C / SIGTERM, and `--resume RUN_DIR`, which ends with the same metrics, bit for bit on CPU, as the run
      uninterrupted (all in RUN MANAGEMENT at the end of the file; the algorithm does not depend on it).
 
-What is taken from CHAI [1] and from Snell's re-implementation [3], and what differs:
-  - CHAI: per-utterance Q(s, a) trained offline with a CQL penalty; max over actions approximated by sampling
-    candidate responses from a language model; the policy picks the best-scoring candidate. CHAI samples from a
-    large pretrained LM (the lecture: GPT-2 samples) on CraigslistBargain; here the proposer is a tiny BC LM trained
-    on the offline dialogues themselves.
-  - Snell's `ChaiModel` (Implicit-Language-Q-Learning, src/models/chai_model.py): twin Q and twin target Q heads,
-    min of the target heads, soft (Polyak) target update, y = r + gamma (1 - terminal) max over the sampled next
-    candidates, a cache of samples keyed by the history, acting by the top-Q sample. It reads Q from the mean-pooled
-    hidden states of a frozen GPT-2 and estimates the CQL logsumexp by importance weighting (Q - log pi over BC
-    samples plus uniformly random embeddings); here the encoders are small and trained, and the logsumexp runs over
-    the deduplicated candidate set with the data utterance included (a subset of the discrete action space,
-    uniform weights), without random-embedding terms.
-  - Candidates are sampled once for the whole dataset (the BC LM is frozen after step 1), not per minibatch.
-
-What was scaled down and why: a 2-layer 64-dim GPT-2 and 64-dim GRUs instead of GPT-2 / GPT-3 sized models, a
-closed word vocabulary, N = 16 candidates, a synthetic answerer, so that a run alone on the 2-core box takes ~7
-minutes (BC 160 s, candidate sampling 105 s).
-Measured (`benchmark.sh --only '^cql_utterance$' --seeds "1 2 3"`, results/20261203-040951; 500 test episodes):
-  per-utterance CQL (acting temperature 0.3 / 0.3 / 0.7, chosen on validation)
-      mean return 0.592 / 0.617 / 0.611, success 0.82 / 0.85 / 0.86, length 5.5 / 5.7 / 6.0, normalized 74 / 78 / 77
-  its BC proposer alone (1 sample at 0.7)   0.036 / 0.171 / 0.051
-  dataset mixture 0.412 | BC on all data (ilql_per_token's beta = 0 head) 0.293 / 0.244 / 0.260 | filtered BC
-  (ilql_per_token --bc-only --filter-top-frac 0.2) 0.365 / 0.393 / 0.401 | ILQL 0.638 / 0.650 / 0.642 | optimal 0.783
-The proposer alone stays weak (success 24-38%): the critic does the work, choosing among 16 samples. It still asks
-more than the optimal questioner (5.5-6.0 turns vs 5.33).
+How it relates to CHAI and to Snell's re-implementation, what was scaled down and the measured results:
+`docs/dialogue_cql_utterance.md`.
 
 References:
   [1] Verma, Fu, Yang, Levine 2022, CHAI: A CHatbot AI for Task-Oriented Dialogue with Offline Reinforcement

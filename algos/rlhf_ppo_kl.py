@@ -1123,8 +1123,8 @@ class Run:
             if self.rank != 0:
                 raise SystemExit(0)
 
-    def end_step(self, update: int, state: TrainState) -> None:
-        """After update `update`: a checkpoint every --save-every updates (update 0: with STEPS 1-3 and args.json)
+    def end_step(self, step: int, state: TrainState) -> None:
+        """After update `step`: a checkpoint every --save-every updates (update 0: with STEPS 1-3 and args.json)
         and when a stop signal arrived (decided by all ranks together); after a stop, the run exits with
         STOP_EXIT_CODE naming the --resume command. First, the evaluations since the last call go to curve.jsonl."""
         if self.rank == 0 and self.run_dir is not None:
@@ -1136,15 +1136,15 @@ class Run:
         stop = self._stop["signal"] is not None
         if self.world_size > 1:  # a stop decided per rank would hang the next collective
             stop = global_sum(torch.tensor([int(stop)], device=self.device), self.world_size).item() > 0
-        if update % self.args.save_every == 0 or stop:
+        if step % self.args.save_every == 0 or stop:
             extra = {"args": asdict(self.args), "elapsed_s": time.time() - self.start_time}
-            save_checkpoint(self.run_dir, update, state, extra, self.device, self.rank, self.world_size)
+            save_checkpoint(self.run_dir, step, state, extra, self.device, self.rank, self.world_size)
             self.writer.flush()  # the scalars logged so far reach the disk with the checkpoint
         if stop:
             self.writer.close()
             if self.rank == 0:
                 launcher = "python" if self.world_size == 1 else f"torchrun --nproc_per_node {self.world_size}"
-                print(f"interrupted after update {update}, checkpoint saved; continue with: "
+                print(f"interrupted after update {step}, checkpoint saved; continue with: "
                       f"{launcher} {sys.argv[0]} --resume {self.run_dir}", file=sys.stderr)  # fmt: skip
             if self.world_size > 1:  # rank 0 has saved (save_checkpoint's barrier): every rank tears down, then exits
                 dist.destroy_process_group()

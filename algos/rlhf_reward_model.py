@@ -842,19 +842,19 @@ class Run:
             load_state(self.resume, state, self.device)
         return self.resume["state"]["update"]
 
-    def end_step(self, update: int, state: "TrainState") -> None:
+    def end_step(self, step: int, state: "TrainState") -> None:
         """At a step boundary: checkpoint `state` when due (every --save-every updates, and the last one) or when a
         stop signal reached any rank; after a stop, exit with STOP_EXIT_CODE and the --resume command."""
         stop = self.stop["signal"] is not None
         if self.world_size > 1:  # a signal to any rank stops every rank at the same step (details 8)
             stop = global_sum(torch.tensor([float(stop)], device=self.device), self.world_size).item() > 0
         every = self.args.save_every
-        due = every > 0 and (update % every == 0 or update == self.total_updates)
+        due = every > 0 and (step % every == 0 or step == self.total_updates)
         if self.run_dir is None or not (due or stop):
             return
         if self.rank == 0:
-            extra = {"update": update, "args": asdict(self.args), "elapsed_s": time.time() - self.start_time}
-            step_dir = save_checkpoint(self.run_dir, update, state, extra)
+            extra = {"update": step, "args": asdict(self.args), "elapsed_s": time.time() - self.start_time}
+            step_dir = save_checkpoint(self.run_dir, step, state, extra)
             self.writer.flush()  # the scalars logged so far reach the disk with the checkpoint
         if stop:
             if self.world_size > 1:
