@@ -452,17 +452,15 @@ class MemoryReplay:  # r2d2_rnnstate.py's SequenceReplay stores LSTM states; thi
         self.max_priority = max(self.max_priority, float(priorities.max()))
 
     def state_dict(self) -> dict:
-        """What changes as the replay fills, for a checkpoint: its arrays (rows, sequence table) and counters."""
-        arrays = {name: value for name, value in vars(self).items() if isinstance(value, np.ndarray)}
-        return arrays | {"t": self.t, "seq_ptr": self.seq_ptr, "max_priority": self.max_priority}
+        """What a checkpoint keeps of the replay: its arrays (rows, sequence table), counters and sizes."""
+        return {key: value for key, value in vars(self).items() if isinstance(value, np.ndarray | int | float)}
 
     def load_state_dict(self, saved: dict) -> None:
-        """The inverse of state_dict; a ValueError if an array does not fit this replay's sizes."""
-        for name, value in self.state_dict().items():
-            if isinstance(value, np.ndarray) and (saved[name].shape, saved[name].dtype) != (value.shape, value.dtype):
-                raise ValueError(f"{name}: {saved[name].shape} {saved[name].dtype}, the replay has {value.shape} "
-                                 f"{value.dtype}")  # fmt: skip
-            setattr(self, name, saved[name] if isinstance(value, np.ndarray) else type(value)(saved[name]))
+        """The inverse of state_dict; a ValueError where an array does not fit this replay."""
+        for key, value in self.state_dict().items():
+            if (np.shape(saved[key]), np.result_type(saved[key])) != (np.shape(value), np.result_type(value)):
+                raise ValueError(f"{key}: {np.shape(saved[key])} {saved[key].dtype}, the replay has {np.shape(value)}")
+            setattr(self, key, saved[key] if isinstance(value, np.ndarray) else type(value)(saved[key]))
 
     def lead_of(self, ids) -> int:
         """Rows before t0 in a batch of windows of sequences `ids`: the most any of them needs (`lead_rows`)."""
