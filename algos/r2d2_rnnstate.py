@@ -83,6 +83,7 @@ Reproduce (TMaze-20: success 1.00 on tuning seeds 111-130 at 150k; the run also 
         --hidden-size 128 (the benchmark adds --select-frequency 5000)
 """
 
+import dataclasses
 import json
 import os
 import random
@@ -220,10 +221,6 @@ class Args:
     """keep the network of the best evaluation during training (ties: the later one) as the final model, like SB3's
     EvalCallback; summary.json also reports the last network's return. Needs --select-frequency"""
 
-    # filled in at runtime
-    num_updates: int = 0
-    """the number of gradient updates (computed)"""
-
 
 # ALGO LOGIC: small pure functions (imported by the tests)
 def eval_env_seed(seed: int) -> int:
@@ -286,87 +283,6 @@ def sequence_priority(abs_td: torch.Tensor, mask: torch.Tensor, eta: float) -> t
 def delta_q(q: torch.Tensor, q_true: torch.Tensor) -> torch.Tensor:
     """Q-value discrepancy ||q - q_true||_2 / max_a |q_true_a| (R2D2 Sec. 3), (..., A) -> (...)."""
     return (q - q_true).norm(dim=-1) / q_true.abs().max(-1).values.clamp(min=DELTA_Q_EPS)
-
-
-@torch.no_grad()
-def measure_delta_q(net, rb, ids, q_learner: torch.Tensor, mask: torch.Tensor, burn_in: int) -> dict | None:
-    """Delta-Q of the sampled sequences `ids` whose episode start is still in the ring (None if there is none).
-    q_learner (m + n, B, A): the learner's Q-values computed with the SAME parameters `net` has now (call this before
-    optimizer.step()); the true state is recomputed by unrolling `net` from the episode's first row. Returns the mean
-    Delta-Q at the first and the last trained (mask = 1) row, at the first row of sequences that start an episode
-    (must be 0: the zero state is exact there; nan if there is none), and the number of sequences."""
-    sel = np.nonzero(rb.seq_ep_start[ids] >= rb.t - rb.cap)[0]
-    if len(sel) == 0:
-        return None
-    keep_ids = ids[sel]
-    prefix = int((rb.seq_anchor[keep_ids] - rb.seq_ep_start[keep_ids]).max())  # rows before t0
-    device = q_learner.device
-    full = to_torch(rb.gather(keep_ids, prefix=max(prefix - burn_in, 0)), device)
-    zeros = (torch.zeros(len(keep_ids), net.hidden_size, device=device),) * 2
-    q_true, _ = unroll(net, full, zeros, max(prefix - burn_in, 0) + burn_in)  # (m + n, b, A)
-    q_learner = q_learner[:, sel]  # (m + n, b, A)
-    last = (mask[:, sel].sum(0).long() - 1).clamp(min=0)  # last trained valid row
-    cols = torch.arange(len(sel), device=device)
-    dq_first = delta_q(q_learner[0], q_true[0])  # (b,)
-    at_start = torch.as_tensor(rb.seq_anchor[keep_ids] == rb.seq_ep_start[keep_ids], device=device)
-    return {
-        "first": dq_first.mean().item(),
-        "last": delta_q(q_learner[last, cols], q_true[last, cols]).mean().item(),
-        "first_at_episode_start": dq_first[at_start].mean().item() if at_start.any() else float("nan"),
-        "count": len(sel),
-    }
-
-
-@torch.no_grad()
-def final_delta_q(net, rb, rng: np.random.Generator, num_sequences: int, device) -> dict:
-    """The ablation on ONE network: Delta-Q of the same replayed sequences started three ways. On up to
-    `num_sequences` sequences that start mid-episode and whose episode start is stored, Q at the first and last
-    trained row from zeros at t0 (`zero`), from the state stored at t0 (`stored`), or from the state stored at
-    t0 - burn_in and the burn-in (`stored_burn_in`), against Q from the state recomputed from the episode start.
-    On one network the three differ only in the initial state, not in training noise. Returns means and "count"."""
-    mid_episode = rb.seq_anchor > rb.seq_ep_start
-    ok = np.nonzero(rb.valid() & mid_episode & (rb.seq_ep_start >= rb.t - rb.cap))[0]
-    if len(ok) == 0:
-        return {}
-    ids = rng.choice(ok, size=min(num_sequences, len(ok)), replace=False)
-    L, H = rb.burn_in, net.hidden_size
-    prefix = int((rb.seq_anchor[ids] - rb.seq_ep_start[ids]).max())  # rows from the episode start to t0
-    full = to_torch(rb.gather(ids, prefix=max(prefix - L, 0)), device)
-    zeros = (torch.zeros(len(ids), H, device=device), torch.zeros(len(ids), H, device=device))
-    q_true, _ = unroll(net, full, zeros, max(prefix - L, 0) + L)  # (m + n, b, A) from the episode start
-    win = to_torch(rb.gather(ids), device)  # rows t0 - L .. t0 + m + n
-    trained = {key: value[L:] for key, value in win.items() if key not in ("h0", "c0")}  # rows t0 ..
-    anchor_rows, cols = rb.seq_anchor[ids] % rb.cap, rb.seq_env[ids]
-    stored_t0 = (torch.as_tensor(rb.h[anchor_rows, cols], device=device),
-                 torch.as_tensor(rb.c[anchor_rows, cols], device=device))  # fmt: skip
-    variants = {"zero": unroll(net, trained, zeros, 0)[0], "stored": unroll(net, trained, stored_t0, 0)[0]}
-    if L > 0:
-        variants["stored_burn_in"] = unroll(net, win, (win["h0"], win["c0"]), L)[0]
-    mask = torch.cumprod(1.0 - trained["final"][: rb.m].float(), dim=0)  # (m, b) trained rows
-    last = (mask.sum(0).long() - 1).clamp(min=0)
-    col = torch.arange(len(ids), device=device)
-    out = {"count": float(len(ids))}
-    for name, q in variants.items():
-        out[f"first_{name}"] = delta_q(q[0], q_true[0]).mean().item()
-        out[f"last_{name}"] = delta_q(q[last, col], q_true[last, col]).mean().item()
-    return out
-
-
-def replay_bytes(rb) -> dict:
-    """Bytes of the replay's filled rows as stored (O(T): each step once, with the state (h, c)), and if each row
-    stored its full history instead of a state (O(T^2) per episode): the row at episode step k holds the inputs
-    (o_j, a_{j-1}, r_{j-1}, j = 0..k) and its other fields. The sequence table is not counted (the same for both)."""
-    rows = min(rb.t, rb.cap) * rb.E
-    if rows == 0:
-        return {"bytes": 0.0, "bytes_full_histories": 0.0, "full_histories_ratio": float("nan")}
-    per_row = lambda names: sum(getattr(rb, name).itemsize * getattr(rb, name)[0, 0].size for name in names)  # noqa: E731
-    inputs = per_row(("obs", "prev_action", "prev_reward"))
-    state = per_row(("h", "c"))
-    other = per_row(("action", "reward", "first", "final", "terminal", "ep_step"))
-    filled = rb.ep_step[: min(rb.t, rb.cap)]  # (rows / E, E) episode step of each filled row
-    stored = rows * (inputs + other + state)
-    full = float((filled.astype(np.float64) + 1.0).sum() * inputs + rows * other)
-    return {"bytes": float(stored), "bytes_full_histories": full, "full_histories_ratio": full / stored}
 
 
 class SequenceReplay:
@@ -449,6 +365,17 @@ class SequenceReplay:
     def update_priorities(self, ids, priorities):
         self.priority[ids] = np.maximum(priorities, DELTA_Q_EPS)  # keep sampled sequences alive (p > 0)
         self.max_priority = max(self.max_priority, float(priorities.max()))
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the replay: its arrays (rows, sequence table), counters and sizes."""
+        return {key: value for key, value in vars(self).items() if isinstance(value, np.ndarray | int | float)}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """The inverse of state_dict; a ValueError where an array does not fit this replay."""
+        for key, value in self.state_dict().items():
+            if (np.shape(saved[key]), np.result_type(saved[key])) != (np.shape(value), np.result_type(value)):
+                raise ValueError(f"{key}: {np.shape(saved[key])} {saved[key].dtype}, the replay has {np.shape(value)}")
+            setattr(self, key, saved[key] if isinstance(value, np.ndarray) else type(value)(saved[key]))
 
     def gather(self, ids, prefix: int = 0) -> dict:
         """The windows of sequences `ids` as (W, B, ...) arrays, W = prefix + burn_in + m + n, starting at
@@ -546,8 +473,11 @@ def to_torch(win: dict, device) -> dict:
     return {key: torch.as_tensor(value, device=device) for key, value in win.items()}
 
 
-def make_vec_env(env_id: str, env_kwargs: dict, num_envs: int, scale_obs: bool = False) -> gym.vector.SyncVectorEnv:
-    """`num_envs` copies of the flattened env with gymnasium's default NEXT_STEP autoreset."""
+def make_next_step_vec_env(
+    env_id: str, env_kwargs: dict, num_envs: int, scale_obs: bool = False
+) -> gym.vector.SyncVectorEnv:
+    """`num_envs` copies of the flattened env with gymnasium's default NEXT_STEP autoreset (ppo_recurrent.py's
+    make_vec_env autoresets in the SAME step)."""
     return gym.vector.SyncVectorEnv(
         [lambda: make_flat_env(env_id, env_kwargs, scale_obs)] * num_envs,
         autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
@@ -571,8 +501,14 @@ def make_flat_env(env_id: str, env_kwargs: dict, scale_obs: bool = False) -> gym
 
 @dataclass
 class TrainState:
-    """What the training loop carries from one env step to the next; a checkpoint saves it as a unit."""
+    """What the training loop carries from one env step to the next; a checkpoint saves every field (`Run`)."""
 
+    q_network: nn.Module
+    target_network: nn.Module
+    optimizer: torch.optim.Optimizer
+    rb: SequenceReplay
+    rng: np.random.Generator  # exploration and replay sampling
+    vec_env: gym.vector.SyncVectorEnv  # not saved: --resume replays each env's episode
     obs: np.ndarray  # (E, obs_dim) the observation of the current row
     first: np.ndarray  # (E,) the row holds a reset observation
     final: np.ndarray  # (E,) the row holds an episode's final observation (its action is ignored)
@@ -592,7 +528,6 @@ class TrainState:
     best_return: float = -np.inf  # --keep-best: the best evaluation during training, its step and its network
     best_step: int = 0
     best_model: dict | None = None
-    start_time: float = field(default_factory=time.time)  # a resumed run's is moved back by the time already spent
 
 
 def main():
@@ -607,7 +542,7 @@ def main():
 
     run = start_run(args)  # checks the env; the run dir (new, or the resumed run's), tensorboard, Ctrl-C handlers
     device, env_kwargs = run.device, json.loads(args.env_kwargs)
-    vec_env = make_vec_env(args.env_id, env_kwargs, args.num_envs, args.scale_obs)
+    vec_env = make_next_step_vec_env(args.env_id, env_kwargs, args.num_envs, args.scale_obs)
     eval_env = partial(make_flat_env, args.env_id, env_kwargs, args.scale_obs)  # a fresh env for each evaluation
     obs_dim, num_actions = vec_env.single_observation_space.shape[0], int(vec_env.single_action_space.n)
     q_network = RecurrentQNetwork(obs_dim, num_actions, args.hidden_size).to(device)
@@ -622,11 +557,12 @@ def main():
     eps_v = args.value_rescaling_eps
 
     state = TrainState(
-        obs=vec_env.reset(seed=args.seed)[0], first=np.ones(E, dtype=bool), final=np.zeros(E, dtype=bool),
-        terminal=np.zeros(E, dtype=bool), prev_action=np.full(E, NO_ACTION, dtype=np.int64),
-        prev_reward=np.zeros(E, dtype=np.float32), h=torch.zeros(E, H, device=device),
-        c=torch.zeros(E, H, device=device), ep_return=np.zeros(E), ep_length=np.zeros(E, dtype=int))  # fmt: skip
-    global_step = run.restore(state, q_network, target_network, optimizer, rb, rng, vec_env)  # 0, or --resume's
+        q_network, target_network, optimizer, rb, rng, vec_env, obs=vec_env.reset(seed=args.seed)[0],
+        first=np.ones(E, dtype=bool), final=np.zeros(E, dtype=bool), terminal=np.zeros(E, dtype=bool),
+        prev_action=np.full(E, NO_ACTION, dtype=np.int64), prev_reward=np.zeros(E, dtype=np.float32),
+        h=torch.zeros(E, H, device=device), c=torch.zeros(E, H, device=device), ep_return=np.zeros(E),
+        ep_length=np.zeros(E, dtype=int))  # fmt: skip
+    global_step = run.restore(state)  # 0, or --resume's step (networks, Adam, replay, rng, envs and loop restored)
     num_vector_steps = 0 if args.eval_only else args.total_timesteps // E
     for step in range(global_step // E, num_vector_steps):
         # 1. act: zero the state at episode starts, epsilon-greedy per env on Q(h_t, .)
@@ -636,7 +572,6 @@ def main():
         greedy = q.argmax(-1).cpu().numpy()  # (E,)
         explore = rng.random(E) < epsilons
         action = np.where(explore, rng.integers(num_actions, size=E), greedy)
-        run.track_episodes(state.final, action)  # what --resume replays to restore the envs
 
         # 2. step the envs (NEXT_STEP autoreset: after a final row, this step is the reset step)
         next_obs, reward, term, trunc, infos = vec_env.step(action)
@@ -716,20 +651,19 @@ def main():
             state.learner_seconds += time.perf_counter() - learn_start  # (with step 5's Delta-Q when it runs)
 
             if state.num_updates_done % 100 == 0:
-                sps = int(global_step / (time.time() - state.start_time))
+                sps = int(global_step / (time.time() - run.start_time))
                 run.log(global_step, {"losses/td_loss": loss.item(), "losses/q_values": q_taken.mean().item(),
                                       "charts/SPS": sps,
                                       "charts/learning_rate": optimizer.param_groups[0]["lr"]})  # fmt: skip
                 recent = np.mean(state.ep_returns[-50:]) if state.ep_returns else float("nan")
                 print(f"global_step={global_step} updates={state.num_updates_done} return(last 50)={recent:.2f} "
                       f"loss={loss.item():.4f} dq={state.delta_q_log[-1:]} SPS={sps}")  # fmt: skip
-        run.end_step(global_step, state)  # a checkpoint every --save-every env steps; on Ctrl-C / SIGTERM, then exit
+        run.end_step(global_step, state)  # env replay info; a checkpoint every --save-every env steps; Ctrl-C: exit
     run.end_training()  # Ctrl-C / SIGTERM stop at once again (a resume would redo what follows)
     vec_env.close()
 
     # after training: the one-network Delta-Q ablation, then the greedy evaluation (of the kept network: --keep-best)
     final_dq = {} if args.eval_only else final_delta_q(q_network, rb, rng, args.final_delta_q_sequences, device)
-    wall_time = time.time() - state.start_time
     metrics = {"model/final_delta_q_" + key: value for key, value in final_dq.items() if key != "count"}
     if args.keep_best and state.best_model is not None:  # evaluate the last network too, then switch to the kept one
         last = evaluate(q_network, eval_env, args.eval_episodes, eval_env_seed(args.seed), device)
@@ -751,7 +685,8 @@ def main():
     if not args.eval_only:  # the O(T) replay and what full histories per step would need (O(T^2)); learner time
         metrics.update({f"replay/{key}": value for key, value in replay_bytes(rb).items()})
         metrics["perf/learner_ms_per_update"] = 1000.0 * state.learner_seconds / max(state.num_updates_done, 1)
-    run.finish(metrics, q_network, global_step, wall_time)  # summary.json, the model; checkpoints deleted
+    run.log(global_step, metrics)
+    run.finish(metrics, {"model": q_network}, global_step)  # summary.json, the model; checkpoints deleted
 
 
 @torch.no_grad()
@@ -780,6 +715,88 @@ def evaluate(net, make_env, episodes: int, seed: int, device) -> dict:
         successes.append(success)
     env.close()
     return dict(ret=np.array(returns), length=np.array(lengths), success=np.array(successes))
+
+
+# === ANALYSIS (measurements for the docs; not needed to train) ===
+@torch.no_grad()
+def measure_delta_q(net, rb, ids, q_learner: torch.Tensor, mask: torch.Tensor, burn_in: int) -> dict | None:
+    """Delta-Q of the sampled sequences `ids` whose episode start is still in the ring (None if there is none).
+    q_learner (m + n, B, A): the learner's Q-values computed with the SAME parameters `net` has now (call this before
+    optimizer.step()); the true state is recomputed by unrolling `net` from the episode's first row. Returns the mean
+    Delta-Q at the first and the last trained (mask = 1) row, at the first row of sequences that start an episode
+    (must be 0: the zero state is exact there; nan if there is none), and the number of sequences."""
+    sel = np.nonzero(rb.seq_ep_start[ids] >= rb.t - rb.cap)[0]
+    if len(sel) == 0:
+        return None
+    keep_ids = ids[sel]
+    prefix = int((rb.seq_anchor[keep_ids] - rb.seq_ep_start[keep_ids]).max())  # rows before t0
+    device = q_learner.device
+    full = to_torch(rb.gather(keep_ids, prefix=max(prefix - burn_in, 0)), device)
+    zeros = (torch.zeros(len(keep_ids), net.hidden_size, device=device),) * 2
+    q_true, _ = unroll(net, full, zeros, max(prefix - burn_in, 0) + burn_in)  # (m + n, b, A)
+    q_learner = q_learner[:, sel]  # (m + n, b, A)
+    last = (mask[:, sel].sum(0).long() - 1).clamp(min=0)  # last trained valid row
+    cols = torch.arange(len(sel), device=device)
+    dq_first = delta_q(q_learner[0], q_true[0])  # (b,)
+    at_start = torch.as_tensor(rb.seq_anchor[keep_ids] == rb.seq_ep_start[keep_ids], device=device)
+    return {
+        "first": dq_first.mean().item(),
+        "last": delta_q(q_learner[last, cols], q_true[last, cols]).mean().item(),
+        "first_at_episode_start": dq_first[at_start].mean().item() if at_start.any() else float("nan"),
+        "count": len(sel),
+    }
+
+
+@torch.no_grad()
+def final_delta_q(net, rb, rng: np.random.Generator, num_sequences: int, device) -> dict:
+    """The ablation on ONE network: Delta-Q of the same replayed sequences started three ways. On up to
+    `num_sequences` sequences that start mid-episode and whose episode start is stored, Q at the first and last
+    trained row from zeros at t0 (`zero`), from the state stored at t0 (`stored`), or from the state stored at
+    t0 - burn_in and the burn-in (`stored_burn_in`), against Q from the state recomputed from the episode start.
+    On one network the three differ only in the initial state, not in training noise. Returns means and "count"."""
+    mid_episode = rb.seq_anchor > rb.seq_ep_start
+    ok = np.nonzero(rb.valid() & mid_episode & (rb.seq_ep_start >= rb.t - rb.cap))[0]
+    if len(ok) == 0:
+        return {}
+    ids = rng.choice(ok, size=min(num_sequences, len(ok)), replace=False)
+    L, H = rb.burn_in, net.hidden_size
+    prefix = int((rb.seq_anchor[ids] - rb.seq_ep_start[ids]).max())  # rows from the episode start to t0
+    full = to_torch(rb.gather(ids, prefix=max(prefix - L, 0)), device)
+    zeros = (torch.zeros(len(ids), H, device=device), torch.zeros(len(ids), H, device=device))
+    q_true, _ = unroll(net, full, zeros, max(prefix - L, 0) + L)  # (m + n, b, A) from the episode start
+    win = to_torch(rb.gather(ids), device)  # rows t0 - L .. t0 + m + n
+    trained = {key: value[L:] for key, value in win.items() if key not in ("h0", "c0")}  # rows t0 ..
+    anchor_rows, cols = rb.seq_anchor[ids] % rb.cap, rb.seq_env[ids]
+    stored_t0 = (torch.as_tensor(rb.h[anchor_rows, cols], device=device),
+                 torch.as_tensor(rb.c[anchor_rows, cols], device=device))  # fmt: skip
+    variants = {"zero": unroll(net, trained, zeros, 0)[0], "stored": unroll(net, trained, stored_t0, 0)[0]}
+    if L > 0:
+        variants["stored_burn_in"] = unroll(net, win, (win["h0"], win["c0"]), L)[0]
+    mask = torch.cumprod(1.0 - trained["final"][: rb.m].float(), dim=0)  # (m, b) trained rows
+    last = (mask.sum(0).long() - 1).clamp(min=0)
+    col = torch.arange(len(ids), device=device)
+    out = {"count": float(len(ids))}
+    for name, q in variants.items():
+        out[f"first_{name}"] = delta_q(q[0], q_true[0]).mean().item()
+        out[f"last_{name}"] = delta_q(q[last, col], q_true[last, col]).mean().item()
+    return out
+
+
+def replay_bytes(rb) -> dict:
+    """Bytes of the replay's filled rows as stored (O(T): each step once, with the state (h, c)), and if each row
+    stored its full history instead of a state (O(T^2) per episode): the row at episode step k holds the inputs
+    (o_j, a_{j-1}, r_{j-1}, j = 0..k) and its other fields. The sequence table is not counted (the same for both)."""
+    rows = min(rb.t, rb.cap) * rb.E
+    if rows == 0:
+        return {"bytes": 0.0, "bytes_full_histories": 0.0, "full_histories_ratio": float("nan")}
+    per_row = lambda names: sum(getattr(rb, name).itemsize * getattr(rb, name)[0, 0].size for name in names)  # noqa: E731
+    inputs = per_row(("obs", "prev_action", "prev_reward"))
+    state = per_row(("h", "c"))
+    other = per_row(("action", "reward", "first", "final", "terminal", "ep_step"))
+    filled = rb.ep_step[: min(rb.t, rb.cap)]  # (rows / E, E) episode step of each filled row
+    stored = rows * (inputs + other + state)
+    full = float((filled.astype(np.float64) + 1.0).sum() * inputs + rows * other)
+    return {"bytes": float(stored), "bytes_full_histories": full, "full_histories_ratio": full / stored}
 
 
 # === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
@@ -826,27 +843,30 @@ def parse_args() -> Args:
                          f"4 windows of {window} rows (burn-in + seq-len + n-step)")  # fmt: skip
     if args.save_every < 0:
         raise SystemExit(f"error: need --save-every >= 0 (0 = no periodic checkpoints), got {args.save_every}")
-    args.num_updates = max(0, (args.total_timesteps - args.learning_starts) // (args.num_envs * args.train_frequency))
     return args
 
 
-def check_env(env_id: str, env_kwargs: dict) -> None:
-    """One-line errors for an env that cannot be made or whose spaces this script does not support."""
+def check_env(env_id: str, env_kwargs: dict) -> int:
+    """Make the env once: a bad id, module or kwargs, or a space the script cannot take, is a one-line error.
+    Returns the number of actions."""
     try:
         probe = gym.make(env_id, **env_kwargs)
-    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # unknown id / kwargs
+    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # bad id, module, kwargs
         raise SystemExit(f"error: cannot make env {env_id!r} with kwargs {env_kwargs}: {err}") from None
     obs_space, act_space = probe.observation_space, probe.action_space
     probe.close()
     if not isinstance(act_space, gym.spaces.Discrete):
         raise SystemExit(f"error: {env_id} has action space {act_space}; only Discrete action spaces are supported")
     if not flattenable(obs_space):
-        raise SystemExit(f"error: {env_id} has observation space {obs_space}; supported: Box, Discrete, MultiBinary, "
-                         "MultiDiscrete, and Tuple/Dict of these")  # fmt: skip
+        raise SystemExit(
+            f"error: {env_id} has observation space {obs_space}; supported: Box, Discrete, MultiBinary, "
+            "MultiDiscrete, and Tuple/Dict of these"
+        )
+    return int(act_space.n)
 
 
 def flattenable(space: gym.spaces.Space) -> bool:
-    """True for the spaces gymnasium's `spaces.flatten` turns into one flat vector: Box, Discrete, MultiBinary,
+    """True for the spaces gymnasium's `spaces.flatten` turns into one vector: Box, Discrete, MultiBinary,
     MultiDiscrete, and Tuple/Dict of these (nested)."""
     if isinstance(space, gym.spaces.Tuple):
         return all(flattenable(sub) for sub in space.spaces)
@@ -874,109 +894,84 @@ def start_run(args: Args) -> "Run":
 
 
 class Run:
-    """The run's dir, tensorboard writer and device, and the checkpoints of a long run (`end_step`, `restore`).
+    """The run's dir, tensorboard writer and device, and the checkpoints of a long run (`restore`, `end_step`).
 
     A checkpoint, written every `--save-every` env steps and on Ctrl-C / SIGTERM at the end of a step, is
-    RUN_DIR/checkpoints/step_<global step>/: the online, target and kept networks (safetensors), Adam's state
-    (torch.save, read back with weights_only=True), the replay's rows and prioritized sequence table (replay.npz),
-    the TrainState's arrays (obs, flags, previous action and reward, LSTM state, running returns, the curve so far)
-    with torch's RNG state (loop.npz), and state.json (counters, best score, args, python and numpy RNG states, file
-    sizes); written into a temporary dir, os.replace'd into place, then named by latest.json (temp file +
-    os.replace), so a kill leaves the previous one; deleted when the run ends. Gymnasium vector envs cannot be saved
-    mid-episode: per env the loop records its np_random state just before the reset that began its episode and the
-    actions since (`track_episodes`; reading a state draws nothing), and `--resume` resets it from that state and
-    replays the actions (`restore_envs`, checked against the stored observation; exact for envs that draw their
-    randomness from np_random, as gymnasium's seeding contract asks). Saving draws no random number, so results do
-    not depend on --save-every. A save of the full default replay (100k rows, 57 MB) took 0.05-0.17 s here, 3 saves
-    in a default run at the default --save-every of 25k steps.
+    RUN_DIR/checkpoints/step_<global step>/ with every field of the TrainState (`save_training_checkpoint`): the
+    online, target and kept networks (safetensors), Adam's state (torch.save, read back with weights_only=True), the
+    replay's rows and prioritized sequence table (its state_dict, .npz), the loop's arrays (obs, flags, previous
+    action and reward, LSTM state, running returns, the curve so far) with torch's RNG state (arrays.npz), and
+    state.json (counters, best score, args, python and numpy RNG states, file sizes); written into a temporary dir,
+    os.replace'd into place, then named by latest.json (temp file + os.replace), so a kill leaves the previous one;
+    deleted when the run ends. Gymnasium vector envs cannot be saved mid-episode: after each step `end_step` records
+    per env its np_random state just before the reset that began its episode and the actions since
+    (`track_episodes`; reading a state draws nothing), and `--resume` resets it from that state and replays the
+    actions (`restore_envs`, checked against the stored observation; exact for envs that draw their randomness from
+    np_random, as gymnasium's seeding contract asks). Saving draws no random number, so results do not depend on
+    --save-every. A save of the full default replay (100k rows, 57 MB) took 0.05-0.17 s here, 3 saves in a default
+    run at the default --save-every of 25k steps.
     """
 
     def __init__(self, args: Args, run_dir: Path, writer: SummaryWriter, device, checkpoint, stop: dict | None):
         self.args, self.run_dir, self.writer, self.device = args, run_dir, writer, device
         self.checkpoint = checkpoint  # (step dir, state.json) that --resume continues from, or None
+        self.resuming = checkpoint is not None
         self.stop = stop  # install_stop_handlers' flag while training runs, else None
-        self.episodes = {"reset_rng": [None] * args.num_envs, "actions": [[] for _ in range(args.num_envs)]}
+        self.start_time = time.time()  # moved back by `restore` by the time the resumed run had already spent
+        E = args.num_envs
+        self._episodes = {"reset_rng": [None] * E, "next_reset_rng": [None] * E, "actions": [[] for _ in range(E)]}
 
     def log(self, step: int, metrics: dict) -> None:
-        """tensorboard scalars: tag -> number."""
+        """tensorboard: each tag -> value at `step`; a str value is written as text."""
         for tag, value in metrics.items():
-            self.writer.add_scalar(tag, value, step)
+            if isinstance(value, str):
+                self.writer.add_text(tag, value, step)
+            else:
+                self.writer.add_scalar(tag, value, step)
 
-    def load_model(self, net: nn.Module) -> None:
-        """--eval-only: the --checkpoint network's weights into `net`; a one-line error if they do not fit."""
+    def load_model(self, module: nn.Module) -> None:
+        """--eval-only: the --checkpoint network's weights into `module`; a one-line error if they do not fit."""
         try:
-            net.load_state_dict(load_checkpoint(self.args.checkpoint)[0])
+            module.load_state_dict(load_checkpoint(self.args.checkpoint)[0])
         except RuntimeError as err:
             first_lines = " ".join(str(err).strip().splitlines()[:3])
             self.writer.close()
             shutil.rmtree(self.run_dir, ignore_errors=True)  # nothing was run
             raise SystemExit(f"error: checkpoint does not fit this network on {self.args.env_id} (obs dim "
-                             f"{net.obs_dim}, {net.num_actions} actions, hidden {net.hidden_size}): {first_lines}"
-                             ) from None  # fmt: skip
+                             f"{module.obs_dim}, {module.num_actions} actions, hidden {module.hidden_size}): "
+                             f"{first_lines}") from None  # fmt: skip
 
-    def restore(self, state: TrainState, q_network, target_network, optimizer, rb, rng, vec_env) -> int:
-        """Keep what a checkpoint holds (end_step saves these objects); on --resume, load the checkpoint into them and
-        bring the envs back. Returns the global step the loop continues from (0 for a new run)."""
-        self.nets = {"model": q_network, "target_model": target_network}
-        self.optimizer, self.rb, self.rng, self.vec_env = optimizer, rb, rng, vec_env
-        if self.checkpoint is None:
+    def restore(self, state: TrainState) -> int:
+        """With --resume, load the checkpoint into `state` and bring its envs back; returns the env steps it had done
+        (0 for a new run, `state` as it is)."""
+        if not self.resuming:
             return 0
         step_dir, saved = self.checkpoint
-        loop = load_training_checkpoint(step_dir, saved, self.nets, optimizer, rb, rng)
-        for name in ("obs", "first", "final", "terminal", "prev_action", "prev_reward", "ep_return", "ep_length"):
-            setattr(state, name, loop[name])
-        state.h, state.c = (torch.as_tensor(loop[key], device=self.device) for key in ("h", "c"))
-        state.ep_returns, state.ep_lengths = list(loop["ep_returns"]), list(loop["ep_lengths"])
-        state.delta_q_log = [tuple(row) for row in loop["delta_q_log"]]
-        state.late_selects = list(loop.get("late_selects", []))
-        state.best_model, state.num_updates_done = loop["best_model"], saved["num_updates_done"]
-        state.learner_seconds = saved["learner_seconds"]
-        state.best_return, state.best_step = saved["best_return"], saved["best_step"]
-        state.start_time = time.time() - saved["elapsed_s"]
-        self.episodes = saved["episodes"]
-        restore_envs(vec_env, self.args.seed, state.obs, state.final, self.episodes)
+        load_training_checkpoint(step_dir, saved, state, self.device)
+        self.start_time = time.time() - saved["elapsed_s"]
+        self._episodes = saved["episodes"]
+        restore_envs(state.vec_env, self.args.seed, state.obs, state.final, self._episodes)
         print(f"resumed {self.run_dir} at global_step={saved['global_step']} from {step_dir}")
         return saved["global_step"]
 
-    def track_episodes(self, final: np.ndarray, action: np.ndarray) -> None:
-        """What `--resume` replays to bring the envs back (the module-level track_episodes)."""
-        track_episodes(self.episodes, self.vec_env, final, action)
-
-    def end_step(self, global_step: int, state: TrainState) -> None:
-        """At the end of an env step: a checkpoint when a multiple of --save-every env steps was passed (but not after
-        the last step: the run finishes) or a stop signal came, then, after a stop, the exit with STOP_EXIT_CODE."""
+    def end_step(self, step: int, state: TrainState) -> None:
+        """At the end of an env step: record what replaying the envs' episodes needs, a checkpoint when a multiple of
+        --save-every env steps was passed (but not after the last step: the run finishes) or a stop signal came,
+        then, after a stop, the exit with STOP_EXIT_CODE."""
         args, E = self.args, self.args.num_envs
-        last = global_step >= args.total_timesteps // E * E
-        due = args.save_every and global_step // args.save_every != (global_step - E) // args.save_every
+        track_episodes(self._episodes, state.vec_env, state.first, state.final, state.prev_action)
+        last = step >= args.total_timesteps // E * E
+        due = args.save_every and step // args.save_every != (step - E) // args.save_every
         if self.stop["signal"] or (due and not last):
-            step_dir = self.save_checkpoint(global_step, state)
+            extra = {"episodes": self._episodes, "elapsed_s": time.time() - self.start_time, "args": asdict(args)}
+            step_dir = save_training_checkpoint(self.run_dir, step, state, extra)
             self.writer.flush()
             if self.stop["signal"]:
                 self.writer.close()
-                self.vec_env.close()
-                print(f"interrupted at global_step={global_step}: checkpoint {step_dir}; continue with: "
+                state.vec_env.close()
+                print(f"interrupted at global_step={step}: checkpoint {step_dir}; continue with: "
                       f"python {sys.argv[0]} --resume {self.run_dir}", file=sys.stderr)  # fmt: skip
                 raise SystemExit(STOP_EXIT_CODE)
-
-    def save_checkpoint(self, global_step: int, state: TrainState) -> Path:
-        """The objects `restore` was given and `state` (split into arrays and counters), as save_training_checkpoint
-        writes them."""
-        nets = {name: net.state_dict() for name, net in self.nets.items()}
-        if state.best_model is not None:
-            nets["best_model"] = state.best_model
-        # TrainState's arrays; delta_q_log: (measurements, 3)
-        loop = dict(obs=state.obs, first=state.first, final=state.final, terminal=state.terminal,
-                    prev_action=state.prev_action, prev_reward=state.prev_reward, h=state.h.cpu().numpy(),
-                    c=state.c.cpu().numpy(), ep_return=state.ep_return, ep_length=state.ep_length,
-                    ep_returns=np.array(state.ep_returns, dtype=np.float64),
-                    ep_lengths=np.array(state.ep_lengths, dtype=np.int64),
-                    delta_q_log=np.array(state.delta_q_log, dtype=np.float64).reshape(-1, 3),
-                    late_selects=np.array(state.late_selects, dtype=np.float64))  # fmt: skip
-        counters = dict(num_updates_done=state.num_updates_done, learner_seconds=state.learner_seconds,
-                        best_return=state.best_return, best_step=state.best_step, episodes=self.episodes,
-                        elapsed_s=time.time() - state.start_time, args=asdict(self.args))  # fmt: skip
-        return save_training_checkpoint(self.run_dir, global_step, nets, self.optimizer, self.rb, self.rng, loop,
-                                        counters)  # fmt: skip
 
     def end_training(self) -> None:
         """Training is over: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows)."""
@@ -984,19 +979,21 @@ class Run:
             restore_signal_handlers(self.stop)
             self.stop = None
 
-    def finish(self, metrics: dict, net: nn.Module, global_step: int, wall_time: float) -> None:
-        """The metrics as floats to tensorboard and summary.json (written last: it marks a finished run), args.json
-        and the model; the checkpoints deleted (a finished run is not resumed), the writer closed."""
+    def finish(self, metrics: dict, models: dict, samples: int) -> None:
+        """summary.json (the metrics as floats, `sps` = samples / wall time; written last: it marks a finished run),
+        args.json and each model as <name>.safetensors; the checkpoints deleted (a finished run is not resumed), the
+        writer closed."""
         self.end_training()
+        wall_time = time.time() - self.start_time
         metrics = {key: float(value) for key, value in metrics.items()}
-        self.log(global_step, metrics)
         run_dir, args = self.run_dir, self.args
         summary = {
             "script": SCRIPT, "run_name": run_dir.name, "run_dir": str(run_dir), "args": asdict(args),
-            "metrics": metrics, "wall_time_s": wall_time, "sps": global_step / max(wall_time, 1e-9),
+            "metrics": metrics, "wall_time_s": wall_time, "sps": samples / max(wall_time, 1e-9),
         }  # fmt: skip
         (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-        save_file(net.state_dict(), str(run_dir / "model.safetensors"))
+        for name, module in models.items():
+            save_file(module.state_dict(), str(run_dir / f"{name}.safetensors"))
         write_json_atomic(run_dir / "summary.json", summary)  # written last: it marks a finished run
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a finished run is not resumed; the model is saved
         self.writer.close()
@@ -1091,15 +1088,18 @@ def restore_signal_handlers(stop: dict) -> None:
         signal.signal(sig, previous)
 
 
-def track_episodes(episodes: dict, vec_env, final: np.ndarray, action: np.ndarray) -> None:
-    """Record per env what replaying its current episode needs (`restore_envs`): the env's RNG state just before its
-    autoreset (the step after a final row is the reset step) and the actions it took since. Reads, never draws."""
+def track_episodes(episodes: dict, vec_env, first: np.ndarray, final: np.ndarray, action: np.ndarray) -> None:
+    """After a vector step, record per env what replaying its current episode needs (`restore_envs`): the actions it
+    took since its reset, and the env's RNG state just before that reset. `first`: this step was the env's reset step
+    (NEXT_STEP autoreset: its action was ignored); `final`: the next step resets it, from the RNG state it has now,
+    kept in next_reset_rng until then. Reads, never draws."""
     for e in range(len(final)):
-        if final[e]:
-            episodes["reset_rng"][e] = vec_env.envs[e].unwrapped.np_random.bit_generator.state
-            episodes["actions"][e] = []
+        if first[e]:
+            episodes["reset_rng"][e], episodes["actions"][e] = episodes["next_reset_rng"][e], []
         else:
             episodes["actions"][e].append(int(action[e]))
+        if final[e]:
+            episodes["next_reset_rng"][e] = vec_env.envs[e].unwrapped.np_random.bit_generator.state
 
 
 def restore_envs(vec_env, seed: int, obs: np.ndarray, final: np.ndarray, episodes: dict) -> None:
@@ -1123,33 +1123,60 @@ def restore_envs(vec_env, seed: int, obs: np.ndarray, final: np.ndarray, episode
     vec_env._autoreset_envs = final.copy()  # no public setter: these envs reset on the next step()
 
 
-def save_training_checkpoint(run_dir: Path, global_step: int, nets: dict, optimizer, rb, rng, loop: dict, state: dict):
+def checkpoint_kind(value) -> str:
+    """How a checkpoint keeps a TrainState field: "module" / "tensors" (a dict of tensors) as safetensors,
+    "optimizer" with torch.save, "replay" (an object with state_dict / load_state_dict) as .npz, "tensor" / "array"
+    / "list" in arrays.npz, "generator" (its bit_generator state) and "value" (numbers, None) in state.json, "env"
+    not at all (`restore_envs` replays each env's episode)."""
+    kinds = ((nn.Module, "module"), (torch.optim.Optimizer, "optimizer"), (gym.vector.VectorEnv, "env"),
+             (np.random.Generator, "generator"), (dict, "tensors"), (torch.Tensor, "tensor"),
+             (np.ndarray, "array"), (list, "list"))  # fmt: skip
+    found = [kind for cls, kind in kinds if isinstance(value, cls)]
+    return found[0] if found else "replay" if hasattr(value, "load_state_dict") else "value"
+
+
+CHECKPOINT_SUFFIX = {"module": ".safetensors", "tensors": ".safetensors", "optimizer": ".pt", "replay": ".npz"}
+
+
+def save_training_checkpoint(run_dir: Path, global_step: int, state, extra: dict) -> Path:
     """Write RUN_DIR/checkpoints/step_<global_step>/ (returned) atomically: the files go into a temporary dir that
     os.replace moves into place, then latest.json (temp file + os.replace) names it, then older step dirs are
     deleted. A kill at any point leaves latest.json naming a complete checkpoint. Reads RNG states, never draws.
 
-    nets: name -> state_dict (safetensors); optimizer (torch.save, read back with weights_only=True); the replay's
-    ring and sequence table (replay.npz) and the loop's arrays `loop` (loop.npz, with the torch RNG state); `state`
-    (counters, best score, env replay info) goes into state.json with the args, the RNG states and the file sizes.
+    Every field of the TrainState `state`, as `checkpoint_kind` says (<field>.safetensors / .pt / .npz, arrays.npz
+    with torch's RNG state), and state.json: the fields' kinds and JSON values, `extra` (the args, the envs' episodes,
+    the elapsed time), the python and numpy RNG states and the file sizes.
     """
     root = run_dir / "checkpoints"
     step_dir, tmp = root / f"step_{global_step}", root / f".tmp_step_{global_step}"
     if not step_dir.is_dir():  # (it exists when a kill came between its os.replace and latest.json)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a kill during a save
         tmp.mkdir(parents=True)
-        for name, state_dict in nets.items():
-            save_file(state_dict, str(tmp / f"{name}.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        np.savez(tmp / "replay.npz", **{name: np.asarray(value) for name, value in vars(rb).items()})
-        np.savez(tmp / "loop.npz", torch_rng=torch.get_rng_state().numpy(), **loop)
+        kinds = {field.name: checkpoint_kind(getattr(state, field.name)) for field in dataclasses.fields(state)}
+        arrays, values = {"torch_rng": torch.get_rng_state().numpy()}, {}
+        for name, kind in kinds.items():
+            value = getattr(state, name)
+            path = tmp / f"{name}{CHECKPOINT_SUFFIX.get(kind, '')}"
+            if kind in ("module", "tensors"):
+                save_file(value.state_dict() if kind == "module" else value, str(path))
+            elif kind == "optimizer":
+                torch.save(value.state_dict(), path)
+            elif kind == "replay":
+                np.savez(path, **value.state_dict())
+            elif kind in ("tensor", "array", "list"):
+                arrays[name] = value.cpu().numpy() if kind == "tensor" else np.asarray(value)
+            elif kind == "generator":
+                values[name] = value.bit_generator.state
+            elif kind == "value":
+                values[name] = value
+        np.savez(tmp / "arrays.npz", **arrays)
         np_global = np.random.get_state()
-        state = state | {
-            "script": SCRIPT, "global_step": global_step,
-            "rng": {"python": random.getstate(), "numpy_global": [np_global[0], np_global[1].tolist(), *np_global[2:]],
-                    "numpy": rng.bit_generator.state},
+        saved = extra | {
+            "script": SCRIPT, "global_step": global_step, "kinds": kinds, "values": values,
+            "rng": {"python": random.getstate(), "numpy_global": [np_global[0], np_global[1].tolist(), *np_global[2:]]},
             "files": {path.name: path.stat().st_size for path in sorted(tmp.iterdir())},
         }  # fmt: skip
-        (tmp / "state.json").write_text(json.dumps(state))
+        (tmp / "state.json").write_text(json.dumps(saved))
         os.replace(tmp, step_dir)
     write_json_atomic(root / "latest.json", {"step_dir": step_dir.name, "global_step": global_step})
     for old in root.glob("step_*"):
@@ -1207,36 +1234,42 @@ def resume_args(cli: Args) -> tuple[Args, Path, Path, dict]:
         raise SystemExit(f"error: the arguments saved in {step_dir} do not fit this script: {err}") from None
 
 
-def load_training_checkpoint(step_dir: Path, state: dict, nets: dict, optimizer, rb, rng) -> dict:
-    """Load what save_training_checkpoint wrote into the networks (name -> module), optimizer, replay and RNGs;
-    returns the loop's arrays (and "best_model", the kept network, if saved). One-line errors name a bad file."""
-    path = step_dir
+def load_training_checkpoint(step_dir: Path, saved: dict, state, device) -> None:
+    """Load what save_training_checkpoint wrote (`saved`: its state.json) into the fields of `state` (modules,
+    optimizers, replays and generators in place; the rest replaced, tensors on `device`) and the RNGs. One-line
+    errors name a bad file."""
+    path = step_dir / "arrays.npz"
     try:
-        for name, net in nets.items():
-            path = step_dir / f"{name}.safetensors"
-            net.load_state_dict(load_file(str(path)))
-        path = step_dir / "best_model.safetensors"
-        best = load_file(str(path)) if path.is_file() else None
-        path = step_dir / "optimizer.pt"
-        optimizer.load_state_dict(torch.load(path, weights_only=True))
-        path = step_dir / "replay.npz"
         with np.load(path, allow_pickle=False) as data:
-            for name, old in vars(rb).items():
-                value = data[name]
-                if isinstance(old, np.ndarray) and (value.shape != old.shape or value.dtype != old.dtype):
-                    raise ValueError(f"{name}: {value.shape} {value.dtype}, the replay has {old.shape} {old.dtype}")
-                setattr(rb, name, value if isinstance(old, np.ndarray) else type(old)(value))
-        path = step_dir / "loop.npz"
-        with np.load(path, allow_pickle=False) as data:
-            loop = {name: data[name] for name in data.files}
+            arrays = {name: data[name] for name in data.files}
+        for name, kind in saved["kinds"].items():
+            value = getattr(state, name)
+            path = step_dir / f"{name}{CHECKPOINT_SUFFIX.get(kind, '')}"
+            if kind == "module":
+                value.load_state_dict(load_file(str(path)))
+            elif kind == "tensors":
+                setattr(state, name, load_file(str(path), device=str(device)))
+            elif kind == "optimizer":
+                value.load_state_dict(torch.load(path, weights_only=True))
+            elif kind == "replay":
+                with np.load(path, allow_pickle=False) as data:
+                    value.load_state_dict({key: data[key] for key in data.files})
+            elif kind == "tensor":
+                setattr(state, name, torch.as_tensor(arrays[name], device=device))
+            elif kind == "array":
+                setattr(state, name, arrays[name])
+            elif kind == "list":
+                setattr(state, name, arrays[name].tolist())
+            elif kind == "generator":
+                value.bit_generator.state = saved["values"][name]
+            elif kind == "value":
+                setattr(state, name, saved["values"][name])
     except (SafetensorError, OSError, RuntimeError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
         raise SystemExit(f"error: cannot load checkpoint file {path}: {str(err).splitlines()[0]}") from None
-    torch.set_rng_state(torch.from_numpy(loop.pop("torch_rng")))
-    random.setstate((state["rng"]["python"][0], tuple(state["rng"]["python"][1]), state["rng"]["python"][2]))
-    kind, keys, *rest = state["rng"]["numpy_global"]
+    torch.set_rng_state(torch.from_numpy(arrays["torch_rng"]))
+    random.setstate((saved["rng"]["python"][0], tuple(saved["rng"]["python"][1]), saved["rng"]["python"][2]))
+    kind, keys, *rest = saved["rng"]["numpy_global"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    rng.bit_generator.state = state["rng"]["numpy"]
-    return loop | {"best_model": best}
 
 
 if __name__ == "__main__":

@@ -1,19 +1,19 @@
 """R2D2 with a gated Transformer-XL: the transformer's memory stored in replay like R2D2's LSTM state, refreshed by a
 burn-in.
 
-R2D2 [1] (r2d2_rnnstate.py) stores the actor's recurrent state with the replayed steps and starts each replayed
-sequence from it; the lecture says no one has found the analogous trick for transformers. Here it is built and
-measured. A Transformer-XL [2] carries a *memory* while acting: the inputs of each layer at the last M steps, which
-the next step's queries attend to (no gradient flows into it). A memory entry is a per-step quantity, so the replay
-stores with every step the actor's layer inputs there (O(T), like the LSTM state), and the memory at a sequence's
-first trained step t0 is the stored rows t0 - M .. t0 - 1. A replayed sequence starts from (a) `--memory zero`: an
-empty memory (what it is at an episode start), (b) `--memory stored --burn-in 0`: the stored memory, written by an
-older network (stale), (c) `--memory stored` (default): the memory stored at t0 - B, then a burn-in of B steps that
-recomputes the B newest entries with the current network; (d) `--memory window`: DTQN [4], no memory, the agent
-acts on its last k = `--window` steps and trains on windows of m + n <= k steps; (e) `--memory episode`: every
-replayed sequence re-encoded from its episode's first step (AMAGO [6]-style full-episode replay: exact, no stored
-state, a cost that grows with the episode). On TMaze with a 20-step corridor, longer than every replayed window and
-than the DTQN window, only the stored memory brings the cue into training: (c) solves it, (a) and (d) stay at chance.
+R2D2 [1] (r2d2_rnnstate.py) stores the actor's recurrent state with the replayed steps and starts each replayed sequence
+from it; the lecture says no one has found the analogous trick for transformers. Here it is built and measured. A
+Transformer-XL [2] carries a *memory* while acting: the inputs of each layer at the last M steps, which the next step's
+queries attend to (no gradient flows into it). A memory entry is a per-step quantity, so the replay stores with every
+step the actor's layer inputs there (O(T), like the LSTM state), and the memory at a sequence's first trained step t0 is
+the stored rows t0 - M .. t0 - 1. A replayed sequence starts from (a) `--memory zero`: an empty memory (what it is at an
+episode start), (b) `--memory stored --burn-in 0`: the stored memory, written by an older network (stale), (c) `--memory
+stored` (default): the memory stored at t0 - burn_in, then a burn-in of burn_in steps that recomputes the burn_in newest
+entries with the current network; (d) `--memory window`: DTQN [4], no memory, the agent acts on its last k = `--window`
+steps and trains on windows of m + n <= k steps; (e) `--memory episode`: every replayed sequence re-encoded from its
+episode's first step (AMAGO [6]-style full-episode replay: exact, no stored state, a cost that grows with the episode).
+On TMaze with a 20-step corridor, longer than every replayed window and than the DTQN window, only the stored memory
+brings the cue into training: (c) solves it, (a) and (d) stay at chance.
 
 Key equations (gated Transformer-XL block, GTrXL [3], pre-norm, for layer l with input x_t^l at step t):
     context of step t: c_t^l = [x_{t-M}^l .. x_{t-1}^l (the memory, no gradient), x_t^l], same episode only
@@ -33,22 +33,23 @@ Implementation details:
     terminal, the step within the episode) and, in modes (a)-(c), the actor's layer inputs of the row: L x width
     floats (2 x 64 here), the size of the LSTM's (h, c). Overlapping sequences share their memory rows.
  3. Sequences, autoreset handling, prioritized sampling, n-step double-Q targets, value rescaling, Ape-X epsilons:
-    as r2d2_rnnstate.py (the same functions). A window is the rows [t0 - lead, t0 + m + n): lead = B + M in modes
+    as r2d2_rnnstate.py (the same functions). A window is the rows [t0 - lead, t0 + m + n): lead = burn_in + M in
     (a)-(c), 0 in (d), back to the episode's first row in (e). Rows before the episode's first row are never attended
     to (`key_valid`); a row attends only to itself and earlier rows, so rows after the episode's final row (masked out
     of the loss) cannot change the trained ones.
- 4. Burn-in (`anchor_memory`): without gradient, the B rows before t0 run through the network from the memory at
-    t0 - B, in segments of at most M rows (Transformer-XL's recurrence); their new layer inputs replace the B newest
-    entries. Unlike an LSTM state, the M - B older entries stay as stored: a burn-in refreshes only what it
-    recomputes. The target network does the same with its own weights. Mode (e) is a burn-in of the whole prefix.
+ 4. Burn-in (`anchor_memory`): without gradient, the burn_in rows before t0 run through the network from the memory at
+    t0 - burn_in, in segments of at most M rows (Transformer-XL's recurrence); their new layer inputs replace the
+    burn_in newest entries. Unlike an LSTM state, the M - burn_in older entries stay as stored: a burn-in refreshes only
+    what it recomputes. The target network does the same with its own weights. Mode (e) is a burn-in of the whole
+    prefix.
  5. The trained rows t0 .. t0 + m + n - 1 run in one forward pass with the memory at t0 as keys and values
     (detached). Gradient reaches how the memory is *read* (queries, keys, values, position bias), never how it was
     written: the cue's layer-0 entry is the actor's embedding of it, from when it acted.
- 6. `final_delta_q` is the ablation on ONE network, the last: on replayed sequences that start mid-episode, Q at the
-    first and last trained row from the empty memory, the stored memory, and the stored memory + burn-in, against Q
-    from the memory recomputed from the episode start.
- 7. Cost (`perf/learner_ms_per_update`: sampling to target copy; `replay/bytes_per_row`): (c) encodes B + M + m + n
-    rows per sequence whatever the episode length, (e) up to the whole episode; the README's cost table.
+ 6. `final_delta_q_memory` is the ablation on ONE network, the last: on replayed sequences that start mid-episode,
+    Q at the first and last trained row from the empty memory, the stored memory, and the stored memory + burn-in,
+    against Q from the memory recomputed from the episode start.
+ 7. Cost (`perf/learner_ms_per_update`: sampling to target copy; `replay/bytes_per_row`): (c) encodes burn_in + M +
+    m + n rows per sequence whatever the episode length, (e) up to the whole episode; the README's cost table.
  8. Observations are flattened as in r2d2_rnnstate.py; evaluation seeds are disjoint blocks (10 000 (s + 1) + i).
  9. Long runs: a checkpoint every `--save-every` env steps and on Ctrl-C / SIGTERM; `--resume RUN_DIR` continues it
     bit for bit on CPU (the class `Run`, below RUN MANAGEMENT).
@@ -71,6 +72,7 @@ Reproduce (TMaze-20, the benchmark's full-mode lines: success 1.00 on tuning see
         --buffer-size 60000 --total-timesteps 400000
 """
 
+import dataclasses
 import json
 import os
 import random
@@ -172,7 +174,7 @@ class Args:
     seq_overlap: int = 5
     """steps shared by the trained parts of consecutive sequences of an episode"""
     burn_in: int = 4
-    """B: steps recomputed without gradient before the trained part, refreshing the B newest memory entries"""
+    """steps recomputed without gradient before the trained part, refreshing the burn_in newest memory entries"""
     n_step: int = 5
     """n of the n-step double-Q targets"""
     gamma: float = 0.99
@@ -198,11 +200,26 @@ class Args:
     max_grad_norm: float = 10.0
     """global gradient-norm clipping"""
     final_delta_q_sequences: int = 512
-    """replayed sequences for the last network's Delta-Q from zero / stored / stored + burn-in (`final_delta_q`)"""
+    """replayed sequences for the last network's Delta-Q from zero / stored / stored + burn-in
+    (`final_delta_q_memory`)"""
 
-    # filled in at runtime
-    num_updates: int = 0
-    """the number of gradient updates (computed)"""
+
+@dataclass(frozen=True)
+class MemoryMode:
+    """What a --memory mode stores, gathers and trains from: the one place the modes differ (`MEMORY_MODES`)."""
+
+    stores_memory: bool  # the replay keeps each row's layer inputs (the actor's memory entry there)
+    acts_on_window: bool  # DTQN: the actor re-encodes its last --window rows (no memory; the network's span k - 1)
+    start: str  # the memory the trained rows start from before the burn-in: "stored" (the actor's) or "zero" (empty)
+    burn_in: str  # rows recomputed before t0: "args" (--burn-in), "none", or "episode" (all from the episode start)
+
+
+MEMORY_MODES = {
+    "stored": MemoryMode(stores_memory=True, acts_on_window=False, start="stored", burn_in="args"),
+    "zero": MemoryMode(stores_memory=True, acts_on_window=False, start="zero", burn_in="args"),
+    "window": MemoryMode(stores_memory=False, acts_on_window=True, start="zero", burn_in="none"),
+    "episode": MemoryMode(stores_memory=False, acts_on_window=False, start="zero", burn_in="episode"),
+}
 
 
 # ALGO LOGIC: small pure functions (imported by the tests)
@@ -353,7 +370,7 @@ class TransformerXLQNetwork(nn.Module):
         return self.value(self.norm_out(x)) + adv - adv.mean(-1, keepdim=True), torch.stack(inputs)
 
 
-class SequenceReplay:
+class MemoryReplay:  # r2d2_rnnstate.py's SequenceReplay stores LSTM states; this one layer inputs, `lead` rows back
     """O(T) ring buffer of rows (capacity rows per env column) plus a prioritized table of sequences.
 
     A sequence is identified by its env column, its anchor t0 (first trained row, absolute step index) and its
@@ -369,8 +386,9 @@ class SequenceReplay:
                       "prev_action": ((), np.int64), "prev_reward": ((), np.float32), "first": ((), bool),
                       "final": ((), bool), "terminal": ((), bool), "ep_step": ((), np.int32),  # step in the episode
                       "layer_inputs": ((stored_layers, d_model), np.float32)}  # the actor's memory entry  # fmt: skip
-        for name, (shape, dtype) in row_layout.items():  # ROW_FIELDS: (capacity, num_envs, *shape) arrays
+        for name, (shape, dtype) in row_layout.items():  # (capacity, num_envs, *shape) arrays
             setattr(self, name, np.zeros((capacity, num_envs, *shape), dtype=dtype))
+        self.row_fields = tuple(row_layout)  # what the replay stores per row
         self.t = 0  # absolute index of the next row (the same for every env column)
         self.ep_start = np.zeros(num_envs, dtype=np.int64)  # absolute first row of each column's current episode
         # sequence table: a ring as well; at most one anchor per 2 rows (an episode has >= 1 step + its final row)
@@ -381,14 +399,13 @@ class SequenceReplay:
         self.priority = np.zeros(self.seq_cap, dtype=np.float64)  # 0 = empty slot
         self.seq_ptr, self.max_priority = 0, 1.0
 
-    def add(self, obs, first, final, terminal, prev_action, prev_reward, layer_inputs, action, reward):
-        """Write one row per env (all (E, ...) arrays) and register the sequences whose windows are complete."""
+    def add(self, **row) -> None:
+        """Write one row per env (each row field but ep_step as an (E, ...) array) and register the sequences whose
+        windows are complete."""
         r = self.t % self.cap
-        self.ep_start[first] = self.t
-        layer_inputs = layer_inputs[:, : self.layer_inputs.shape[2]]  # all layers, or none (window, episode modes)
-        for name, value in (("obs", obs), ("first", first), ("final", final), ("terminal", terminal),
-                            ("prev_action", prev_action), ("prev_reward", prev_reward), ("layer_inputs", layer_inputs),
-                            ("action", action), ("reward", reward), ("ep_step", self.t - self.ep_start)):  # fmt: skip
+        self.ep_start[row["first"]] = self.t
+        row["layer_inputs"] = row["layer_inputs"][:, : self.layer_inputs.shape[2]]  # all layers, or none (no memory)
+        for name, value in (row | {"ep_step": self.t - self.ep_start}).items():
             getattr(self, name)[r] = value
         # a window is complete when its last row (t0 + m + n - 1) is written ...
         span = self.m + self.n - 1
@@ -397,7 +414,7 @@ class SequenceReplay:
         for e in done_envs:
             self._register(e, self.t - span)
         # ... or when the episode's final row is written: register its remaining anchors (padded, masked windows)
-        for e in np.nonzero(final)[0]:
+        for e in np.nonzero(row["final"])[0]:
             first_k = max(0, (self.t - span - self.ep_start[e]) // self.stride + 1)  # anchors > t - span
             for anchor in range(self.ep_start[e] + first_k * self.stride, self.t, self.stride):
                 if anchor > self.t - span:
@@ -410,11 +427,16 @@ class SequenceReplay:
         self.priority[i] = self.max_priority
         self.seq_ptr = (self.seq_ptr + 1) % self.seq_cap
 
+    def lead_rows(self, ids=slice(None)) -> np.ndarray:
+        """Rows before t0 that the window of each sequence `ids` needs: the replay's lead, or back to its episode's
+        first row (lead None, --memory episode)."""
+        to_episode_start = self.seq_anchor[ids] - self.seq_ep_start[ids]
+        return to_episode_start if self.lead is None else np.full_like(to_episode_start, self.lead)
+
     def valid(self) -> np.ndarray:
         """Sequences whose needed rows (from max(t0 - lead, episode start)) are still in the ring."""
         oldest = self.t - self.cap  # rows >= oldest are present
-        lead = self.cap if self.lead is None else self.lead
-        start = np.maximum(self.seq_anchor - lead, self.seq_ep_start)
+        start = np.maximum(self.seq_anchor - self.lead_rows(), self.seq_ep_start)
         return (self.priority > 0) & (start >= oldest)
 
     def sample(self, batch_size, alpha, beta, rng):
@@ -429,10 +451,20 @@ class SequenceReplay:
         self.priority[ids] = np.maximum(priorities, DELTA_Q_EPS)  # keep sampled sequences alive (p > 0)
         self.max_priority = max(self.max_priority, float(priorities.max()))
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the replay: its arrays (rows, sequence table), counters and sizes."""
+        return {key: value for key, value in vars(self).items() if isinstance(value, np.ndarray | int | float)}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """The inverse of state_dict; a ValueError where an array does not fit this replay."""
+        for key, value in self.state_dict().items():
+            if (np.shape(saved[key]), np.result_type(saved[key])) != (np.shape(value), np.result_type(value)):
+                raise ValueError(f"{key}: {np.shape(saved[key])} {saved[key].dtype}, the replay has {np.shape(value)}")
+            setattr(self, key, saved[key] if isinstance(value, np.ndarray) else type(value)(saved[key]))
+
     def lead_of(self, ids) -> int:
-        """Rows before t0 that the windows of sequences `ids` need: the replay's lead, or back to the earliest episode
-        start (lead None, --memory episode)."""
-        return self.lead if self.lead is not None else int((self.seq_anchor[ids] - self.seq_ep_start[ids]).max())
+        """Rows before t0 in a batch of windows of sequences `ids`: the most any of them needs (`lead_rows`)."""
+        return int(self.lead_rows(ids).max())
 
     def gather(self, ids, lead: int | None = None) -> dict:
         """The windows of sequences `ids` as (W, B, ...) arrays: rows t0 - lead .. t0 + m + n - 1 (lead: `lead_of`
@@ -440,8 +472,7 @@ class SequenceReplay:
         lead = self.lead_of(ids) if lead is None else lead
         absolute = self.seq_anchor[ids][None, :] + np.arange(-lead, self.m + self.n)[:, None]  # (W, B)
         rows, cols = absolute % self.cap, np.broadcast_to(self.seq_env[ids][None, :], absolute.shape)
-        names = ("obs", "action", "reward", "prev_action", "prev_reward", "final", "terminal", "layer_inputs")
-        out = {name: getattr(self, name)[rows, cols] for name in names}  # (W, B, ...)
+        out = {name: getattr(self, name)[rows, cols] for name in self.row_fields}  # (W, B, ...)
         out["key_valid"] = absolute >= self.seq_ep_start[ids][None, :]
         return out
 
@@ -457,15 +488,15 @@ def no_memory(net, batch: int, device) -> torch.Tensor:
 
 def anchor_memory(net, win: dict, lead: int, memory: str, burn_in: int, memory_length: int):
     """The memory at t0 (row `lead` of the window) that `net` starts the trained rows from: the stored layer inputs
-    of rows t0 - B - M .. t0 - B - 1 (`memory` = "stored") or nothing ("zero"), then, without gradient, a burn-in
-    that recomputes rows t0 - B .. t0 - 1 from it and replaces the B newest entries. Returns ((L, M', B, D), the
-    entries' key_valid (M', B))."""
-    P, M, B = lead, memory_length, win["obs"].shape[1]
+    of rows t0 - burn_in - M .. t0 - burn_in - 1 (`memory` = "stored") or nothing ("zero"), then, without gradient, a
+    burn-in that recomputes rows t0 - burn_in .. t0 - 1 from it and replaces the burn_in newest entries. Returns
+    ((L, M', B, D), the entries' key_valid (M', B)); B is the batch of sequences."""
+    P, M, batch_size = lead, memory_length, win["obs"].shape[1]
     if memory == "stored":
         entries = win["layer_inputs"][P - burn_in - M : P - burn_in].permute(2, 0, 1, 3)  # (L, M, B, D)
         valid = win["key_valid"][P - burn_in - M : P - burn_in]  # (M, B)
     else:
-        entries, valid = no_memory(net, B, win["obs"].device), win["key_valid"][:0]
+        entries, valid = no_memory(net, batch_size, win["obs"].device), win["key_valid"][:0]
     for start in range(P - burn_in, P, M):  # segments of at most M rows, each from the memory before it (TrXL)
         rows = slice(start, min(start + M, P))
         with torch.no_grad():
@@ -484,53 +515,11 @@ def memory_q(net, win: dict, lead: int, memory: str, burn_in: int, memory_length
 
 
 def replay_q(net, win: dict, lead: int, args: Args) -> torch.Tensor:
-    """Q of a window's rows from t0 on, as this run's --memory mode computes them (learner and target network)."""
-    if args.memory == "window":  # (d) DTQN: each window of m + n <= k rows from its first row, no memory before it
-        return memory_q(net, win, lead, "zero", 0, args.memory_length)
-    if args.memory == "episode":  # (e): the memory recomputed from the episode's first row, the whole prefix a burn-in
-        return memory_q(net, win, lead, "zero", lead, args.memory_length)
-    return memory_q(net, win, lead, args.memory, args.burn_in, args.memory_length)
-
-
-@torch.no_grad()
-def final_delta_q(net, rb, rng: np.random.Generator, num_sequences: int, device, burn_in, memory_length) -> dict:
-    """The ablation on ONE network: Delta-Q of the same replayed sequences started three ways. On up to
-    `num_sequences` sequences that start mid-episode and whose episode start is stored, Q at the first and last
-    trained row from an empty memory at t0 (`zero`), the memory stored at t0 (`stored`), or the memory stored at
-    t0 - burn_in and the burn-in (`stored_burn_in`), against Q from the memory recomputed from the episode start."""
-    mid_episode = rb.seq_anchor > rb.seq_ep_start
-    ok = np.nonzero(rb.valid() & mid_episode & (rb.seq_ep_start >= rb.t - rb.cap))[0]
-    if len(ok) == 0:
-        return {}
-    ids = rng.choice(ok, size=min(num_sequences, len(ok)), replace=False)
-    prefix = int((rb.seq_anchor[ids] - rb.seq_ep_start[ids]).max())  # rows from the episode start to t0
-    full = to_torch(rb.gather(ids, lead=prefix), device)
-    # the true memory: the whole prefix as a burn-in from the episode start (m + n, b, A)
-    q_true = memory_q(net, full, prefix, "zero", prefix, memory_length)
-    win = to_torch(rb.gather(ids), device)
-    variants = {"zero": ("zero", 0), "stored": ("stored", 0), "stored_burn_in": ("stored", burn_in)}
-    mask = torch.cumprod(1.0 - win["final"][rb.lead : rb.lead + rb.m].float(), dim=0)  # (m, b) trained rows
-    last, col = (mask.sum(0).long() - 1).clamp(min=0), torch.arange(len(ids), device=device)
-    out = {"count": float(len(ids))}
-    for name, (memory, burn) in variants.items():
-        if name == "stored_burn_in" and burn_in == 0:
-            continue
-        q = memory_q(net, win, rb.lead, memory, burn, memory_length)
-        out[f"first_{name}"] = delta_q(q[0], q_true[0]).mean().item()
-        out[f"last_{name}"] = delta_q(q[last, col], q_true[last, col]).mean().item()
-    return out
-
-
-def replay_bytes(rb, memory_length: int) -> dict:
-    """Bytes of the replay's filled rows as stored (each step once, with its layer inputs), a row's bytes, and what
-    the memory at one sequence start takes (M x L x D floats; the LSTM's state is 2 x width)."""
-    per_row = sum(getattr(rb, name)[0, 0].nbytes for name in ROW_FIELDS)
-    return {"bytes": float(min(rb.t, rb.cap) * rb.E * per_row), "bytes_per_row": float(per_row),
-            "memory_bytes_per_sequence": float(memory_length * rb.layer_inputs[0, 0].nbytes)}  # fmt: skip
-
-
-ROW_FIELDS = ("obs", "action", "reward", "prev_action", "prev_reward", "first", "final", "terminal", "ep_step",
-              "layer_inputs")  # what the replay stores per row  # fmt: skip
+    """Q of a window's rows from t0 on, as this run's --memory mode computes them (learner and target network): DTQN
+    from each window's first row with no memory before it, the episode mode with the whole prefix as a burn-in."""
+    mode = MEMORY_MODES[args.memory]
+    burn_in = {"args": args.burn_in, "none": 0, "episode": lead}[mode.burn_in]
+    return memory_q(net, win, lead, mode.start, burn_in, args.memory_length)
 
 
 def next_row_flags(final, terminated, truncated):
@@ -546,7 +535,7 @@ def next_row_flags(final, terminated, truncated):
 def initial_context(net, memory: str, window: int, num_envs: int, device) -> dict:
     """What the actor carries between steps, empty: the memory of the last M rows' layer inputs (memory modes), or
     the last window - 1 rows' inputs to re-encode (window mode); `valid` marks entries of the current episode."""
-    if memory != "window":
+    if not MEMORY_MODES[memory].acts_on_window:
         return {"memory": torch.zeros(len(net.blocks), net.span, num_envs, net.d_model, device=device),
                 "valid": torch.zeros(net.span, num_envs, dtype=torch.bool, device=device)}  # fmt: skip
     k = window - 1
@@ -556,8 +545,8 @@ def initial_context(net, memory: str, window: int, num_envs: int, device) -> dic
             "valid": torch.zeros(k, num_envs, dtype=torch.bool, device=device)}  # fmt: skip
 
 
-@torch.no_grad()
-def actor_step(net, context: dict, obs, prev_action, prev_reward, first):
+@torch.no_grad()  # r2d2_rnnstate.py's actor_step carries an LSTM state, this one a memory (or window) of rows
+def memory_actor_step(net, context: dict, obs, prev_action, prev_reward, first):
     """One acting step for E envs: forget the previous episode where one starts, then Q(h_t, .) of the new row from
     the carried context. Returns (q (E, A), the new context, the row's layer inputs (E, L', D) as numpy: its
     memory entry, stored in replay; L' = 0 in the window mode)."""
@@ -577,36 +566,55 @@ def actor_step(net, context: dict, obs, prev_action, prev_reward, first):
     return q[-1], new, np.zeros((E, 0, net.d_model), dtype=np.float32)
 
 
-def make_vec_env(env_id: str, env_kwargs: dict, num_envs: int) -> gym.vector.SyncVectorEnv:
-    """`num_envs` copies of the flattened env with gymnasium's default NEXT_STEP autoreset."""
+def make_next_step_vec_env(
+    env_id: str, env_kwargs: dict, num_envs: int, scale_obs: bool = False
+) -> gym.vector.SyncVectorEnv:
+    """`num_envs` copies of the flattened env with gymnasium's default NEXT_STEP autoreset (ppo_recurrent.py's
+    make_vec_env autoresets in the SAME step)."""
     return gym.vector.SyncVectorEnv(
-        [lambda: make_flat_env(env_id, env_kwargs)] * num_envs, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP
+        [lambda: make_flat_env(env_id, env_kwargs, scale_obs)] * num_envs,
+        autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
     )
 
 
-def make_flat_env(env_id: str, env_kwargs: dict) -> gym.Env:
+def make_flat_env(env_id: str, env_kwargs: dict, scale_obs: bool = False) -> gym.Env:
     """The env with a flat float32 observation: gymnasium's FlattenObservation one-hot encodes Discrete and each
-    MultiDiscrete component, flattens Box, and concatenates the parts of Tuple/Dict (Dict in sorted key order)."""
-    return gym.wrappers.DtypeObservation(gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs)), np.float32)
+    MultiDiscrete component, flattens Box, and concatenates the parts of Tuple/Dict (Dict in sorted key order).
+    `scale_obs`: each dimension divided by its finite bound max(|low|, |high|) (1 where infinite or 0)."""
+    env = gym.wrappers.DtypeObservation(gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs)), np.float32)
+    if scale_obs:
+        space = env.observation_space
+        bound = np.maximum(np.abs(space.low), np.abs(space.high)).astype(np.float64)  # (D,)
+        usable = np.isfinite(bound) & (bound > 0)
+        scale = np.where(usable, 1.0 / np.where(usable, bound, 1.0), 1.0).astype(np.float32)
+        new_space = gym.spaces.Box(space.low * scale, space.high * scale, dtype=np.float32)
+        env = gym.wrappers.TransformObservation(env, lambda o: (o * scale).astype(np.float32), new_space)
+    return env
 
 
 def replay_lead(args: Args) -> int | None:
-    """Rows a replayed window needs before t0: the stored memory at t0 - B and the burn-in, none (DTQN), or (None)
-    everything back to the episode's first row."""
-    return {"window": 0, "episode": None}.get(args.memory, args.burn_in + args.memory_length)
+    """Rows a replayed window needs before t0: the stored memory at t0 - burn_in and the burn-in, none (DTQN), or
+    (None) everything back to the episode's first row (`MemoryReplay.lead_rows`)."""
+    return {"args": args.burn_in + args.memory_length, "none": 0, "episode": None}[MEMORY_MODES[args.memory].burn_in]
 
 
 def build_network(args: Args, obs_dim: int, num_actions: int) -> TransformerXLQNetwork:
     """The Q-network of this run's mode: span M (memory modes) or k - 1 (window mode)."""
-    span = args.window - 1 if args.memory == "window" else args.memory_length
+    span = args.window - 1 if MEMORY_MODES[args.memory].acts_on_window else args.memory_length
     sizes = (args.d_model, args.num_layers, args.num_heads, args.ff_size)
     return TransformerXLQNetwork(obs_dim, num_actions, *sizes, span)
 
 
 @dataclass
 class TrainState:
-    """What the training loop carries from one env step to the next; a checkpoint saves it as a unit."""
+    """What the training loop carries from one env step to the next; a checkpoint saves every field (`Run`)."""
 
+    q_network: nn.Module
+    target_network: nn.Module
+    optimizer: torch.optim.Optimizer
+    rb: MemoryReplay
+    rng: np.random.Generator  # exploration and replay sampling
+    vec_env: gym.vector.SyncVectorEnv  # not saved: --resume replays each env's episode
     obs: np.ndarray  # (E, obs_dim) the observation of the current row
     first: np.ndarray  # (E,) the row holds a reset observation
     final: np.ndarray  # (E,) the row holds an episode's final observation (its action is ignored)
@@ -620,7 +628,6 @@ class TrainState:
     ep_lengths: list = field(default_factory=list)
     num_updates_done: int = 0
     learner_seconds: float = 0.0  # wall time of the learning steps (sampling to priorities), for the cost study
-    start_time: float = field(default_factory=time.time)  # a resumed run's is moved back by the time already spent
 
 
 def main():
@@ -635,7 +642,7 @@ def main():
 
     run = start_run(args)  # checks the env; the run dir (new, or the resumed run's), tensorboard, Ctrl-C handlers
     device, env_kwargs = run.device, json.loads(args.env_kwargs)
-    vec_env = make_vec_env(args.env_id, env_kwargs, args.num_envs)
+    vec_env = make_next_step_vec_env(args.env_id, env_kwargs, args.num_envs)
     obs_dim, num_actions = vec_env.single_observation_space.shape[0], int(vec_env.single_action_space.n)
     q_network = build_network(args, obs_dim, num_actions).to(device)
     if args.eval_only:
@@ -643,35 +650,36 @@ def main():
     target_network = build_network(args, obs_dim, num_actions).to(device)
     target_network.load_state_dict(q_network.state_dict())
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, eps=args.adam_eps)
-    E, B, m, n = args.num_envs, args.batch_size, args.seq_len, args.n_step
-    stored_layers = args.num_layers if args.memory in ("stored", "zero") else 0  # window, episode: no memory stored
-    rb = SequenceReplay(args.buffer_size // E, E, obs_dim, stored_layers, args.d_model, m, args.seq_overlap,
+    E, m, n = args.num_envs, args.seq_len, args.n_step
+    stored_layers = args.num_layers if MEMORY_MODES[args.memory].stores_memory else 0
+    rb = MemoryReplay(args.buffer_size // E, E, obs_dim, stored_layers, args.d_model, m, args.seq_overlap,
                         replay_lead(args), n)  # fmt: skip
     epsilons = ape_x_epsilons(E, args.exploration_eps, args.exploration_alpha)  # (E,)
     eps_v = args.value_rescaling_eps
 
     state = TrainState(
-        obs=vec_env.reset(seed=args.seed)[0], first=np.ones(E, dtype=bool), final=np.zeros(E, dtype=bool),
-        terminal=np.zeros(E, dtype=bool), prev_action=np.full(E, NO_ACTION, dtype=np.int64),
-        prev_reward=np.zeros(E, dtype=np.float32), ep_return=np.zeros(E), ep_length=np.zeros(E, dtype=int),
+        q_network, target_network, optimizer, rb, rng, vec_env, obs=vec_env.reset(seed=args.seed)[0],
+        first=np.ones(E, dtype=bool), final=np.zeros(E, dtype=bool), terminal=np.zeros(E, dtype=bool),
+        prev_action=np.full(E, NO_ACTION, dtype=np.int64), prev_reward=np.zeros(E, dtype=np.float32),
+        ep_return=np.zeros(E), ep_length=np.zeros(E, dtype=int),
         context=initial_context(q_network, args.memory, args.window, E, device))  # fmt: skip
-    global_step = run.restore(state, q_network, target_network, optimizer, rb, rng, vec_env)  # 0, or --resume's
+    global_step = run.restore(state)  # 0, or --resume's step (networks, Adam, replay, rng, envs and loop restored)
     num_vector_steps = 0 if args.eval_only else args.total_timesteps // E
     for step in range(global_step // E, num_vector_steps):
         # 1. act: forget the memory at episode starts, epsilon-greedy per env on Q(h_t, .) from the carried memory
         state.prev_action[state.first], state.prev_reward[state.first] = NO_ACTION, 0.0
-        q, state.context, layer_inputs = actor_step(
+        q, state.context, layer_inputs = memory_actor_step(
             q_network, state.context, state.obs, state.prev_action, state.prev_reward, state.first)  # fmt: skip
         greedy = q.argmax(-1).cpu().numpy()  # (E,)
         explore = rng.random(E) < epsilons
         action = np.where(explore, rng.integers(num_actions, size=E), greedy)
-        run.track_episodes(state.final, action)  # what --resume replays to restore the envs
 
         # 2. step the envs (NEXT_STEP autoreset: after a final row, this step is the reset step)
         next_obs, reward, term, trunc, infos = vec_env.step(action)
         reward = np.where(state.final, 0.0, reward).astype(np.float32)  # the reset step's reward is not a reward
-        rb.add(state.obs, state.first, state.final, state.terminal, state.prev_action, state.prev_reward, layer_inputs,
-               action, reward)  # fmt: skip
+        rb.add(obs=state.obs, first=state.first, final=state.final, terminal=state.terminal,
+               prev_action=state.prev_action, prev_reward=state.prev_reward, layer_inputs=layer_inputs, action=action,
+               reward=reward)  # fmt: skip
         global_step += E
         state.ep_return += reward
         state.ep_length += ~state.final
@@ -688,7 +696,7 @@ def main():
         #    n-step double-Q targets on h-rescaled values
         if global_step >= args.learning_starts and step % args.train_frequency == 0 and rb.valid().any():
             learn_start = time.perf_counter()
-            ids, weights = rb.sample(B, args.priority_exponent, args.importance_exponent, rng)
+            ids, weights = rb.sample(args.batch_size, args.priority_exponent, args.importance_exponent, rng)
             lead = rb.lead_of(ids)  # rows before t0 in the windows
             win = to_torch(rb.gather(ids, lead), device)
             q_all = replay_q(q_network, win, lead, args)  # (m + n, B, A) online Q of t0 .. end
@@ -720,22 +728,21 @@ def main():
             state.learner_seconds += time.perf_counter() - learn_start
 
             if state.num_updates_done % 100 == 0:
-                sps = int(global_step / (time.time() - state.start_time))
+                sps = int(global_step / (time.time() - run.start_time))
                 run.log(global_step, {"losses/td_loss": loss.item(), "losses/q_values": q_taken.mean().item(),
                                       "charts/SPS": sps, "charts/learning_rate": args.learning_rate})  # fmt: skip
                 recent = np.mean(state.ep_returns[-50:]) if state.ep_returns else float("nan")
                 print(f"global_step={global_step} updates={state.num_updates_done} return(last 50)={recent:.2f} "
                       f"loss={loss.item():.4f} SPS={sps}")  # fmt: skip
-        run.end_step(global_step, state)  # a checkpoint every --save-every env steps; on Ctrl-C / SIGTERM, then exit
+        run.end_step(global_step, state)  # env replay info; a checkpoint every --save-every env steps; Ctrl-C: exit
     run.end_training()  # Ctrl-C / SIGTERM stop at once again (a resume would redo what follows)
     vec_env.close()
 
     # after training: the one-network Delta-Q ablation (memory modes), then the greedy evaluation
     final_dq = {}
-    if not args.eval_only and args.memory in ("stored", "zero"):
-        final_dq = final_delta_q(q_network, rb, rng, args.final_delta_q_sequences, device, args.burn_in,
+    if not args.eval_only and MEMORY_MODES[args.memory].stores_memory:
+        final_dq = final_delta_q_memory(q_network, rb, rng, args.final_delta_q_sequences, device, args.burn_in,
                                  args.memory_length)  # fmt: skip
-    wall_time = time.time() - state.start_time
     metrics = {"model/final_delta_q_" + key: value for key, value in final_dq.items() if key != "count"}
     result = evaluate(q_network, args, env_kwargs, eval_env_seed(args.seed), device)
     metrics |= {"eval/episodic_return": result["ret"].mean(), "eval/episodic_return_std": result["ret"].std(),
@@ -743,10 +750,11 @@ def main():
     if not np.isnan(result["success"]).all():  # the env reports info["success"] (TMaze, Tiger)
         metrics["eval/success_rate"] = np.nanmean(result["success"])
     if not args.eval_only:  # the O(T) replay: each step once, with its memory entry; the learner's time per update
-        metrics.update({f"replay/{key}": value for key, value in replay_bytes(rb, args.memory_length).items()})
+        metrics.update({f"replay/{key}": value for key, value in replay_bytes_memory(rb, args.memory_length).items()})
         metrics["perf/learner_ms_per_update"] = 1000.0 * state.learner_seconds / max(state.num_updates_done, 1)
         metrics["charts/mean_episodic_length"] = np.mean(state.ep_lengths) if state.ep_lengths else np.nan  # T
-    run.finish(metrics, q_network, global_step, wall_time)  # summary.json, the model; checkpoints deleted
+    run.log(global_step, metrics)
+    run.finish(metrics, {"model": q_network}, global_step)  # summary.json, the model; checkpoints deleted
 
 
 @torch.no_grad()
@@ -759,7 +767,7 @@ def evaluate(net, args: Args, env_kwargs: dict, seed: int, device) -> dict:
         context = initial_context(net, args.memory, args.window, 1, device)
         prev_action, prev_reward, first, total, success = NO_ACTION, 0.0, True, 0.0, np.nan
         for length in range(1, MAX_EVAL_STEPS + 1):  # noqa: B007  (read after the loop)
-            q, context, _ = actor_step(net, context, obs[None], [prev_action], [prev_reward], [first])
+            q, context, _ = memory_actor_step(net, context, obs[None], [prev_action], [prev_reward], [first])
             action = int(q[0].argmax())
             obs, reward, terminated, truncated, info = env.step(action)
             total, prev_action, prev_reward, first = total + float(reward), action, float(reward), False
@@ -771,6 +779,45 @@ def evaluate(net, args: Args, env_kwargs: dict, seed: int, device) -> dict:
         successes.append(success)
     env.close()
     return dict(ret=np.array(returns), length=np.array(lengths), success=np.array(successes))
+
+
+# === ANALYSIS (measurements for the docs; not needed to train) ===
+# final_delta_q_memory, replay_bytes_memory: r2d2_rnnstate.py's final_delta_q and replay_bytes measure an LSTM state
+@torch.no_grad()
+def final_delta_q_memory(net, rb, rng: np.random.Generator, num_sequences: int, device, burn_in, memory_length) -> dict:
+    """The ablation on ONE network: Delta-Q of the same replayed sequences started three ways. On up to
+    `num_sequences` sequences that start mid-episode and whose episode start is stored, Q at the first and last
+    trained row from an empty memory at t0 (`zero`), the memory stored at t0 (`stored`), or the memory stored at
+    t0 - burn_in and the burn-in (`stored_burn_in`), against Q from the memory recomputed from the episode start."""
+    mid_episode = rb.seq_anchor > rb.seq_ep_start
+    ok = np.nonzero(rb.valid() & mid_episode & (rb.seq_ep_start >= rb.t - rb.cap))[0]
+    if len(ok) == 0:
+        return {}
+    ids = rng.choice(ok, size=min(num_sequences, len(ok)), replace=False)
+    prefix = int((rb.seq_anchor[ids] - rb.seq_ep_start[ids]).max())  # rows from the episode start to t0
+    full = to_torch(rb.gather(ids, lead=prefix), device)
+    # the true memory: the whole prefix as a burn-in from the episode start (m + n, b, A)
+    q_true = memory_q(net, full, prefix, "zero", prefix, memory_length)
+    win, lead = to_torch(rb.gather(ids), device), rb.lead_of(ids)
+    variants = {"zero": ("zero", 0), "stored": ("stored", 0), "stored_burn_in": ("stored", burn_in)}
+    mask = torch.cumprod(1.0 - win["final"][lead : lead + rb.m].float(), dim=0)  # (m, b) trained rows
+    last, col = (mask.sum(0).long() - 1).clamp(min=0), torch.arange(len(ids), device=device)
+    out = {"count": float(len(ids))}
+    for name, (memory, burn) in variants.items():
+        if name == "stored_burn_in" and burn_in == 0:
+            continue
+        q = memory_q(net, win, lead, memory, burn, memory_length)
+        out[f"first_{name}"] = delta_q(q[0], q_true[0]).mean().item()
+        out[f"last_{name}"] = delta_q(q[last, col], q_true[last, col]).mean().item()
+    return out
+
+
+def replay_bytes_memory(rb, memory_length: int) -> dict:
+    """Bytes of the replay's filled rows as stored (each step once, with its layer inputs), a row's bytes, and what
+    the memory at one sequence start takes (M x L x D floats; the LSTM's state is 2 x width)."""
+    per_row = sum(getattr(rb, name)[0, 0].nbytes for name in rb.row_fields)
+    return {"bytes": float(min(rb.t, rb.cap) * rb.E * per_row), "bytes_per_row": float(per_row),
+            "memory_bytes_per_sequence": float(memory_length * rb.layer_inputs[0, 0].nbytes)}  # fmt: skip
 
 
 # === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
@@ -808,10 +855,10 @@ def parse_args() -> Args:
     if args.memory_length < 1 or args.window < 1:
         raise SystemExit(f"error: need --memory-length >= 1 and --window >= 1, got {args.memory_length} and "
                          f"{args.window}")  # fmt: skip
-    if args.memory == "window" and args.seq_len + args.n_step > args.window:
+    if MEMORY_MODES[args.memory].acts_on_window and args.seq_len + args.n_step > args.window:
         raise SystemExit(f"error: --memory window trains on windows of --seq-len + --n-step = "
                          f"{args.seq_len + args.n_step} rows, more than --window {args.window}")  # fmt: skip
-    if args.memory in ("stored", "zero") and args.burn_in > args.memory_length:
+    if MEMORY_MODES[args.memory].burn_in == "args" and args.burn_in > args.memory_length:
         raise SystemExit(f"error: --burn-in {args.burn_in} is longer than the memory (--memory-length "
                          f"{args.memory_length}): the burn-in refreshes memory entries, at most M")  # fmt: skip
     if args.burn_in < 0 or args.n_step < 1 or args.num_envs < 1 or args.batch_size < 1:
@@ -825,27 +872,30 @@ def parse_args() -> Args:
                          f"4 windows of {window} rows (lead + seq-len + n-step)")  # fmt: skip
     if args.save_every < 0:
         raise SystemExit(f"error: need --save-every >= 0 (0 = no periodic checkpoints), got {args.save_every}")
-    args.num_updates = max(0, (args.total_timesteps - args.learning_starts) // (args.num_envs * args.train_frequency))
     return args
 
 
-def check_env(env_id: str, env_kwargs: dict) -> None:
-    """One-line errors for an env that cannot be made or whose spaces this script does not support."""
+def check_env(env_id: str, env_kwargs: dict) -> int:
+    """Make the env once: a bad id, module or kwargs, or a space the script cannot take, is a one-line error.
+    Returns the number of actions."""
     try:
         probe = gym.make(env_id, **env_kwargs)
-    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # unknown id / kwargs
+    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # bad id, module, kwargs
         raise SystemExit(f"error: cannot make env {env_id!r} with kwargs {env_kwargs}: {err}") from None
     obs_space, act_space = probe.observation_space, probe.action_space
     probe.close()
     if not isinstance(act_space, gym.spaces.Discrete):
         raise SystemExit(f"error: {env_id} has action space {act_space}; only Discrete action spaces are supported")
     if not flattenable(obs_space):
-        raise SystemExit(f"error: {env_id} has observation space {obs_space}; supported: Box, Discrete, MultiBinary, "
-                         "MultiDiscrete, and Tuple/Dict of these")  # fmt: skip
+        raise SystemExit(
+            f"error: {env_id} has observation space {obs_space}; supported: Box, Discrete, MultiBinary, "
+            "MultiDiscrete, and Tuple/Dict of these"
+        )
+    return int(act_space.n)
 
 
 def flattenable(space: gym.spaces.Space) -> bool:
-    """True for the spaces gymnasium's `spaces.flatten` turns into one flat vector: Box, Discrete, MultiBinary,
+    """True for the spaces gymnasium's `spaces.flatten` turns into one vector: Box, Discrete, MultiBinary,
     MultiDiscrete, and Tuple/Dict of these (nested)."""
     if isinstance(space, gym.spaces.Tuple):
         return all(flattenable(sub) for sub in space.spaces)
@@ -873,101 +923,83 @@ def start_run(args: Args) -> "Run":
 
 
 class Run:
-    """The run's dir, tensorboard writer and device, and the checkpoints of a long run (`end_step`, `restore`).
+    """The run's dir, tensorboard writer and device, and the checkpoints of a long run (`restore`, `end_step`).
 
     A checkpoint, written every `--save-every` env steps and on Ctrl-C / SIGTERM at the end of a step, is
-    RUN_DIR/checkpoints/step_<global step>/: the online and target networks (safetensors), Adam's state
-    (torch.save, read back with weights_only=True), the replay's rows and prioritized sequence table (replay.npz),
-    the TrainState's arrays (obs, flags, previous action and reward, the actor's memory, running returns, the curve
-    so far) with torch's RNG state (loop.npz), and state.json (counters, args, python and numpy RNG states, file
-    sizes); written into a temporary dir, os.replace'd into place, then named by latest.json (temp file +
-    os.replace), so a kill leaves the previous one; deleted when the run ends. Gymnasium vector envs cannot be saved
-    mid-episode: per env the loop records its np_random state just before the reset that began its episode and the
-    actions since (`track_episodes`; reading a state draws nothing), and `--resume` resets it from that state and
-    replays the actions (`restore_envs`, checked against the stored observation; exact for envs that draw their
-    randomness from np_random, as gymnasium's seeding contract asks). Saving draws no random number, so results do
-    not depend on --save-every.
+    RUN_DIR/checkpoints/step_<global step>/ with every field of the TrainState (`save_training_checkpoint`): the
+    online and target networks (safetensors), Adam's state (torch.save, read back with weights_only=True), the
+    replay's rows and prioritized sequence table (its state_dict, .npz), the actor's memory or window of rows
+    (safetensors), the loop's arrays (obs, flags, previous action and reward, running returns, the curve so far) with
+    torch's RNG state (arrays.npz), and state.json (counters, args, python and numpy RNG states, file sizes); written
+    into a temporary dir, os.replace'd into place, then named by latest.json (temp file + os.replace), so a kill
+    leaves the previous one; deleted when the run ends. Gymnasium vector envs cannot be saved mid-episode: after each
+    step `end_step` records per env its np_random state just before the reset that began its episode and the actions
+    since (`track_episodes`; reading a state draws nothing), and `--resume` resets it from that state and replays the
+    actions (`restore_envs`, checked against the stored observation; exact for envs that draw their randomness from
+    np_random, as gymnasium's seeding contract asks). Saving draws no random number, so results do not depend on
+    --save-every.
     """
 
     def __init__(self, args: Args, run_dir: Path, writer: SummaryWriter, device, checkpoint, stop: dict | None):
         self.args, self.run_dir, self.writer, self.device = args, run_dir, writer, device
         self.checkpoint = checkpoint  # (step dir, state.json) that --resume continues from, or None
+        self.resuming = checkpoint is not None
         self.stop = stop  # install_stop_handlers' flag while training runs, else None
-        self.episodes = {"reset_rng": [None] * args.num_envs, "actions": [[] for _ in range(args.num_envs)]}
+        self.start_time = time.time()  # moved back by `restore` by the time the resumed run had already spent
+        E = args.num_envs
+        self._episodes = {"reset_rng": [None] * E, "next_reset_rng": [None] * E, "actions": [[] for _ in range(E)]}
 
     def log(self, step: int, metrics: dict) -> None:
-        """tensorboard scalars: tag -> number."""
+        """tensorboard: each tag -> value at `step`; a str value is written as text."""
         for tag, value in metrics.items():
-            self.writer.add_scalar(tag, value, step)
+            if isinstance(value, str):
+                self.writer.add_text(tag, value, step)
+            else:
+                self.writer.add_scalar(tag, value, step)
 
-    def load_model(self, net: nn.Module) -> None:
-        """--eval-only: the --checkpoint network's weights into `net`; a one-line error if they do not fit."""
+    def load_model(self, module: nn.Module) -> None:
+        """--eval-only: the --checkpoint network's weights into `module`; a one-line error if they do not fit."""
         try:
-            net.load_state_dict(load_checkpoint(self.args.checkpoint)[0])
+            module.load_state_dict(load_checkpoint(self.args.checkpoint)[0])
         except RuntimeError as err:
             first_lines = " ".join(str(err).strip().splitlines()[:3])
             self.writer.close()
             shutil.rmtree(self.run_dir, ignore_errors=True)  # nothing was run
             raise SystemExit(f"error: checkpoint does not fit this network on {self.args.env_id} (obs dim "
-                             f"{net.obs_dim}, {net.num_actions} actions, width {net.d_model}): {first_lines}"
-                             ) from None  # fmt: skip
+                             f"{module.obs_dim}, {module.num_actions} actions, width {module.d_model}): "
+                             f"{first_lines}") from None  # fmt: skip
 
-    def restore(self, state: TrainState, q_network, target_network, optimizer, rb, rng, vec_env) -> int:
-        """Keep what a checkpoint holds (end_step saves these objects); on --resume, load the checkpoint into them and
-        bring the envs back. Returns the global step the loop continues from (0 for a new run)."""
-        self.nets = {"model": q_network, "target_model": target_network}
-        self.optimizer, self.rb, self.rng, self.vec_env = optimizer, rb, rng, vec_env
-        if self.checkpoint is None:
+    def restore(self, state: TrainState) -> int:
+        """With --resume, load the checkpoint into `state` and bring its envs back; returns the env steps it had done
+        (0 for a new run, `state` as it is)."""
+        if not self.resuming:
             return 0
         step_dir, saved = self.checkpoint
-        loop = load_training_checkpoint(step_dir, saved, self.nets, optimizer, rb, rng)
-        for name in ("obs", "first", "final", "terminal", "prev_action", "prev_reward", "ep_return", "ep_length"):
-            setattr(state, name, loop[name])
-        state.context = {key[len("context_") :]: torch.as_tensor(value, device=self.device)
-                         for key, value in loop.items() if key.startswith("context_")}  # fmt: skip
-        state.ep_returns, state.ep_lengths = list(loop["ep_returns"]), list(loop["ep_lengths"])
-        state.num_updates_done, state.learner_seconds = saved["num_updates_done"], saved["learner_seconds"]
-        state.start_time = time.time() - saved["elapsed_s"]
-        self.episodes = saved["episodes"]
-        restore_envs(vec_env, self.args.seed, state.obs, state.final, self.episodes)
+        load_training_checkpoint(step_dir, saved, state, self.device)
+        self.start_time = time.time() - saved["elapsed_s"]
+        self._episodes = saved["episodes"]
+        restore_envs(state.vec_env, self.args.seed, state.obs, state.final, self._episodes)
         print(f"resumed {self.run_dir} at global_step={saved['global_step']} from {step_dir}")
         return saved["global_step"]
 
-    def track_episodes(self, final: np.ndarray, action: np.ndarray) -> None:
-        """What `--resume` replays to bring the envs back (the module-level track_episodes)."""
-        track_episodes(self.episodes, self.vec_env, final, action)
-
-    def end_step(self, global_step: int, state: TrainState) -> None:
-        """At the end of an env step: a checkpoint when a multiple of --save-every env steps was passed (but not after
-        the last step: the run finishes) or a stop signal came, then, after a stop, the exit with STOP_EXIT_CODE."""
+    def end_step(self, step: int, state: TrainState) -> None:
+        """At the end of an env step: record what replaying the envs' episodes needs, a checkpoint when a multiple of
+        --save-every env steps was passed (but not after the last step: the run finishes) or a stop signal came,
+        then, after a stop, the exit with STOP_EXIT_CODE."""
         args, E = self.args, self.args.num_envs
-        last = global_step >= args.total_timesteps // E * E
-        due = args.save_every and global_step // args.save_every != (global_step - E) // args.save_every
+        track_episodes(self._episodes, state.vec_env, state.first, state.final, state.prev_action)
+        last = step >= args.total_timesteps // E * E
+        due = args.save_every and step // args.save_every != (step - E) // args.save_every
         if self.stop["signal"] or (due and not last):
-            step_dir = self.save_checkpoint(global_step, state)
+            extra = {"episodes": self._episodes, "elapsed_s": time.time() - self.start_time, "args": asdict(args)}
+            step_dir = save_training_checkpoint(self.run_dir, step, state, extra)
             self.writer.flush()
             if self.stop["signal"]:
                 self.writer.close()
-                self.vec_env.close()
-                print(f"interrupted at global_step={global_step}: checkpoint {step_dir}; continue with: "
+                state.vec_env.close()
+                print(f"interrupted at global_step={step}: checkpoint {step_dir}; continue with: "
                       f"python {sys.argv[0]} --resume {self.run_dir}", file=sys.stderr)  # fmt: skip
                 raise SystemExit(STOP_EXIT_CODE)
-
-    def save_checkpoint(self, global_step: int, state: TrainState) -> Path:
-        """The objects `restore` was given and `state` (split into arrays and counters), as save_training_checkpoint
-        writes them."""
-        nets = {name: net.state_dict() for name, net in self.nets.items()}
-        # TrainState's arrays, the actor's context as context_<name>
-        loop = dict(obs=state.obs, first=state.first, final=state.final, terminal=state.terminal,
-                    prev_action=state.prev_action, prev_reward=state.prev_reward, ep_return=state.ep_return,
-                    ep_length=state.ep_length, ep_returns=np.array(state.ep_returns, dtype=np.float64),
-                    ep_lengths=np.array(state.ep_lengths, dtype=np.int64),
-                    **{f"context_{key}": value.cpu().numpy() for key, value in state.context.items()})  # fmt: skip
-        counters = dict(num_updates_done=state.num_updates_done, learner_seconds=state.learner_seconds,
-                        elapsed_s=time.time() - state.start_time, episodes=self.episodes,
-                        args=asdict(self.args))  # fmt: skip
-        return save_training_checkpoint(self.run_dir, global_step, nets, self.optimizer, self.rb, self.rng, loop,
-                                        counters)  # fmt: skip
 
     def end_training(self) -> None:
         """Training is over: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows)."""
@@ -975,19 +1007,21 @@ class Run:
             restore_signal_handlers(self.stop)
             self.stop = None
 
-    def finish(self, metrics: dict, net: nn.Module, global_step: int, wall_time: float) -> None:
-        """The metrics as floats to tensorboard and summary.json (written last: it marks a finished run), args.json
-        and the model; the checkpoints deleted (a finished run is not resumed), the writer closed."""
+    def finish(self, metrics: dict, models: dict, samples: int) -> None:
+        """summary.json (the metrics as floats, `sps` = samples / wall time; written last: it marks a finished run),
+        args.json and each model as <name>.safetensors; the checkpoints deleted (a finished run is not resumed), the
+        writer closed."""
         self.end_training()
+        wall_time = time.time() - self.start_time
         metrics = {key: float(value) for key, value in metrics.items()}
-        self.log(global_step, metrics)
         run_dir, args = self.run_dir, self.args
         summary = {
             "script": SCRIPT, "run_name": run_dir.name, "run_dir": str(run_dir), "args": asdict(args),
-            "metrics": metrics, "wall_time_s": wall_time, "sps": global_step / max(wall_time, 1e-9),
+            "metrics": metrics, "wall_time_s": wall_time, "sps": samples / max(wall_time, 1e-9),
         }  # fmt: skip
         (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-        save_file(net.state_dict(), str(run_dir / "model.safetensors"))
+        for name, module in models.items():
+            save_file(module.state_dict(), str(run_dir / f"{name}.safetensors"))
         write_json_atomic(run_dir / "summary.json", summary)  # written last: it marks a finished run
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a finished run is not resumed; the model is saved
         self.writer.close()
@@ -1082,15 +1116,18 @@ def restore_signal_handlers(stop: dict) -> None:
         signal.signal(sig, previous)
 
 
-def track_episodes(episodes: dict, vec_env, final: np.ndarray, action: np.ndarray) -> None:
-    """Record per env what replaying its current episode needs (`restore_envs`): the env's RNG state just before its
-    autoreset (the step after a final row is the reset step) and the actions it took since. Reads, never draws."""
+def track_episodes(episodes: dict, vec_env, first: np.ndarray, final: np.ndarray, action: np.ndarray) -> None:
+    """After a vector step, record per env what replaying its current episode needs (`restore_envs`): the actions it
+    took since its reset, and the env's RNG state just before that reset. `first`: this step was the env's reset step
+    (NEXT_STEP autoreset: its action was ignored); `final`: the next step resets it, from the RNG state it has now,
+    kept in next_reset_rng until then. Reads, never draws."""
     for e in range(len(final)):
-        if final[e]:
-            episodes["reset_rng"][e] = vec_env.envs[e].unwrapped.np_random.bit_generator.state
-            episodes["actions"][e] = []
+        if first[e]:
+            episodes["reset_rng"][e], episodes["actions"][e] = episodes["next_reset_rng"][e], []
         else:
             episodes["actions"][e].append(int(action[e]))
+        if final[e]:
+            episodes["next_reset_rng"][e] = vec_env.envs[e].unwrapped.np_random.bit_generator.state
 
 
 def restore_envs(vec_env, seed: int, obs: np.ndarray, final: np.ndarray, episodes: dict) -> None:
@@ -1114,33 +1151,60 @@ def restore_envs(vec_env, seed: int, obs: np.ndarray, final: np.ndarray, episode
     vec_env._autoreset_envs = final.copy()  # no public setter: these envs reset on the next step()
 
 
-def save_training_checkpoint(run_dir: Path, global_step: int, nets: dict, optimizer, rb, rng, loop: dict, state: dict):
+def checkpoint_kind(value) -> str:
+    """How a checkpoint keeps a TrainState field: "module" / "tensors" (a dict of tensors) as safetensors,
+    "optimizer" with torch.save, "replay" (an object with state_dict / load_state_dict) as .npz, "tensor" / "array"
+    / "list" in arrays.npz, "generator" (its bit_generator state) and "value" (numbers, None) in state.json, "env"
+    not at all (`restore_envs` replays each env's episode)."""
+    kinds = ((nn.Module, "module"), (torch.optim.Optimizer, "optimizer"), (gym.vector.VectorEnv, "env"),
+             (np.random.Generator, "generator"), (dict, "tensors"), (torch.Tensor, "tensor"),
+             (np.ndarray, "array"), (list, "list"))  # fmt: skip
+    found = [kind for cls, kind in kinds if isinstance(value, cls)]
+    return found[0] if found else "replay" if hasattr(value, "load_state_dict") else "value"
+
+
+CHECKPOINT_SUFFIX = {"module": ".safetensors", "tensors": ".safetensors", "optimizer": ".pt", "replay": ".npz"}
+
+
+def save_training_checkpoint(run_dir: Path, global_step: int, state, extra: dict) -> Path:
     """Write RUN_DIR/checkpoints/step_<global_step>/ (returned) atomically: the files go into a temporary dir that
     os.replace moves into place, then latest.json (temp file + os.replace) names it, then older step dirs are
     deleted. A kill at any point leaves latest.json naming a complete checkpoint. Reads RNG states, never draws.
 
-    nets: name -> state_dict (safetensors); optimizer (torch.save, read back with weights_only=True); the replay's
-    ring and sequence table (replay.npz) and the loop's arrays `loop` (loop.npz, with the torch RNG state); `state`
-    (counters, env replay info) goes into state.json with the args, the RNG states and the file sizes.
+    Every field of the TrainState `state`, as `checkpoint_kind` says (<field>.safetensors / .pt / .npz, arrays.npz
+    with torch's RNG state), and state.json: the fields' kinds and JSON values, `extra` (the args, the envs' episodes,
+    the elapsed time), the python and numpy RNG states and the file sizes.
     """
     root = run_dir / "checkpoints"
     step_dir, tmp = root / f"step_{global_step}", root / f".tmp_step_{global_step}"
     if not step_dir.is_dir():  # (it exists when a kill came between its os.replace and latest.json)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a kill during a save
         tmp.mkdir(parents=True)
-        for name, state_dict in nets.items():
-            save_file(state_dict, str(tmp / f"{name}.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        np.savez(tmp / "replay.npz", **{name: np.asarray(value) for name, value in vars(rb).items()})
-        np.savez(tmp / "loop.npz", torch_rng=torch.get_rng_state().numpy(), **loop)
+        kinds = {field.name: checkpoint_kind(getattr(state, field.name)) for field in dataclasses.fields(state)}
+        arrays, values = {"torch_rng": torch.get_rng_state().numpy()}, {}
+        for name, kind in kinds.items():
+            value = getattr(state, name)
+            path = tmp / f"{name}{CHECKPOINT_SUFFIX.get(kind, '')}"
+            if kind in ("module", "tensors"):
+                save_file(value.state_dict() if kind == "module" else value, str(path))
+            elif kind == "optimizer":
+                torch.save(value.state_dict(), path)
+            elif kind == "replay":
+                np.savez(path, **value.state_dict())
+            elif kind in ("tensor", "array", "list"):
+                arrays[name] = value.cpu().numpy() if kind == "tensor" else np.asarray(value)
+            elif kind == "generator":
+                values[name] = value.bit_generator.state
+            elif kind == "value":
+                values[name] = value
+        np.savez(tmp / "arrays.npz", **arrays)
         np_global = np.random.get_state()
-        state = state | {
-            "script": SCRIPT, "global_step": global_step,
-            "rng": {"python": random.getstate(), "numpy_global": [np_global[0], np_global[1].tolist(), *np_global[2:]],
-                    "numpy": rng.bit_generator.state},
+        saved = extra | {
+            "script": SCRIPT, "global_step": global_step, "kinds": kinds, "values": values,
+            "rng": {"python": random.getstate(), "numpy_global": [np_global[0], np_global[1].tolist(), *np_global[2:]]},
             "files": {path.name: path.stat().st_size for path in sorted(tmp.iterdir())},
         }  # fmt: skip
-        (tmp / "state.json").write_text(json.dumps(state))
+        (tmp / "state.json").write_text(json.dumps(saved))
         os.replace(tmp, step_dir)
     write_json_atomic(root / "latest.json", {"step_dir": step_dir.name, "global_step": global_step})
     for old in root.glob("step_*"):
@@ -1198,34 +1262,42 @@ def resume_args(cli: Args) -> tuple[Args, Path, Path, dict]:
         raise SystemExit(f"error: the arguments saved in {step_dir} do not fit this script: {err}") from None
 
 
-def load_training_checkpoint(step_dir: Path, state: dict, nets: dict, optimizer, rb, rng) -> dict:
-    """Load what save_training_checkpoint wrote into the networks (name -> module), optimizer, replay and RNGs;
-    returns the loop's arrays. One-line errors name a bad file."""
-    path = step_dir
+def load_training_checkpoint(step_dir: Path, saved: dict, state, device) -> None:
+    """Load what save_training_checkpoint wrote (`saved`: its state.json) into the fields of `state` (modules,
+    optimizers, replays and generators in place; the rest replaced, tensors on `device`) and the RNGs. One-line
+    errors name a bad file."""
+    path = step_dir / "arrays.npz"
     try:
-        for name, net in nets.items():
-            path = step_dir / f"{name}.safetensors"
-            net.load_state_dict(load_file(str(path)))
-        path = step_dir / "optimizer.pt"
-        optimizer.load_state_dict(torch.load(path, weights_only=True))
-        path = step_dir / "replay.npz"
         with np.load(path, allow_pickle=False) as data:
-            for name, old in vars(rb).items():
-                value = data[name]
-                if isinstance(old, np.ndarray) and (value.shape != old.shape or value.dtype != old.dtype):
-                    raise ValueError(f"{name}: {value.shape} {value.dtype}, the replay has {old.shape} {old.dtype}")
-                setattr(rb, name, value if isinstance(old, np.ndarray) else type(old)(value))
-        path = step_dir / "loop.npz"
-        with np.load(path, allow_pickle=False) as data:
-            loop = {name: data[name] for name in data.files}
+            arrays = {name: data[name] for name in data.files}
+        for name, kind in saved["kinds"].items():
+            value = getattr(state, name)
+            path = step_dir / f"{name}{CHECKPOINT_SUFFIX.get(kind, '')}"
+            if kind == "module":
+                value.load_state_dict(load_file(str(path)))
+            elif kind == "tensors":
+                setattr(state, name, load_file(str(path), device=str(device)))
+            elif kind == "optimizer":
+                value.load_state_dict(torch.load(path, weights_only=True))
+            elif kind == "replay":
+                with np.load(path, allow_pickle=False) as data:
+                    value.load_state_dict({key: data[key] for key in data.files})
+            elif kind == "tensor":
+                setattr(state, name, torch.as_tensor(arrays[name], device=device))
+            elif kind == "array":
+                setattr(state, name, arrays[name])
+            elif kind == "list":
+                setattr(state, name, arrays[name].tolist())
+            elif kind == "generator":
+                value.bit_generator.state = saved["values"][name]
+            elif kind == "value":
+                setattr(state, name, saved["values"][name])
     except (SafetensorError, OSError, RuntimeError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
         raise SystemExit(f"error: cannot load checkpoint file {path}: {str(err).splitlines()[0]}") from None
-    torch.set_rng_state(torch.from_numpy(loop.pop("torch_rng")))
-    random.setstate((state["rng"]["python"][0], tuple(state["rng"]["python"][1]), state["rng"]["python"][2]))
-    kind, keys, *rest = state["rng"]["numpy_global"]
+    torch.set_rng_state(torch.from_numpy(arrays["torch_rng"]))
+    random.setstate((saved["rng"]["python"][0], tuple(saved["rng"]["python"][1]), saved["rng"]["python"][2]))
+    kind, keys, *rest = saved["rng"]["numpy_global"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    rng.bit_generator.state = state["rng"]["numpy"]
-    return loop
 
 
 if __name__ == "__main__":

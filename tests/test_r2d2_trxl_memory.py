@@ -2,18 +2,39 @@
 memory carried while acting = recomputation from the episode start (float64), the window mode's contexts, the
 replay's stored memory and its burn-in refresh, the one-network Delta-Q ablation, smoke runs, clear errors."""
 
+import ast
+
 import gymnasium as gym
 import numpy as np
 import pytest
 import spaces_env
 import torch
-from conftest import load_script, run_script
+from conftest import ROOT, load_script, run_script
 
 trxl = load_script("r2d2_trxl_memory")
 rnn = load_script("r2d2_rnnstate")
 
 
 # ---------------------------------------------------------------- math shared with r2d2_rnnstate.py
+def test_what_both_r2d2_scripts_define_is_the_same_text():
+    """A function, class or constant both scripts define is the same text in each (where they must differ, the names
+    differ: MemoryReplay, memory_actor_step, final_delta_q_memory, replay_bytes_memory), but the script's own."""
+    own = {"Args", "main", "evaluate", "TrainState", "Run", "parse_args", "start_run", "ARCH_FIELDS", "SCRIPT"}
+    texts = []
+    for name in ("r2d2_trxl_memory", "r2d2_rnnstate"):
+        text = (ROOT / "algos" / f"{name}.py").read_text()
+        nodes = {}
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                nodes[node.name] = ast.get_source_segment(text, node)
+            elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+                nodes[node.targets[0].id] = ast.get_source_segment(text, node)
+        texts.append(nodes)
+    shared = (texts[0].keys() & texts[1].keys()) - own
+    assert {"value_rescale", "nstep_rescaled_targets", "save_training_checkpoint", "restore_envs"} <= shared
+    assert [name for name in sorted(shared) if texts[0][name] != texts[1][name]] == []
+
+
 def test_targets_priorities_and_rescaling_are_r2d2_rnnstate_s():
     """The R2D2 parts are the same functions as in r2d2_rnnstate.py (whose tests check them against plain loops)."""
     rng = np.random.default_rng(0)
@@ -60,7 +81,7 @@ def act(net, memory, window, obs, prev_action, prev_reward, first):
     context = {key: value.to(torch.float64) if value.is_floating_point() else value for key, value in context.items()}
     qs, stored = [], []
     for t in range(obs.shape[0]):
-        q, context, inputs = trxl.actor_step(net, context, obs[t].numpy(), prev_action[t].numpy(),
+        q, context, inputs = trxl.memory_actor_step(net, context, obs[t].numpy(), prev_action[t].numpy(),
                                              prev_reward[t].numpy(), first[t])  # fmt: skip
         qs.append(q)
         stored.append(torch.as_tensor(inputs))
@@ -182,7 +203,7 @@ def fill_replay(memory="stored", num_vector_steps=200, window=SEQ_LEN_TEST + N_T
     net = trxl.TransformerXLQNetwork(3, 2, 16, 2, 2, 32, span)
     lead = 0 if memory == "window" else BURN_IN_TEST + M_TEST
     layers = 0 if memory == "window" else 2
-    rb = trxl.SequenceReplay(4000, E, 3, layers, 16, SEQ_LEN_TEST, 1, lead, N_TEST)
+    rb = trxl.MemoryReplay(4000, E, 3, layers, 16, SEQ_LEN_TEST, 1, lead, N_TEST)
     context = trxl.initial_context(net, memory, window, E, "cpu")
     rng = np.random.default_rng(0)
     obs, _ = vec.reset(seed=0)
@@ -190,11 +211,21 @@ def fill_replay(memory="stored", num_vector_steps=200, window=SEQ_LEN_TEST + N_T
     prev_action, prev_reward = np.full(E, trxl.NO_ACTION), np.zeros(E, np.float32)
     for _ in range(num_vector_steps):
         prev_action[first], prev_reward[first] = trxl.NO_ACTION, 0.0
-        _, context, inputs = trxl.actor_step(net, context, obs, prev_action, prev_reward, first)
+        _, context, inputs = trxl.memory_actor_step(net, context, obs, prev_action, prev_reward, first)
         action = rng.integers(2, size=E)
         next_obs, reward, term, trunc, _ = vec.step(action)
         reward = np.where(final, 0.0, reward).astype(np.float32)
-        rb.add(obs, first, final, terminal, prev_action, prev_reward, inputs, action, reward)
+        rb.add(
+            obs=obs,
+            first=first,
+            final=final,
+            terminal=terminal,
+            prev_action=prev_action,
+            prev_reward=prev_reward,
+            layer_inputs=inputs,
+            action=action,
+            reward=reward,
+        )
         first, final, terminal = trxl.next_row_flags(final, term, trunc)
         obs, prev_action, prev_reward = next_obs, action, reward
     return rb, net
@@ -226,10 +257,11 @@ def test_stored_memory_is_the_actor_s_and_replays_exactly_with_and_without_burn_
 
 
 def test_burn_in_refreshes_the_newest_entries_and_final_delta_q_orders_the_three_starts():
-    """After a weight change the stored memory is stale; the burn-in recomputes its B newest entries (so it repairs
-    part of the error) and keeps the M - B older ones as stored. final_delta_q measures this on one network."""
+    """After a weight change the stored memory is stale; the burn-in recomputes its burn_in newest entries (so it
+    repairs part of the error) and keeps the M - burn_in older ones as stored. final_delta_q_memory measures this on
+    one network."""
     rb, net = fill_replay()
-    dq = trxl.final_delta_q(net, rb, np.random.default_rng(0), 100, "cpu", BURN_IN_TEST, M_TEST)
+    dq = trxl.final_delta_q_memory(net, rb, np.random.default_rng(0), 100, "cpu", BURN_IN_TEST, M_TEST)
     assert dq["count"] == 100
     assert max(dq["first_stored"], dq["last_stored"], dq["first_stored_burn_in"], dq["last_stored_burn_in"]) < 1e-5
     assert dq["first_zero"] > 1e-3
@@ -243,7 +275,7 @@ def test_burn_in_refreshes_the_newest_entries_and_final_delta_q_orders_the_three
         torch.testing.assert_close(entries[:, : M_TEST - BURN_IN_TEST], stored[:, : M_TEST - BURN_IN_TEST])
         assert (entries[:, -BURN_IN_TEST:] - stored[:, -BURN_IN_TEST:]).abs().max() > 1e-3  # recomputed
         np.testing.assert_array_equal(valid.numpy(), win["key_valid"][rb.lead - M_TEST : rb.lead].numpy())
-    dq = trxl.final_delta_q(net, rb, np.random.default_rng(0), 100, "cpu", BURN_IN_TEST, M_TEST)
+    dq = trxl.final_delta_q_memory(net, rb, np.random.default_rng(0), 100, "cpu", BURN_IN_TEST, M_TEST)
     assert dq["first_zero"] > dq["first_stored"] > dq["first_stored_burn_in"] > 1e-5
 
 
@@ -270,11 +302,11 @@ def test_episode_mode_recomputes_from_the_episode_start_in_segments():
 def test_window_mode_stores_no_memory_and_replay_bytes_by_hand():
     rb, _ = fill_replay("window", num_vector_steps=50)
     assert rb.layer_inputs.shape == (4000, 4, 0, 16) and rb.lead == 0
-    sizes = trxl.replay_bytes(rb, M_TEST)
+    sizes = trxl.replay_bytes_memory(rb, M_TEST)
     per_row = 3 * 4 + 8 + 4 + 8 + 4 + 3 * 1 + 4  # obs, action, reward, prev action, prev reward, flags, ep_step
     assert sizes["bytes_per_row"] == per_row and sizes["bytes"] == 50 * 4 * per_row
     rb, _ = fill_replay("stored", num_vector_steps=50)
-    sizes = trxl.replay_bytes(rb, M_TEST)
+    sizes = trxl.replay_bytes_memory(rb, M_TEST)
     assert sizes["bytes_per_row"] == per_row + 2 * 16 * 4  # + L x D float32 layer inputs
     assert sizes["memory_bytes_per_sequence"] == M_TEST * 2 * 16 * 4
 

@@ -4,6 +4,7 @@ A run killed (SIGKILL) or interrupted (SIGINT) after its first checkpoint and re
 bit for bit, as the same run uninterrupted; so does a run that writes checkpoints and one that writes none.
 """
 
+import dataclasses
 import json
 import random
 import signal
@@ -101,7 +102,7 @@ def test_sigint_truncated_checkpoint_and_a_kill_during_a_save(uninterrupted, tmp
 
     # arguments that change the algorithm are refused; a checkpoint truncated half-way is refused naming its file
     assert "--seed 2 differs from the run's 1" in resume(run_dir, "--seed", "2", expect_fail=True)
-    replay = run_dir / "checkpoints" / latest["step_dir"] / "replay.npz"
+    replay = run_dir / "checkpoints" / latest["step_dir"] / "rb.npz"
     content = replay.read_bytes()
     replay.write_bytes(content[: len(content) // 2])
     message = resume(run_dir, expect_fail=True)
@@ -111,7 +112,7 @@ def test_sigint_truncated_checkpoint_and_a_kill_during_a_save(uninterrupted, tmp
     replay.write_bytes(content)
     partial = run_dir / "checkpoints" / f".tmp_step_{latest['global_step'] + 4}"
     partial.mkdir()
-    (partial / "replay.npz").write_bytes(content[:1000])
+    (partial / "rb.npz").write_bytes(content[:1000])
     summary = resume(run_dir)
     assert untimed(summary) == untimed(uninterrupted)  # bit-identical
     assert not (run_dir / "checkpoints").exists()
@@ -142,50 +143,63 @@ def test_resume_refuses_finished_foreign_and_missing_runs(uninterrupted, tmp_pat
 
 
 # ---------------------------------------------------------------- in-process: the checkpoint files
-def test_checkpoint_round_trip_is_exact_and_replaces_the_previous_one(tmp_path):
-    """What save_training_checkpoint writes, load_training_checkpoint restores bit for bit (networks, Adam, replay, loop
-    arrays, python / numpy / torch RNG states); a new checkpoint replaces the older one only once complete."""
-    torch.manual_seed(0)
-    nets = {"model": r2d2.RecurrentQNetwork(3, 2, 8), "target_model": r2d2.RecurrentQNetwork(3, 2, 8)}
-    optimizer = torch.optim.Adam(nets["model"].parameters(), lr=1e-3)
-    sum(param.square().sum() for param in nets["model"].parameters()).backward()
+def train_state(seed: int) -> "r2d2.TrainState":
+    """A small TrainState whose every field differs with `seed` (Adam's moments and the replay filled)."""
+    torch.manual_seed(seed)
+    rng, nets = np.random.default_rng(seed), (r2d2.RecurrentQNetwork(3, 2, 8), r2d2.RecurrentQNetwork(3, 2, 8))
+    optimizer = torch.optim.Adam(nets[0].parameters(), lr=1e-3)
+    sum(param.square().sum() for param in nets[0].parameters()).backward()
     optimizer.step()  # Adam's moments and step counter are not empty
-    rb, rng = r2d2.SequenceReplay(64, 2, 3, 8, 6, 2, 3, 3), np.random.default_rng(0)
-    for t in range(40):
+    rb = r2d2.SequenceReplay(64, 2, 3, 8, 6, 2, 3, 3)
+    for t in range(40 + seed):
         rb.add(rng.random((2, 3)), np.array([t % 9 == 0] * 2), np.array([t % 9 == 8] * 2), np.zeros(2, bool),
                rng.integers(2, size=2), rng.random(2), rng.random((2, 8)), rng.random((2, 8)),
                rng.integers(2, size=2), rng.random(2))  # fmt: skip
     rb.update_priorities(np.arange(5), rng.random(5) + 2.0)
-    loop, state = {"h": rng.random((2, 8)).astype(np.float32)}, {"step": 10, "args": {}}
-    run_dir = tmp_path / "run"
-    first = {k: v.state_dict() for k, v in nets.items()}
-    r2d2.save_training_checkpoint(run_dir, 32, first, optimizer, rb, rng, loop, state)
-    best = {k: v + 1 for k, v in nets["model"].state_dict().items()}
-    saved = {k: v.state_dict() for k, v in nets.items()} | {"best_model": best}
-    step_dir = r2d2.save_training_checkpoint(run_dir, 40, saved, optimizer, rb, rng, loop, state)
+    vec_env = r2d2.make_next_step_vec_env("seqrl/TMaze-v0", {"corridor_length": 3}, 2)
+    return r2d2.TrainState(
+        *nets, optimizer, rb, rng, vec_env, obs=rng.random((2, 3)), first=rng.random(2) < 0.5,
+        final=rng.random(2) < 0.5, terminal=rng.random(2) < 0.5, prev_action=rng.integers(2, size=2),
+        prev_reward=rng.random(2).astype(np.float32), h=torch.rand(2, 8), c=torch.rand(2, 8), ep_return=rng.random(2),
+        ep_length=rng.integers(9, size=2), ep_returns=rng.random(3).tolist(), ep_lengths=[seed, 4],
+        delta_q_log=[(rng.random(), rng.random(), float("nan"))], num_updates_done=seed, learner_seconds=rng.random(),
+        late_selects=[rng.random()], best_return=rng.random(), best_step=seed)  # fmt: skip
+
+
+def test_checkpoint_round_trip_is_exact_and_replaces_the_previous_one(tmp_path):
+    """What save_training_checkpoint writes from a TrainState's fields, load_training_checkpoint restores bit for bit
+    (networks, Adam, replay, loop arrays and lists, counters, the kept network, python / numpy / torch RNG states); a
+    new checkpoint replaces the older one only once complete."""
+    state, run_dir = train_state(0), tmp_path / "run"
+    r2d2.save_training_checkpoint(run_dir, 32, state, {"step": 10})
+    state.best_model = {k: v + 1 for k, v in state.q_network.state_dict().items()}
+    step_dir = r2d2.save_training_checkpoint(run_dir, 40, state, {"step": 10})
     assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["latest.json", "step_40"]
-    expected = (random.random(), np.random.random(), rng.random(), torch.rand(1))  # the draws after the save
-    expected_replay = {name: np.copy(value) for name, value in vars(rb).items()}
+    expected = (random.random(), np.random.random(), state.rng.random(), torch.rand(1))  # the draws after the save
 
     found_dir, found_state = r2d2.read_checkpoint_state(run_dir)
     assert found_dir == step_dir and found_state["step"] == 10 and found_state["global_step"] == 40
-    torch.manual_seed(1)
-    fresh = {"model": r2d2.RecurrentQNetwork(3, 2, 8), "target_model": r2d2.RecurrentQNetwork(3, 2, 8)}
-    fresh_optimizer = torch.optim.Adam(fresh["model"].parameters(), lr=1e-3)
-    fresh_rb, fresh_rng = r2d2.SequenceReplay(64, 2, 3, 8, 6, 2, 3, 3), np.random.default_rng(5)
-    got = r2d2.load_training_checkpoint(found_dir, found_state, fresh, fresh_optimizer, fresh_rb, fresh_rng)
-    for name in nets:
-        for key, value in nets[name].state_dict().items():
-            assert torch.equal(fresh[name].state_dict()[key], value)
-    assert all(torch.equal(got["best_model"][key], value) for key, value in best.items())
-    for key, value in optimizer.state_dict()["state"][0].items():
-        assert torch.equal(fresh_optimizer.state_dict()["state"][0][key], value)
-    for name, value in expected_replay.items():
-        np.testing.assert_array_equal(getattr(fresh_rb, name), value)
-    np.testing.assert_array_equal(got["h"], loop["h"])
-    assert (random.random(), np.random.random(), fresh_rng.random(), torch.rand(1)) == expected
+    fresh = train_state(1)
+    r2d2.load_training_checkpoint(found_dir, found_state, fresh, "cpu")
+    assert (random.random(), np.random.random(), fresh.rng.random(), torch.rand(1)) == expected
+    state.rng.random()  # (the same draw as fresh.rng's above)
+    for field in dataclasses.fields(state):
+        saved, loaded = getattr(state, field.name), getattr(fresh, field.name)
+        if isinstance(saved, np.random.Generator | gym.vector.VectorEnv):
+            continue  # the generator: its draws above; the envs are replayed (restore_envs, tested below)
+        if isinstance(saved, torch.optim.Optimizer):
+            saved, loaded = saved.state_dict()["state"][0], loaded.state_dict()["state"][0]
+        elif hasattr(saved, "state_dict"):
+            saved, loaded = saved.state_dict(), loaded.state_dict()
+        if isinstance(saved, dict):
+            assert saved.keys() == loaded.keys(), field.name
+            for key, value in saved.items():
+                np.testing.assert_array_equal(np.asarray(loaded[key]), np.asarray(value), err_msg=field.name)
+        else:
+            np.testing.assert_array_equal(np.asarray(loaded), np.asarray(saved), err_msg=field.name)
+    assert fresh.rb.t == state.rb.t and isinstance(fresh.rb.t, int)
 
-    for name in ("optimizer.pt", "best_model.safetensors", "loop.npz"):  # truncated: refused, naming the file
+    for name in ("optimizer.pt", "best_model.safetensors", "arrays.npz", "rb.npz"):  # truncated: refused, named
         content = (step_dir / name).read_bytes()
         (step_dir / name).write_bytes(content[: len(content) // 2])
         with pytest.raises(SystemExit, match=f"checkpoint file {step_dir / name} is truncated"):
@@ -214,12 +228,20 @@ class GlobalRandomEnv(gym.Env):
 
 
 def drive(vec_env, obs, final, episodes, actions):
-    """The script's loop around the envs: record what the replay needs, step, compute the next row's flags."""
+    """The script's loop around the envs: step, compute the next row's flags, record what the replay needs."""
     for action in actions:
-        r2d2.track_episodes(episodes, vec_env, final, action)
         obs, reward, term, trunc, _ = vec_env.step(action)
-        _, final, _ = r2d2.next_row_flags(final, term, trunc)
+        first, final, _ = r2d2.next_row_flags(final, term, trunc)
+        r2d2.track_episodes(episodes, vec_env, first, final, action)
     return obs, final
+
+
+def no_episodes(num_envs: int) -> dict:
+    return {
+        "reset_rng": [None] * num_envs,
+        "next_reset_rng": [None] * num_envs,
+        "actions": [[] for _ in range(num_envs)],
+    }
 
 
 @pytest.mark.parametrize(
@@ -231,14 +253,14 @@ def test_restored_envs_continue_exactly(env_id, env_kwargs):
     """Envs restored from a JSON round trip of the recorded episodes (mid-episode, just ended, still in the first
     episode) give the same observations, rewards and flags as the originals under the same future actions."""
     E, seed, rng = 4, 3, np.random.default_rng(0)
-    vec_env = r2d2.make_vec_env(env_id, env_kwargs, E)
+    vec_env = r2d2.make_next_step_vec_env(env_id, env_kwargs, E)
     num_actions = int(vec_env.single_action_space.n)
     obs, _ = vec_env.reset(seed=seed)
-    final, episodes = np.zeros(E, dtype=bool), {"reset_rng": [None] * E, "actions": [[] for _ in range(E)]}
+    final, episodes = np.zeros(E, dtype=bool), no_episodes(E)
     obs, final = drive(vec_env, obs, final, episodes, rng.integers(num_actions, size=(60, E)))
     while not final.any():  # stop where an episode has just ended: it must reset on the next step
         obs, final = drive(vec_env, obs, final, episodes, rng.integers(num_actions, size=(1, E)))
-    restored = r2d2.make_vec_env(env_id, env_kwargs, E)
+    restored = r2d2.make_next_step_vec_env(env_id, env_kwargs, E)
     r2d2.restore_envs(restored, seed, obs, final, json.loads(json.dumps(episodes)))
     assert any(state is not None for state in episodes["reset_rng"])
     for action in rng.integers(num_actions, size=(200, E)):
@@ -249,7 +271,7 @@ def test_restored_envs_continue_exactly(env_id, env_kwargs):
 def test_restore_refuses_an_env_with_randomness_outside_np_random():
     vec_env = gym.vector.SyncVectorEnv([GlobalRandomEnv] * 2)
     obs, _ = vec_env.reset(seed=0)
-    final, episodes = np.zeros(2, dtype=bool), {"reset_rng": [None] * 2, "actions": [[], []]}
+    final, episodes = np.zeros(2, dtype=bool), no_episodes(2)
     obs, final = drive(vec_env, obs, final, episodes, np.zeros((5, 2), dtype=np.int64))  # a second episode begun
     with pytest.raises(SystemExit, match="cannot restore env 0"):
         r2d2.restore_envs(gym.vector.SyncVectorEnv([GlobalRandomEnv] * 2), 0, obs, final, episodes)

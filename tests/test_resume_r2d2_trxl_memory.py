@@ -17,7 +17,7 @@ TINY = ["--total-timesteps", "2400", "--learning-starts", "400", "--num-envs", "
 TIMEOUT = 180  # seconds for one subprocess run (a tiny run takes seconds)
 
 
-@pytest.mark.parametrize("memory", ["stored", "window"])
+@pytest.mark.parametrize("memory", ["stored", "window", "episode"])
 def test_sigkill_after_first_checkpoint_then_resume_matches_uninterrupted(tmp_path, memory):
     args = [*TINY, "--memory", memory]
     plain = run_script("r2d2_trxl_memory", *args, "--save-every", "0", runs_dir=tmp_path / "plain", timeout=TIMEOUT)
