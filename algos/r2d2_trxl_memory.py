@@ -63,13 +63,10 @@ Learning" (GTrXL), ICML 2020. [4] K. Esslinger et al., "Deep Transformer Q-Netwo
 Reinforcement Learning" (DTQN), 2022. [5] CleanRL ppo_trxl.py (github.com/vwxyzjn/cleanrl): a Transformer-XL memory
 kept per step in an on-policy rollout; here it is kept in an off-policy replay. [6] J. Grigsby et al., "AMAGO:
 Scalable In-Context Reinforcement Learning for Adaptive Agents", 2023. [7] T. Pohlen et al., 2018 (h(x)).
-Reproduce (TMaze-20, the benchmark's full-mode lines: success 1.00 on tuning seeds 101-105, the cue learned after
-79k-85k of the 150k steps; ablation runs at chance):
+Reproduce (TMaze-20; ablation runs: add `--memory zero` or `--memory window`; the cost study: `--memory episode`):
     python algos/r2d2_trxl_memory.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}'
-    (ablation runs: add `--memory zero` or `--memory window`; the cost study: `--memory episode`, README)
-    TMaze-50 (the cue 51 steps back: one hop with M = 64; tuning seeds 101, 102 learned it after ~136k and ~240k):
-    python algos/r2d2_trxl_memory.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 50}' --memory-length 64
-        --buffer-size 60000 --total-timesteps 400000
+    TMaze-50 (the cue 51 steps back: one hop with M = 64): add --env-kwargs '{"corridor_length": 50}'
+        --memory-length 64 --buffer-size 60000 --total-timesteps 400000
 """
 
 import dataclasses
