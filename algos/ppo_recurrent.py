@@ -221,12 +221,6 @@ def compute_gae(rewards, values, dones, next_value, gamma: float, gae_lambda: fl
     return advantages, advantages + values
 
 
-def eval_env_seed(seed: int) -> int:
-    """First env seed of the final evaluation of training seed `seed`; episode i uses eval_env_seed(seed) + i. Blocks
-    of EVAL_SEED_STRIDE seeds: disjoint across training seeds and from the training envs' seeds (seed + i)."""
-    return EVAL_SEED_STRIDE * (seed + 1)
-
-
 def merge_moments(moments: tuple, batch: tuple) -> tuple:
     """Two samples' (count, mean, var) merged (the parallel algorithm of SB3/CleanRL RunningMeanStd)."""
     (count, mean, var), (n, b_mean, b_var) = moments, batch
@@ -401,12 +395,10 @@ def main():
     agent.to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=ADAM_EPS)
 
-    # `--returns` (detail 8), the one switch between the two estimators: `mc` starts every rollout with fresh
-    # episodes, trains on (and logs) each env's first episode only, ends the rollout once every env finished it,
-    # and bootstraps nothing (lambda = 1, no V at the rollout end or at truncations); `gae` trains on every step
+    # `--returns` (detail 8): `mc` starts each rollout with fresh episodes, trains on (and logs) each env's first
+    # episode only, ends the rollout when all have ended, and bootstraps nothing (lambda = 1, no V); `gae`: all steps
     monte_carlo = args.returns == "mc"
-    gae_lambda = 1.0 if monte_carlo else args.gae_lambda
-    bootstrap_truncated = args.bootstrap_truncated and not monte_carlo
+    gae_lambda, bootstrap_truncated = (1.0, False) if monte_carlo else (args.gae_lambda, args.bootstrap_truncated)
 
     # ALGO LOGIC: rollout storage, all (T, B) = (num_steps, num_envs); prev_* = a_{t-1}, r_{t-1} (scaled)
     T, B = args.num_steps, args.num_envs
@@ -456,21 +448,16 @@ def main():
 
             next_obs_np, reward, terminated, truncated, infos = envs.step(action.cpu().numpy())
             done = terminated | truncated
-            # the rewards: `reward` is the env's (the logged returns), `scaled_reward` = reward_scale * reward (the
-            # network's next r_{t-1} input), rewards[step] the one learned from (`--norm-reward`: / std of the return)
+            # `reward`: the env's (logged); `scaled_reward`: the next r_{t-1} input; rewards[step]: the one learned from
             scaled_reward = reward * args.reward_scale
-            next_prev_action = action
             next_prev_reward = torch.as_tensor(scaled_reward, dtype=torch.float32, device=device)
+            rewards[step] = torch.as_tensor(scaled_reward)  # the float32 storage casts it
             if args.norm_reward:  # as VecNormalize: r / std(G), G = gamma G + r per env, restarted at episode ends
                 disc_return = disc_return * args.gamma + scaled_reward
                 return_moments = merge_moments(return_moments, (B, disc_return.mean(), disc_return.var()))
                 return_std = np.sqrt(return_moments[2] + REWARD_NORM_EPS)
-                rewards[step] = torch.as_tensor(
-                    np.clip(scaled_reward / return_std, -REWARD_CLIP, REWARD_CLIP), dtype=torch.float32, device=device
-                )
+                rewards[step] = torch.as_tensor(np.clip(scaled_reward / return_std, -REWARD_CLIP, REWARD_CLIP))
                 disc_return[done] = 0.0
-            else:
-                rewards[step] = torch.as_tensor(scaled_reward, dtype=torch.float32, device=device)
             dones[step] = torch.as_tensor(done, dtype=torch.float32, device=device)
             # CRUCIAL: with SAME_STEP autoreset next_obs_np is already the reset obs where done; on truncation the
             # episode did not really end, so bootstrap from V(final obs), computed from the unreset memory
@@ -485,7 +472,7 @@ def main():
                     )  # fmt: skip
                 rewards[step, cut] += args.gamma * final_value[0]
             next_obs = torch.as_tensor(next_obs_np, dtype=torch.float32, device=device)
-            next_start = dones[step]
+            next_start, next_prev_action = dones[step], action
 
             ep_return += reward
             ep_length += 1
@@ -506,41 +493,35 @@ def main():
         # 2. advantages: GAE-lambda, bootstrapped from the value of the observation after the rollout (`mc`:
         #    lambda = 1 over whole episodes; every trained step's episode ended, so nothing bootstraps)
         with torch.no_grad():
-            if monte_carlo:
-                next_value = torch.zeros(B, device=device)
-            else:
-                _, next_value, _ = agent(
+            next_value = torch.zeros(B, device=device)  # `mc`: unused, every trained step's episode ended
+            if not monte_carlo:
+                next_value = agent(
                     next_obs[None], next_prev_action[None], next_prev_reward[None], next_state, next_start[None]
-                )
-                next_value = next_value[0]
+                )[1][0]
             advantages, returns = compute_gae(
                 rewards[:n_steps], values[:n_steps], dones[:n_steps], next_value, args.gamma, gae_lambda
             )
         mask = valid[:n_steps] if monte_carlo else None  # (n_steps, B); None: every step counts
 
         # 3. PPO update on minibatches of whole env sequences, each replayed from its initial recurrent state
-        steps = slice(0, n_steps)  # the collected steps of the rollout storage
+        seq = slice(0, n_steps)  # the time steps collected in this rollout (each env column a sequence)
         clipfracs = []
         for _epoch in range(args.update_epochs):
-            for mb in env_minibatches(B, args.num_minibatches, rng):
-                mb_envs = torch.as_tensor(mb, device=device)
+            for mb_envs in env_minibatches(B, args.num_minibatches, rng):
+                mb = torch.as_tensor(mb_envs, device=device)  # the minibatch: these env columns
                 logits, new_value, _ = agent(
-                    obs[steps, mb_envs],
-                    prev_actions[steps, mb_envs],
-                    prev_rewards[steps, mb_envs],
-                    initial_state[mb_envs],
-                    starts[steps, mb_envs],
+                    obs[seq, mb], prev_actions[seq, mb], prev_rewards[seq, mb], initial_state[mb], starts[seq, mb]
                 )  # (n_steps, b, A), (n_steps, b)
                 dist = Categorical(logits=logits)
-                mb_mask = None if mask is None else mask[:, mb_envs]
-                mb_advantages = advantages[:, mb_envs]
+                mb_mask = None if mask is None else mask[:, mb]
+                mb_advantages = advantages[:, mb]
                 if args.norm_adv:
                     mb_advantages = normalize_advantages(mb_advantages, mb_mask)
                 pg_loss, approx_kl, clipfrac = clipped_policy_loss(
-                    dist.log_prob(actions[steps, mb_envs]), logprobs[steps, mb_envs], mb_advantages, clip_now, mb_mask
+                    dist.log_prob(actions[seq, mb]), logprobs[seq, mb], mb_advantages, clip_now, mb_mask
                 )
                 v_loss = value_loss(
-                    new_value, values[steps, mb_envs], returns[:, mb_envs], args.clip_coef, args.clip_vloss, mb_mask
+                    new_value, values[seq, mb], returns[:, mb], args.clip_coef, args.clip_vloss, mb_mask
                 )
                 entropy = masked_mean(dist.entropy(), mb_mask)
                 loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
@@ -554,12 +535,11 @@ def main():
                 break
 
         if args.norm_obs:  # after the update, so that each rollout and its update see the same normalization
-            trained_obs = obs[steps] if mask is None else obs[steps][mask.bool()]
-            agent.update_obs_stats(trained_obs.reshape(-1, obs_dim))
+            agent.update_obs_stats((obs[seq] if mask is None else obs[seq][mask.bool()]).reshape(-1, obs_dim))
 
         # 4. log
         var_returns = returns.var().item()
-        explained_var = np.nan if var_returns == 0 else 1 - (returns - values[steps]).var().item() / var_returns
+        explained_var = np.nan if var_returns == 0 else 1 - (returns - values[seq]).var().item() / var_returns
         sps = int(global_step / (time.time() - run.start_time))
         run.log(global_step, {"charts/learning_rate": optimizer.param_groups[0]["lr"], "charts/clip_coef": clip_now,
             "charts/SPS": sps, "losses/value_loss": v_loss.item(), "losses/policy_loss": pg_loss.item(),
@@ -574,7 +554,7 @@ def main():
     agent.eval()
     metrics = {}
     for greedy, prefix in [(False, "eval/"), (True, "eval/greedy_")]:
-        seed = eval_env_seed(args.seed)
+        seed = EVAL_SEED_STRIDE * (args.seed + 1)
         result = evaluate(agent, args.env_id, env_kwargs, args.eval_episodes, seed, greedy, args.reward_scale)
         metrics.update(eval_metrics(result, args.env_id, prefix))
     if late_returns:  # what the training curve shows at its end, to compare with the evaluation
