@@ -85,6 +85,7 @@ Reproduce: python algos/dqn_framestack.py --seed 1   (MaskedCartPole, k = 4, the
 import json
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -97,6 +98,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.utils.tensorboard import SummaryWriter
 
@@ -107,7 +109,6 @@ EVAL_SEED_STRIDE = 10_000  # eval env i of training seed s gets seed 10_000 (s +
 SELECT_SEED_BASE = 10**9  # evaluations during training: env seeds 1e9 + 1e7 s + global_step + i, disjoint from
 SELECT_SEED_STRIDE = 10**7  # the final evaluation's and across training seeds (global_step + i < 1e7)
 LATE_TRAINING_FRACTION = 0.1  # `select/late_episodic_return`: mean of the evaluations in the last 10% of the steps
-FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
 LOG_EVERY_UPDATES = 100  # write losses/SPS to tensorboard every 100 gradient steps
 
 
@@ -218,31 +219,13 @@ def observation_scale(space: gym.spaces.Box) -> np.ndarray:
     return np.where(usable, 1.0 / np.where(usable, bound, 1.0), 1.0).astype(np.float32)
 
 
-def flattenable(space: gym.spaces.Space) -> bool:
-    """True for the spaces gymnasium's `spaces.flatten` turns into one flat vector: Box, Discrete, MultiBinary,
-    MultiDiscrete, and Tuple/Dict of these (nested)."""
-    if isinstance(space, gym.spaces.Tuple):
-        return all(flattenable(sub) for sub in space.spaces)
-    if isinstance(space, gym.spaces.Dict):
-        return all(flattenable(sub) for sub in space.spaces.values())
-    return isinstance(space, FLAT_SPACES)
-
-
 def make_env(env_id: str, env_kwargs: dict, scale_obs: bool = False):
     """Return a thunk building one env with a flat float32 Box observation, optionally divided by its bounds
     (`observation_scale`). gymnasium's FlattenObservation encodes Discrete and each MultiDiscrete component as a
     one-hot vector and concatenates the parts of a Tuple/Dict (Dict in sorted key order)."""
 
     def thunk():
-        env = gym.make(env_id, **env_kwargs)
-        if not isinstance(env.action_space, gym.spaces.Discrete):
-            raise SystemExit(f"error: {env_id} has action space {env.action_space}; only Discrete is supported")
-        if not flattenable(env.observation_space):
-            raise SystemExit(
-                f"error: {env_id} has observation space {env.observation_space}; supported: Box, Discrete, "
-                "MultiBinary, MultiDiscrete, and Tuple/Dict of these"
-            )
-        env = gym.wrappers.DtypeObservation(gym.wrappers.FlattenObservation(env), np.float32)
+        env = gym.wrappers.DtypeObservation(gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs)), np.float32)
         if scale_obs:
             space = env.observation_space
             scale = observation_scale(space)
@@ -472,7 +455,9 @@ def main():
     num_actions = int(envs.single_action_space.n)
     frame_dim = args.obs_dim + (num_actions if args.stack_actions else 0)  # one frame: o (and onehot(a_prev))
     q_network = QNetwork(frame_dim, args.frame_stack, num_actions, args.hidden_size, args.difference_scale)
-    run = start_run(args, q_network)  # device, run dir, tensorboard; `--eval-only`: the checkpoint's weights
+    run = start_run(args)  # device, run dir, tensorboard
+    if args.eval_only:
+        run.load_model(q_network)  # the checkpoint's weights (its architecture came with its args.json)
     device = run.device
     q_network.to(device)
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
@@ -485,7 +470,7 @@ def main():
     )  # fmt: skip
     num_iterations = 0 if args.eval_only else args.total_timesteps // args.num_envs  # `--eval-only`: no training
 
-    start_time, global_step = time.time(), 0
+    global_step = 0
     obs, _ = envs.reset(seed=args.seed)
     rb.reset(obs)
     autoreset = np.zeros(args.num_envs, dtype=bool)  # True where the previous step ended an episode
@@ -542,7 +527,7 @@ def main():
                 optimizer.step()
                 num_updates += 1
                 if num_updates % LOG_EVERY_UPDATES == 0:
-                    sps = int(global_step / (time.time() - start_time))
+                    sps = int(global_step / (time.time() - run.start_time))
                     run.log(global_step, {
                         "losses/td_loss": loss.item(), "losses/q_values": q_taken.mean().item(),
                         "charts/learning_rate": optimizer.param_groups[0]["lr"], "charts/SPS": sps,
@@ -573,7 +558,6 @@ def main():
                 best_return, best_step = sel_return, global_step
                 best_state = {key: value.clone() for key, value in q_network.state_dict().items()}
     envs.close()
-    train_time = time.time() - start_time
 
     # 8. evaluation of the greedy policy (epsilon = eval_epsilon); --keep-best: the last network is evaluated on the
     #    same episodes, then the kept one replaces it (and is the one saved)
@@ -587,7 +571,7 @@ def main():
     if late_selects:  # the end of the training curve, next to the final evaluation
         metrics["select/late_episodic_return"] = float(np.mean(late_selects))
     run.log(global_step, metrics)
-    run.finish(metrics, q_network, sps=global_step / train_time if global_step else 0.0)
+    run.finish(metrics, {"model": q_network}, global_step)
 
 
 def evaluate(q_network, args: Args, env_kwargs: dict, device, episodes: int = 0, seed: int = -1) -> dict[str, float]:
@@ -637,6 +621,7 @@ def evaluate(q_network, args: Args, env_kwargs: dict, device, episodes: int = 0,
 
 
 # === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+SCRIPT = Path(__file__).stem  # the script's name in summary.json
 # Args that `--eval-only` takes from the checkpoint's args.json: they fix the env, the network and its inputs
 ARCH_FIELDS = ("env_id", "env_kwargs", "frame_stack", "stack_actions", "scale_obs", "hidden_size", "difference_scale")
 
@@ -646,6 +631,8 @@ def parse_args() -> Args:
     the architecture come from the checkpoint's args.json (ARCH_FIELDS)."""
     args = tyro.cli(Args)
     if args.eval_only:  # rebuild the env and the network the checkpoint was trained with
+        if args.checkpoint is None:
+            raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or a model.safetensors file)")
         _, saved_args = load_checkpoint(args.checkpoint)
         if saved_args:  # runs saved before --difference-scale existed read the raw stack
             saved_args.setdefault("difference_scale", 0.0)
@@ -689,60 +676,96 @@ def parse_env_kwargs(text: str) -> dict:
     return kwargs
 
 
-def check_env(env_id: str, env_kwargs: dict) -> None:
-    """Build one env early so that a wrong id / kwargs / space ends in one clear line, not a deep traceback."""
-    try:
-        make_env(env_id, env_kwargs)().close()
-    except (gym.error.Error, ImportError, AttributeError) as e:  # unknown id, or a `module:EnvId` that fails
-        raise SystemExit(f"error: cannot make env {env_id!r}: {e}") from None
-    except (TypeError, ValueError) as e:
-        raise SystemExit(f"error: bad --env-kwargs {env_kwargs} for {env_id!r}: {e}") from None
+FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
 
 
-def load_checkpoint(path: str | None) -> tuple[dict[str, torch.Tensor], dict]:
-    """(state_dict, the run's saved args or {}) from a run directory or a model.safetensors file."""
-    if path is None:
-        raise SystemExit("error: --eval-only needs --checkpoint (a run directory or a model.safetensors file)")
-    file = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
-    if not file.is_file():
-        raise SystemExit(f"error: checkpoint {file} does not exist")
+def check_env(env_id: str, env_kwargs: dict) -> int:
+    """Make the env once: a bad id, module or kwargs, or a space the script cannot take, is a one-line error.
+    Returns the number of actions."""
     try:
-        state_dict = load_file(str(file))
-    except Exception as e:  # safetensors raises its own error types on corrupt files
-        raise SystemExit(f"error: cannot read checkpoint {file}: {e}") from None
-    args_path = file.parent / "args.json"
+        probe = gym.make(env_id, **env_kwargs)
+    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # bad id, module, kwargs
+        raise SystemExit(f"error: cannot make env {env_id!r} with kwargs {env_kwargs}: {err}") from None
+    obs_space, act_space = probe.observation_space, probe.action_space
+    probe.close()
+    if not isinstance(act_space, gym.spaces.Discrete):
+        raise SystemExit(f"error: {env_id} has action space {act_space}; only Discrete action spaces are supported")
+    if not flattenable(obs_space):
+        raise SystemExit(
+            f"error: {env_id} has observation space {obs_space}; supported: Box, Discrete, MultiBinary, "
+            "MultiDiscrete, and Tuple/Dict of these"
+        )
+    return int(act_space.n)
+
+
+def flattenable(space: gym.spaces.Space) -> bool:
+    """True for the spaces gymnasium's `spaces.flatten` turns into one vector: Box, Discrete, MultiBinary,
+    MultiDiscrete, and Tuple/Dict of these (nested)."""
+    if isinstance(space, gym.spaces.Tuple):
+        return all(flattenable(sub) for sub in space.spaces)
+    if isinstance(space, gym.spaces.Dict):
+        return all(flattenable(sub) for sub in space.spaces.values())
+    return isinstance(space, FLAT_SPACES)
+
+
+def load_checkpoint(path_str: str) -> tuple[dict, dict]:
+    """(state_dict, saved args or {}) from a run dir or a .safetensors file; clear errors for bad paths/files."""
+    path = Path(path_str)
+    model_path = path / "model.safetensors" if path.is_dir() else path
+    if not model_path.is_file():
+        raise SystemExit(f"error: checkpoint {model_path} not found (give a run dir or a model.safetensors file)")
     try:
-        saved = json.loads(args_path.read_text()) if args_path.is_file() else {}
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"error: cannot read {args_path}: {e}") from None
-    return state_dict, saved
+        state_dict = load_file(str(model_path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise SystemExit(f"error: cannot read checkpoint {model_path}: {err}") from None
+    args_path = model_path.parent / "args.json"
+    return state_dict, json.loads(args_path.read_text()) if args_path.is_file() else {}
 
 
 class Run:
-    """What main() uses of run management: the device, the run dir and its tensorboard writer, log() and finish()."""
+    """What main() uses of run management: the device, the run dir and its tensorboard writer, log(), load_model()
+    and finish()."""
 
     def __init__(self, args: Args, device: torch.device, run_dir: Path, writer: SummaryWriter):
         self.args, self.device, self.run_dir, self.writer = args, device, run_dir, writer
         self.start_time = time.time()
 
     def log(self, step: int, metrics: dict) -> None:
-        """tensorboard scalars, tag -> number, at env step `step`."""
+        """tensorboard at env step `step`: each tag -> value as a scalar (a str value as text)."""
         for tag, value in metrics.items():
-            self.writer.add_scalar(tag, value, step)
+            if isinstance(value, str):
+                self.writer.add_text(tag, value, step)
+            else:
+                self.writer.add_scalar(tag, value, step)
 
-    def finish(self, metrics: dict, q_network: nn.Module, sps: float) -> None:
-        """model.safetensors (not with `--eval-only`: the model is the checkpoint), summary.json; close tensorboard."""
+    def load_model(self, module: nn.Module) -> None:
+        """`--checkpoint`'s weights into `module` (the Q-network main built); a one-line error, and no run dir left
+        behind, if they do not fit."""
+        try:
+            module.load_state_dict(load_checkpoint(self.args.checkpoint)[0])
+        except RuntimeError as e:
+            self.writer.close()
+            shutil.rmtree(self.run_dir)
+            first = str(e).strip().splitlines()[0]
+            raise SystemExit(
+                "error: checkpoint does not fit this architecture "
+                f"(same --env-id/--frame-stack/--hidden-size/--difference-scale?): {first}"
+            ) from None
+
+    def finish(self, metrics: dict, models: dict[str, nn.Module], samples: int) -> None:
+        """`{name}.safetensors` for each of `models`, summary.json (`sps` = samples / wall time); close tensorboard."""
         args, run_dir = self.args, self.run_dir
-        if not args.eval_only:
-            save_file(q_network.state_dict(), str(run_dir / "model.safetensors"))
+        for name, module in models.items():
+            save_file(module.state_dict(), str(run_dir / f"{name}.safetensors"))
+        wall_time = time.time() - self.start_time
         summary = {
-            "script": Path(__file__).stem,
+            "script": SCRIPT,
             "run_name": run_dir.name,
             "run_dir": str(run_dir),
             "args": asdict(args),
             "metrics": metrics,
-            "wall_time_s": time.time() - self.start_time,
-            "sps": sps,
+            "wall_time_s": wall_time,
+            "sps": samples / wall_time,
         }
         write_json_atomic(run_dir / "summary.json", summary)
         self.writer.close()
@@ -750,19 +773,10 @@ class Run:
         print(f"run dir: {run_dir}")
 
 
-def start_run(args: Args, q_network: nn.Module) -> Run:
-    """The device; with `--eval-only`, the checkpoint's weights loaded into `q_network` (a one-line error if they do
-    not fit); then a new run dir with its tensorboard writer and args.json."""
+def start_run(args: Args) -> Run:
+    """The device and a new run dir with its tensorboard writer and args.json (after every check of parse_args, so a
+    failed start leaves no run dir)."""
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    if args.eval_only:
-        try:
-            q_network.load_state_dict(load_checkpoint(args.checkpoint)[0])
-        except RuntimeError as e:
-            first = str(e).strip().splitlines()[0]
-            raise SystemExit(
-                "error: checkpoint does not fit this architecture "
-                f"(same --env-id/--frame-stack/--hidden-size/--difference-scale?): {first}"
-            ) from None
     run_dir = new_run_dir(args.runs_dir, args.env_id, args.exp_name, args.seed)
     writer = open_writer(run_dir, args)
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))

@@ -73,6 +73,7 @@ Reproduce (seed 1): the `ppo_recurrent` lines of benchmark.sh (MaskedCartPole: P
 import json
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -201,8 +202,6 @@ class Args:
     # filled in at runtime
     batch_size: int = 0
     """num_envs * num_steps"""
-    envs_per_minibatch: int = 0
-    """num_envs // num_minibatches"""
     num_iterations: int = 0
     """total_timesteps // batch_size (with `--returns mc` rollouts end early, so there are more iterations)"""
 
@@ -389,10 +388,17 @@ def main():
     if args.init_action_bias:  # a biased initial policy (Args.init_action_bias); draws no random number
         with torch.no_grad():
             agent.actor.bias.copy_(torch.tensor(args.init_action_bias))
-    run = start_run(args, agent)  # device, run dir, tensorboard; `--eval-only`: the checkpoint's weights into agent
+    run = start_run(args)  # device, run dir, tensorboard
+    if args.eval_only:
+        run.load_model(agent)  # the checkpoint's weights (its architecture came with its args.json)
     device = run.device
     agent.to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=ADAM_EPS)
+
+    # `--returns` (detail 8): `mc` starts each rollout with fresh episodes, trains on (and logs) each env's first
+    # episode only, ends the rollout when all have ended, and bootstraps nothing (lambda = 1, no V); `gae`: all steps
+    monte_carlo = args.returns == "mc"
+    gae_lambda, bootstrap_truncated = (1.0, False) if monte_carlo else (args.gae_lambda, args.bootstrap_truncated)
 
     # ALGO LOGIC: rollout storage, all (T, B) = (num_steps, num_envs); prev_* = a_{t-1}, r_{t-1} (scaled)
     T, B = args.num_steps, args.num_envs
@@ -400,10 +406,10 @@ def main():
     actions, prev_actions = (torch.zeros((T, B), dtype=torch.long, device=device) for _ in range(2))
     logprobs, rewards, dones, values, prev_rewards = (torch.zeros((T, B), device=device) for _ in range(5))
     starts = torch.zeros((T, B), device=device)  # 1 where obs[t] is the first observation of an episode
-    valid = torch.ones((T, B), device=device)  # 1 where a step is trained on (`--returns mc`: its env's first episode)
+    valid = torch.ones((T, B), device=device)  # 1 where a step is trained on (`mc`: its env's first episode)
 
     # TRY NOT TO MODIFY: start the game
-    global_step, start_time = 0, time.time()
+    global_step = 0
     next_obs = torch.as_tensor(envs.reset(seed=args.seed)[0], dtype=torch.float32, device=device)
     next_start, next_prev_reward = torch.ones(B, device=device), torch.zeros(B, device=device)
     next_prev_action = torch.zeros(B, dtype=torch.long, device=device)
@@ -415,7 +421,7 @@ def main():
     budget, iteration = args.num_iterations * args.batch_size, 0  # env steps of training
     while global_step < budget:
         iteration += 1
-        if args.returns == "mc":  # every rollout starts fresh episodes: no step before it needs a return
+        if monte_carlo:  # fresh episodes: no step before this rollout needs a return
             next_obs = torch.as_tensor(envs.reset()[0], dtype=torch.float32, device=device)
             next_start.fill_(1.0)
             next_state = agent.initial_state(B)
@@ -425,13 +431,12 @@ def main():
             optimizer.param_groups[0]["lr"] = (1.0 - global_step / budget) * args.learning_rate
         clip_now = (1.0 - global_step / budget) * args.clip_coef if args.anneal_clip else args.clip_coef
 
-        # 1. collect T steps in each env (`--returns mc`: until every env finished its first episode)
+        # 1. collect T steps in each env (`mc`: until every env finished its first episode)
         ended = np.zeros(B, dtype=bool)  # the env finished an episode in this rollout
         for step in range(T):
             global_step += B
-            obs[step], starts[step] = next_obs, next_start
-            if args.returns == "mc":
-                valid[step] = torch.as_tensor(~ended, dtype=torch.float32, device=device)
+            trained = ~ended if monte_carlo else np.ones(B, dtype=bool)  # (B,) this step is trained on and logged
+            obs[step], starts[step], valid[step] = next_obs, next_start, torch.as_tensor(trained, device=device)
             prev_actions[step], prev_rewards[step] = next_prev_action, next_prev_reward
             with torch.no_grad():
                 logits, value, next_state = agent(
@@ -443,83 +448,80 @@ def main():
 
             next_obs_np, reward, terminated, truncated, infos = envs.step(action.cpu().numpy())
             done = terminated | truncated
-            learn_reward = reward * args.reward_scale
-            scaled_reward = torch.as_tensor(learn_reward, dtype=torch.float32, device=device)  # the next r_{t-1} input
+            # `reward`: the env's (logged); `scaled_reward`: the next r_{t-1} input; rewards[step]: the one learned from
+            scaled_reward = reward * args.reward_scale
+            next_prev_reward = torch.as_tensor(scaled_reward, dtype=torch.float32, device=device)
+            rewards[step] = torch.as_tensor(scaled_reward)  # the float32 storage casts it
             if args.norm_reward:  # as VecNormalize: r / std(G), G = gamma G + r per env, restarted at episode ends
-                disc_return = disc_return * args.gamma + learn_reward
+                disc_return = disc_return * args.gamma + scaled_reward
                 return_moments = merge_moments(return_moments, (B, disc_return.mean(), disc_return.var()))
                 return_std = np.sqrt(return_moments[2] + REWARD_NORM_EPS)
-                learn_reward = np.clip(learn_reward / return_std, -REWARD_CLIP, REWARD_CLIP)
+                rewards[step] = torch.as_tensor(np.clip(scaled_reward / return_std, -REWARD_CLIP, REWARD_CLIP))
                 disc_return[done] = 0.0
-            rewards[step] = torch.as_tensor(learn_reward, dtype=torch.float32, device=device)
             dones[step] = torch.as_tensor(done, dtype=torch.float32, device=device)
             # CRUCIAL: with SAME_STEP autoreset next_obs_np is already the reset obs where done; on truncation the
             # episode did not really end, so bootstrap from V(final obs), computed from the unreset memory
-            bootstrap = args.bootstrap_truncated and args.returns == "gae"
-            cut_np = np.flatnonzero(truncated & ~terminated) if bootstrap else np.zeros(0, dtype=int)
+            cut_np = np.flatnonzero(truncated & ~terminated) if bootstrap_truncated else np.zeros(0, dtype=int)
             if len(cut_np):
                 cut = torch.as_tensor(cut_np, device=device)
                 final_obs = torch.as_tensor(np.stack(infos["final_obs"][cut_np]), dtype=torch.float32, device=device)
                 with torch.no_grad():
                     _, final_value, _ = agent(
-                        final_obs[None], action[cut][None], scaled_reward[cut][None], next_state[cut],
+                        final_obs[None], action[cut][None], next_prev_reward[cut][None], next_state[cut],
                         torch.zeros(1, len(cut), device=device),
                     )  # fmt: skip
                 rewards[step, cut] += args.gamma * final_value[0]
             next_obs = torch.as_tensor(next_obs_np, dtype=torch.float32, device=device)
-            next_start, next_prev_action, next_prev_reward = dones[step], action, scaled_reward
+            next_start, next_prev_action = dones[step], action
 
             ep_return += reward
             ep_length += 1
-            # `--returns mc`: log only each env's first episode, the one trained on (later ones are not scored)
-            logged = done & ~ended if args.returns == "mc" else done
-            for i in np.flatnonzero(logged):
+            for i in np.flatnonzero(done & trained):  # `mc`: the later episodes of a rollout are neither
                 run.log(global_step, {"charts/episodic_return": ep_return[i], "charts/episodic_length": ep_length[i]})
                 recent_returns.append(ep_return[i])
                 if global_step > (1.0 - LATE_TRAINING_FRACTION) * budget:
                     late_returns.append(ep_return[i])
             ep_return[done], ep_length[done] = 0.0, 0
             ended |= done
-            if args.returns == "mc" and ended.all():
+            if monte_carlo and ended.all():
                 break
-        n_steps = step + 1  # steps collected in this rollout (T, or fewer with `--returns mc`)
-        if args.returns == "mc" and not ended.all():
+        n_steps = step + 1  # steps collected in this rollout (T, or fewer with `mc`)
+        if monte_carlo and not ended.all():
             raise SystemExit(f"error: --returns mc: an episode ran past --num-steps {T}; give --num-steps at least "
                              "the env's time limit")  # fmt: skip
 
-        # 2. advantages: GAE-lambda, bootstrapped from the value of the observation after the rollout;
-        #    Monte Carlo: lambda = 1 over whole episodes (every trained step's episode ended: nothing bootstraps)
+        # 2. advantages: GAE-lambda, bootstrapped from the value of the observation after the rollout (`mc`:
+        #    lambda = 1 over whole episodes; every trained step's episode ended, so nothing bootstraps)
         with torch.no_grad():
-            if args.returns == "mc":
-                next_value, gae_lambda = torch.zeros(B, device=device), 1.0
-            else:
-                _, next_value, _ = agent(
+            next_value = torch.zeros(B, device=device)  # `mc`: unused, every trained step's episode ended
+            if not monte_carlo:
+                next_value = agent(
                     next_obs[None], next_prev_action[None], next_prev_reward[None], next_state, next_start[None]
-                )
-                next_value, gae_lambda = next_value[0], args.gae_lambda
+                )[1][0]
             advantages, returns = compute_gae(
                 rewards[:n_steps], values[:n_steps], dones[:n_steps], next_value, args.gamma, gae_lambda
             )
-        mask = valid[:n_steps] if args.returns == "mc" else None  # (n_steps, B)
+        mask = valid[:n_steps] if monte_carlo else None  # (n_steps, B); None: every step counts
 
         # 3. PPO update on minibatches of whole env sequences, each replayed from its initial recurrent state
+        seq = slice(0, n_steps)  # the time steps collected in this rollout (each env column a sequence)
         clipfracs = []
         for _epoch in range(args.update_epochs):
-            for mb in env_minibatches(B, args.num_minibatches, rng):
-                mb_t, t = torch.as_tensor(mb, device=device), slice(0, n_steps)
+            for mb_envs in env_minibatches(B, args.num_minibatches, rng):
+                mb = torch.as_tensor(mb_envs, device=device)  # the minibatch: these env columns
                 logits, new_value, _ = agent(
-                    obs[t, mb_t], prev_actions[t, mb_t], prev_rewards[t, mb_t], initial_state[mb_t], starts[t, mb_t]
+                    obs[seq, mb], prev_actions[seq, mb], prev_rewards[seq, mb], initial_state[mb], starts[seq, mb]
                 )  # (n_steps, b, A), (n_steps, b)
                 dist = Categorical(logits=logits)
-                mb_mask = None if mask is None else mask[:, mb_t]
-                mb_advantages = advantages[:, mb_t]
+                mb_mask = None if mask is None else mask[:, mb]
+                mb_advantages = advantages[:, mb]
                 if args.norm_adv:
                     mb_advantages = normalize_advantages(mb_advantages, mb_mask)
                 pg_loss, approx_kl, clipfrac = clipped_policy_loss(
-                    dist.log_prob(actions[t, mb_t]), logprobs[t, mb_t], mb_advantages, clip_now, mb_mask
+                    dist.log_prob(actions[seq, mb]), logprobs[seq, mb], mb_advantages, clip_now, mb_mask
                 )
                 v_loss = value_loss(
-                    new_value, values[t, mb_t], returns[:, mb_t], args.clip_coef, args.clip_vloss, mb_mask
+                    new_value, values[seq, mb], returns[:, mb], args.clip_coef, args.clip_vloss, mb_mask
                 )
                 entropy = masked_mean(dist.entropy(), mb_mask)
                 loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
@@ -533,13 +535,12 @@ def main():
                 break
 
         if args.norm_obs:  # after the update, so that each rollout and its update see the same normalization
-            trained = obs[:n_steps] if mask is None else obs[:n_steps][mask.bool()]
-            agent.update_obs_stats(trained.reshape(-1, obs_dim))
+            agent.update_obs_stats((obs[seq] if mask is None else obs[seq][mask.bool()]).reshape(-1, obs_dim))
 
         # 4. log
         var_returns = returns.var().item()
-        explained_var = np.nan if var_returns == 0 else 1 - (returns - values[:n_steps]).var().item() / var_returns
-        sps = int(global_step / (time.time() - start_time))
+        explained_var = np.nan if var_returns == 0 else 1 - (returns - values[seq]).var().item() / var_returns
+        sps = int(global_step / (time.time() - run.start_time))
         run.log(global_step, {"charts/learning_rate": optimizer.param_groups[0]["lr"], "charts/clip_coef": clip_now,
             "charts/SPS": sps, "losses/value_loss": v_loss.item(), "losses/policy_loss": pg_loss.item(),
             "losses/entropy": entropy.item(), "losses/approx_kl": approx_kl.item(),
@@ -548,7 +549,6 @@ def main():
             print(f"iter {iteration} step={global_step}/{budget} return={np.mean(recent_returns):.3f} SPS={sps}")
             recent_returns = []
     envs.close()
-    train_time = time.time() - start_time
 
     # 5. evaluate (sampling, then greedy), then summary.json and the saved model
     agent.eval()
@@ -560,7 +560,7 @@ def main():
     if late_returns:  # what the training curve shows at its end, to compare with the evaluation
         metrics["charts/late_episodic_return"] = float(np.mean(late_returns))
     run.log(global_step, metrics)
-    run.finish(metrics, agent, sps=global_step / train_time if global_step else 0.0)
+    run.finish(metrics, {"model": agent}, global_step)
 
 
 @torch.no_grad()
@@ -624,6 +624,7 @@ def eval_metrics(result: dict, env_id: str, prefix: str) -> dict:
 
 
 # === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+SCRIPT = Path(__file__).stem  # the script's name in summary.json
 # Args that `--eval-only` takes from the checkpoint's args.json: they fix the env, the network and its inputs
 ARCH_FIELDS = (
     "env_id", "env_kwargs", "rnn", "hidden_size", "prev_action", "prev_reward", "norm_obs", "shared_torso",
@@ -650,7 +651,6 @@ def parse_args() -> Args:
     if args.num_envs % args.num_minibatches != 0:
         raise SystemExit(f"error: --num-envs {args.num_envs} not divisible by --num-minibatches {args.num_minibatches}")
     args.batch_size = args.num_envs * args.num_steps
-    args.envs_per_minibatch = args.num_envs // args.num_minibatches
     args.num_iterations = 0 if args.eval_only else args.total_timesteps // args.batch_size
     if not args.eval_only and args.total_timesteps != 0 and args.num_iterations < 1:
         raise SystemExit(f"error: --total-timesteps {args.total_timesteps} < one rollout ({args.batch_size} steps)")
@@ -709,43 +709,55 @@ def load_checkpoint(path_str: str) -> tuple[dict, dict]:
 
 
 class Run:
-    """What main() uses of run management: the device, the run dir and its tensorboard writer, log() and finish()."""
+    """What main() uses of run management: the device, the run dir and its tensorboard writer, log(), load_model()
+    and finish()."""
 
     def __init__(self, args: Args, device: torch.device, run_dir: Path, writer: SummaryWriter):
         self.args, self.device, self.run_dir, self.writer = args, device, run_dir, writer
         self.start_time = time.time()
 
     def log(self, step: int, metrics: dict) -> None:
-        """tensorboard scalars, tag -> number, at env step `step`."""
+        """tensorboard at env step `step`: each tag -> value as a scalar (a str value as text)."""
         for tag, value in metrics.items():
-            self.writer.add_scalar(tag, value, step)
+            if isinstance(value, str):
+                self.writer.add_text(tag, value, step)
+            else:
+                self.writer.add_scalar(tag, value, step)
 
-    def finish(self, metrics: dict, agent: nn.Module, sps: float) -> None:
-        """summary.json (metrics = the evaluation's), args.json and model.safetensors; close tensorboard."""
+    def load_model(self, module: nn.Module) -> None:
+        """`--checkpoint`'s weights into `module` (the agent main built); a one-line error, and no run dir left behind,
+        if they do not fit."""
+        try:
+            module.load_state_dict(load_checkpoint(self.args.checkpoint)[0])
+        except RuntimeError as err:
+            self.writer.close()
+            shutil.rmtree(self.run_dir)
+            flags = f"--rnn {self.args.rnn} --hidden-size {self.args.hidden_size}"
+            arch = f"{flags}, {module.obs_mean.shape[0]}-dim obs, {module.num_actions} actions"
+            raise SystemExit(f"error: checkpoint does not fit {arch}: {str(err).splitlines()[0]}") from None
+
+    def finish(self, metrics: dict, models: dict[str, nn.Module], samples: int) -> None:
+        """summary.json (metrics = the evaluation's, `sps` = samples / wall time), args.json and `{name}.safetensors`
+        for each of `models`; close tensorboard."""
         args, run_dir = self.args, self.run_dir
+        wall_time = time.time() - self.start_time
         summary = {
-            "script": Path(__file__).stem, "run_name": run_dir.name, "run_dir": str(run_dir), "args": asdict(args),
-            "metrics": metrics, "wall_time_s": time.time() - self.start_time, "sps": sps,
+            "script": SCRIPT, "run_name": run_dir.name, "run_dir": str(run_dir), "args": asdict(args),
+            "metrics": metrics, "wall_time_s": wall_time, "sps": samples / wall_time,
         }  # fmt: skip
         write_json_atomic(run_dir / "summary.json", summary)
         (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-        save_file(agent.state_dict(), str(run_dir / "model.safetensors"))
+        for name, module in models.items():
+            save_file(module.state_dict(), str(run_dir / f"{name}.safetensors"))
         self.writer.close()
         print(json.dumps(metrics, indent=2))
         print(f"run dir: {run_dir}")
 
 
-def start_run(args: Args, agent: nn.Module) -> Run:
-    """The device; with `--eval-only`, the checkpoint's weights loaded into `agent` (a one-line error if they do not
-    fit); then a new run dir with its tensorboard writer (after every check, so a failed start leaves no run dir)."""
+def start_run(args: Args) -> Run:
+    """The device and a new run dir with its tensorboard writer (after every check of parse_args, so a failed start
+    leaves no run dir)."""
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    if args.eval_only:
-        try:
-            agent.load_state_dict(load_checkpoint(args.checkpoint)[0])
-        except RuntimeError as err:
-            arch = f"--rnn {args.rnn} --hidden-size {args.hidden_size}, {agent.obs_mean.shape[0]}-dim obs, " \
-                f"{agent.num_actions} actions"  # fmt: skip
-            raise SystemExit(f"error: checkpoint does not fit {arch}: {str(err).splitlines()[0]}") from None
     run_dir = new_run_dir(args.runs_dir, args.env_id, args.exp_name, args.seed)
     return Run(args, device, run_dir, open_writer(run_dir, args))
 

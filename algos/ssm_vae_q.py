@@ -81,6 +81,7 @@ MaskedCartPole has no claim: the recipe below fell short of 475 (README, open wo
 import json
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -92,6 +93,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.utils.tensorboard import SummaryWriter
 
@@ -105,7 +107,6 @@ EVAL_SEED_STRIDE = 10_000  # eval env i of training seed s gets seed 10_000 (s +
 SELECT_SEED_BASE = 10**9  # evaluations during training: env seeds 1e9 + 1e7 s + global_step + i, disjoint from
 SELECT_SEED_STRIDE = 10**7  # the final evaluation's and across training seeds (global_step + i < 1e7)
 MAX_TRIES = 5  # TwoDoors: p(pass within k tries of the same door) is reported for k = 1..5
-FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
 
 
 @dataclass
@@ -277,32 +278,16 @@ def double_q_target(reward, terminated, q_next_online, q_next_target, gamma: flo
     return reward + gamma * (1.0 - terminated.float()) * q_next_target.gather(-1, best).squeeze(-1)
 
 
-def binary_codes(obs: np.ndarray) -> np.ndarray | None:
-    """Integer code sum_i bit_i 2^i of binary observations (N, D) -> (N,), or None if obs are not binary."""
-    if obs.shape[-1] > MAX_CODE_BITS or not np.isin(obs, (0.0, 1.0)).all():
-        return None
-    return (obs.astype(np.int64) << np.arange(obs.shape[-1])).sum(-1)
-
-
-def markov_counts(codes: np.ndarray, actions: np.ndarray, next_codes: np.ndarray, num_codes: int, num_actions: int):
-    """Maximum-likelihood Markov model: counts N[o, a, o'] of the transitions (all int arrays of shape (N,))."""
-    counts = np.zeros((num_codes, num_actions, num_codes))
-    np.add.at(counts, (codes, actions, next_codes), 1.0)
-    return counts
-
-
-def markov_prob(counts: np.ndarray, code: int, action: int, next_code: int) -> float:
-    """p(o' | o, a) = N(o, a, o') / N(o, a) (nan if (o, a) was never seen)."""
-    total = counts[code, action].sum()
-    return float(counts[code, action, next_code] / total) if total > 0 else float("nan")
-
-
 def eval_env_seed(seed: int) -> int:
-    """First env seed of the final evaluation of training seed `seed` (episode i: + i); see EVAL_SEED_STRIDE."""
+    """First env seed of the final evaluation of training seed `seed`; episode i uses eval_env_seed(seed) + i. Blocks
+    of EVAL_SEED_STRIDE seeds: disjoint across training seeds and from the training envs' seeds (seed + i)."""
     return EVAL_SEED_STRIDE * (seed + 1)
 
 
-def linear_schedule(start_e: float, end_e: float, duration: int, t: int) -> float:
+# not dqn_framestack's `linear_schedule`: the same line with another rounding order (t / duration), which changes the
+# last bits of epsilon; a name of its own keeps this script's numbers as they were
+def linear_epsilon(start_e: float, end_e: float, duration: int, t: int) -> float:
+    """epsilon(t): linear from start_e to end_e over `duration` steps (at least 1), then constant."""
     return max(start_e + (end_e - start_e) * t / max(duration, 1), end_e)
 
 
@@ -365,7 +350,8 @@ class WorldModel(nn.Module):
         return dict(h=h, z=z, prior=prior, post=post, obs_mean=obs_mean, reward_mean=reward_mean, done_logit=done_logit)
 
 
-class QNetwork(nn.Module):
+# not dqn_framestack's QNetwork (an MLP on a frame stack): this one reads the world model's belief features
+class LatentQNetwork(nn.Module):
     """Q(x, .) on the belief features x = (h_t, mu_q,t)."""
 
     def __init__(self, deter: int, stoch: int, hidden: int, num_actions: int):
@@ -377,7 +363,8 @@ class QNetwork(nn.Module):
 
 
 # ---------------------------------------------------------------- replay of per-env streams
-class SequenceReplay:
+# not r2d2_rnnstate's SequenceReplay (stored sequences with recurrent states): chunks cut from per-env streams
+class StreamReplay:
     """Circular buffer of entries (o_t, a_{t-1}, r_t, term_t, is_first_t), shape (capacity, num_envs, ...)."""
 
     def __init__(self, capacity: int, num_envs: int, obs_dim: int):
@@ -417,38 +404,17 @@ class SequenceReplay:
 
 
 # ---------------------------------------------------------------- env helpers
-def flattenable(space: gym.spaces.Space) -> bool:
-    """True for the spaces gymnasium's `spaces.flatten` turns into one flat vector: Box, Discrete, MultiBinary,
-    MultiDiscrete, and Tuple/Dict of these (nested)."""
-    if isinstance(space, gym.spaces.Tuple | gym.spaces.Dict):
-        subs = space.spaces.values() if isinstance(space, gym.spaces.Dict) else space.spaces
-        return all(flattenable(sub) for sub in subs)
-    return isinstance(space, FLAT_SPACES)
-
-
-def make_env(env_id: str, env_kwargs: dict):
-    """Thunk of one env with a flat float32 observation: gymnasium's FlattenObservation one-hot encodes Discrete and
-    each MultiDiscrete component, flattens Box, and concatenates the parts of Tuple/Dict (Dict in sorted key order)."""
+def make_vector_env(env_id: str, env_kwargs: dict, n: int) -> gym.vector.SyncVectorEnv:
+    """`n` envs with gymnasium 1.x's default NEXT_STEP autoreset and a flat float32 observation: FlattenObservation
+    one-hot encodes Discrete and each MultiDiscrete component, flattens Box, and concatenates the parts of Tuple/Dict
+    (Dict in sorted key order)."""
 
     def thunk():
-        env = gym.make(env_id, **env_kwargs)
-        if not flattenable(env.observation_space):
-            supported = "Box, Discrete, MultiBinary, MultiDiscrete, and Tuple/Dict of these"
-            raise SystemExit(f"error: {env_id} has observation space {env.observation_space}; supported: {supported}")
-        return gym.wrappers.DtypeObservation(gym.wrappers.FlattenObservation(env), np.float32)
+        return gym.wrappers.DtypeObservation(
+            gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs)), np.float32
+        )
 
-    return thunk
-
-
-def make_vector_env(env_id: str, env_kwargs: dict, n: int):
-    """SyncVectorEnv with gymnasium 1.x's default NEXT_STEP autoreset; validates the spaces with a clear error."""
-    try:
-        envs_ = gym.vector.SyncVectorEnv([make_env(env_id, env_kwargs) for _ in range(n)])
-    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as e:
-        raise SystemExit(f"error: cannot make env {env_id!r} with kwargs {env_kwargs}: {e}") from None
-    if not isinstance(envs_.single_action_space, gym.spaces.Discrete):
-        raise SystemExit(f"error: ssm_vae_q supports Discrete action spaces only, got {envs_.single_action_space}")
-    return envs_
+    return gym.vector.SyncVectorEnv([thunk] * n)
 
 
 def main():
@@ -464,16 +430,19 @@ def main():
     venv = make_vector_env(args.env_id, env_kwargs, args.num_envs)
     args.obs_dim, args.num_actions = venv.single_observation_space.shape[0], int(venv.single_action_space.n)
     model = WorldModel(args.obs_dim, args.num_actions, args.deter_size, args.stoch_size, args.hidden_size)
-    q_net = QNetwork(args.deter_size, args.stoch_size, args.hidden_size, args.num_actions)
-    target_net = QNetwork(args.deter_size, args.stoch_size, args.hidden_size, args.num_actions)
-    run = start_run(args, model, q_net)  # --eval-only: model and q_net are loaded from --checkpoint here
+    q_net = LatentQNetwork(args.deter_size, args.stoch_size, args.hidden_size, args.num_actions)
+    target_net = LatentQNetwork(args.deter_size, args.stoch_size, args.hidden_size, args.num_actions)
+    networks = nn.ModuleDict({"model": model, "q": q_net})  # saved and loaded together (keys model.*, q.*)
+    run = start_run(args)  # device, run dir, tensorboard
+    if args.eval_only:
+        run.load_model(networks)  # the checkpoint's weights (its architecture came with its args.json)
     device = run.device
     model, q_net, target_net = model.to(device), q_net.to(device), target_net.to(device)
     target_net.load_state_dict(q_net.state_dict())
     model_opt = torch.optim.Adam(model.parameters(), lr=args.model_lr)
     q_opt = torch.optim.Adam(q_net.parameters(), lr=args.q_lr)
-    replay = SequenceReplay(max(args.buffer_size // args.num_envs, args.seq_len + 1), args.num_envs, args.obs_dim)
-    start_time, global_step, updates, metrics = time.time(), 0, 0, {}  # metrics: what summary.json reports
+    replay = StreamReplay(max(args.buffer_size // args.num_envs, args.seq_len + 1), args.num_envs, args.obs_dim)
+    global_step, updates, metrics = 0, 0, {}  # metrics: what summary.json reports
 
     # ALGO LOGIC: collect with the online filter, learn model + Q interleaved on replayed chunks
     num_iterations = 0 if args.eval_only else args.total_timesteps // args.num_envs
@@ -504,7 +473,7 @@ def main():
                 online_err.extend(err.tolist())
             q_values = q_net(torch.cat([h, post[0]], -1))
         # 3. epsilon-greedy action
-        epsilon = linear_schedule(args.start_e, args.end_e, decay_steps, global_step)
+        epsilon = linear_epsilon(args.start_e, args.end_e, decay_steps, global_step)
         epsilon = 1.0 if global_step < args.learning_starts else epsilon  # uniformly random warm-up
         explore = rng.random(args.num_envs) < epsilon
         actions = np.where(explore, rng.integers(0, args.num_actions, args.num_envs), q_values.argmax(-1).cpu().numpy())
@@ -552,7 +521,7 @@ def main():
                 for tp, p in zip(target_net.parameters(), q_net.parameters(), strict=True):
                     tp.data.copy_(args.tau * p.data + (1.0 - args.tau) * tp.data)
             if updates % args.log_every == 0:
-                sps = global_step / (time.time() - start_time)
+                sps = global_step / (time.time() - run.start_time)
                 scalars = {f"losses/{k}": v.item() for k, v in terms.items()} | {
                     "losses/q_loss": q_loss.item(),
                     "losses/q_values": (q_taken * q_mask).sum().item() / q_mask.sum().item(),
@@ -606,10 +575,82 @@ def main():
     metrics.update(evaluate(model, q_net, args.env_id, env_kwargs, args.eval_episodes, eval_seed, device))
     run.log(global_step, metrics)
     print(" ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith("eval/")))
-    run.finish(metrics, global_step, model, q_net)
+    run.finish(metrics, {"model": networks}, global_step)
 
 
 # ---------------------------------------------------------------- evaluation
+@torch.no_grad()
+def evaluate(model, q_net, env_id, env_kwargs, episodes: int, seed: int, device) -> dict:
+    """Greedy episodes (one per env of a vector env) + held-out one-step observation prediction error. The z samples
+    come from a generator seeded with `seed`; the training RNG stream is left untouched (detail 9)."""
+    with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
+        torch.manual_seed(seed)
+        venv = make_vector_env(env_id, env_kwargs, episodes)
+        obs, _ = venv.reset(seed=seed)
+        h = torch.zeros(episodes, model.deter, device=device)
+        z = torch.zeros(episodes, model.stoch, device=device)
+        a_prev = torch.zeros(episodes, dtype=torch.long, device=device)
+        is_first = torch.ones(episodes, dtype=torch.bool, device=device)
+        done = np.zeros(episodes, bool)
+        was_live = np.ones(episodes, bool)  # env was still in its first episode when it produced the current obs
+        returns, lengths, success = np.zeros(episodes), np.zeros(episodes), np.full(episodes, np.nan)
+        sq_err, copy_err, n_err = 0.0, 0.0, 0
+        prev_obs = torch.as_tensor(obs, device=device)
+        while not done.all():
+            o = torch.as_tensor(obs, device=device)
+            a1h = F.one_hot(a_prev, model.num_actions).float()
+            h, z, prior, post = model.filter_step(h, z, a1h, o, is_first)
+            if not is_first.all():  # prior prediction of o_t from (s_{t-1}, a_{t-1}) before the filter saw o_t
+                live = torch.as_tensor(was_live, device=device) & ~is_first
+                pred = model.decode(h, prior[0])[0]
+                sq_err += ((pred - o) ** 2).mean(-1)[live].sum().item()
+                copy_err += ((prev_obs - o) ** 2).mean(-1)[live].sum().item()
+                n_err += int(live.sum())
+            action = q_net(torch.cat([h, post[0]], -1)).argmax(-1)
+            obs, reward, term, trunc, info = venv.step(action.cpu().numpy())
+            live = ~done
+            was_live = live.copy()
+            returns[live] += reward[live]
+            lengths[live] += 1
+            ended = live & (term | trunc)
+            if "success" in info:
+                success[ended & info["_success"]] = info["success"][ended & info["_success"]]
+            done |= ended
+            prev_obs, a_prev, is_first = o, action, torch.zeros_like(is_first)
+        venv.close()
+        metrics = {
+            "eval/episodic_return": float(returns.mean()),
+            "eval/episodic_return_std": float(returns.std()),
+            "eval/episodic_length": float(lengths.mean()),
+            "eval/one_step_obs_error": sq_err / max(n_err, 1),
+            "eval/one_step_obs_error_copy_last": copy_err / max(n_err, 1),  # baseline: predict o_t = o_{t-1}
+        }
+        if not np.isnan(success).all():
+            metrics["eval/success_rate"] = float(np.nanmean(success))
+        return metrics
+
+
+# === ANALYSIS (measurements for the docs; not needed to train)
+def binary_codes(obs: np.ndarray) -> np.ndarray | None:
+    """Integer code sum_i bit_i 2^i of binary observations (N, D) -> (N,), or None if obs are not binary."""
+    if obs.shape[-1] > MAX_CODE_BITS or not np.isin(obs, (0.0, 1.0)).all():
+        return None
+    return (obs.astype(np.int64) << np.arange(obs.shape[-1])).sum(-1)
+
+
+def markov_counts(codes: np.ndarray, actions: np.ndarray, next_codes: np.ndarray, num_codes: int, num_actions: int):
+    """Maximum-likelihood Markov model: counts N[o, a, o'] of the transitions (all int arrays of shape (N,))."""
+    counts = np.zeros((num_codes, num_actions, num_codes))
+    np.add.at(counts, (codes, actions, next_codes), 1.0)
+    return counts
+
+
+def markov_prob(counts: np.ndarray, code: int, action: int, next_code: int) -> float:
+    """p(o' | o, a) = N(o, a, o') / N(o, a) (nan if (o, a) was never seen)."""
+    total = counts[code, action].sum()
+    return float(counts[code, action, next_code] / total) if total > 0 else float("nan")
+
+
 @torch.no_grad()
 def two_doors_probe(model: WorldModel, device, particles: int = PROBE_PARTICLES) -> dict:
     """The latent model's TwoDoors metrics (detail 6): p(pass) predicted after (reset) and after (reset, try d, fail)
@@ -674,7 +715,7 @@ def true_pass_within_k(max_tries: int = MAX_TRIES) -> np.ndarray:
     return np.mean(per_door, axis=0)
 
 
-def markov_probe(replay: SequenceReplay, num_actions: int, tag: str, limit: int | None = None) -> dict:
+def markov_probe(replay: StreamReplay, num_actions: int, tag: str, limit: int | None = None) -> dict:
     """Markov model p(o'|o,a) on the replayed transitions (the first `limit` entries per env); TwoDoors metrics
     model/{tag}_*: p(pass | in_room, door) for both doors and within k tries. {} if obs are not binary codes."""
     obs, act, next_obs = replay.transitions(limit)
@@ -697,58 +738,8 @@ def markov_probe(replay: SequenceReplay, num_actions: int, tag: str, limit: int 
     return metrics | {f"model/{tag}_p_pass_within_{k}_tries": float(v) for k, v in enumerate(within, start=1)}
 
 
-@torch.no_grad()
-def evaluate(model, q_net, env_id, env_kwargs, episodes: int, seed: int, device) -> dict:
-    """Greedy episodes (one per env of a vector env) + held-out one-step observation prediction error. The z samples
-    come from a generator seeded with `seed`; the training RNG stream is left untouched (detail 9)."""
-    with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
-        torch.manual_seed(seed)
-        venv = make_vector_env(env_id, env_kwargs, episodes)
-        obs, _ = venv.reset(seed=seed)
-        h = torch.zeros(episodes, model.deter, device=device)
-        z = torch.zeros(episodes, model.stoch, device=device)
-        a_prev = torch.zeros(episodes, dtype=torch.long, device=device)
-        is_first = torch.ones(episodes, dtype=torch.bool, device=device)
-        done = np.zeros(episodes, bool)
-        was_live = np.ones(episodes, bool)  # env was still in its first episode when it produced the current obs
-        returns, lengths, success = np.zeros(episodes), np.zeros(episodes), np.full(episodes, np.nan)
-        sq_err, copy_err, n_err = 0.0, 0.0, 0
-        prev_obs = torch.as_tensor(obs, device=device)
-        while not done.all():
-            o = torch.as_tensor(obs, device=device)
-            a1h = F.one_hot(a_prev, model.num_actions).float()
-            h, z, prior, post = model.filter_step(h, z, a1h, o, is_first)
-            if not is_first.all():  # prior prediction of o_t from (s_{t-1}, a_{t-1}) before the filter saw o_t
-                live = torch.as_tensor(was_live, device=device) & ~is_first
-                pred = model.decode(h, prior[0])[0]
-                sq_err += ((pred - o) ** 2).mean(-1)[live].sum().item()
-                copy_err += ((prev_obs - o) ** 2).mean(-1)[live].sum().item()
-                n_err += int(live.sum())
-            action = q_net(torch.cat([h, post[0]], -1)).argmax(-1)
-            obs, reward, term, trunc, info = venv.step(action.cpu().numpy())
-            live = ~done
-            was_live = live.copy()
-            returns[live] += reward[live]
-            lengths[live] += 1
-            ended = live & (term | trunc)
-            if "success" in info:
-                success[ended & info["_success"]] = info["success"][ended & info["_success"]]
-            done |= ended
-            prev_obs, a_prev, is_first = o, action, torch.zeros_like(is_first)
-        venv.close()
-        metrics = {
-            "eval/episodic_return": float(returns.mean()),
-            "eval/episodic_return_std": float(returns.std()),
-            "eval/episodic_length": float(lengths.mean()),
-            "eval/one_step_obs_error": sq_err / max(n_err, 1),
-            "eval/one_step_obs_error_copy_last": copy_err / max(n_err, 1),  # baseline: predict o_t = o_{t-1}
-        }
-        if not np.isnan(success).all():
-            metrics["eval/success_rate"] = float(np.nanmean(success))
-        return metrics
-
-
 # === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+SCRIPT = Path(__file__).stem  # the script's name in summary.json
 ARCH_FIELDS = ("env_id", "env_kwargs", "deter_size", "stoch_size", "hidden_size")  # from args.json on --eval-only
 
 
@@ -756,13 +747,12 @@ def parse_args() -> Args:
     """Args from the command line, every check a one-line error before any work; --eval-only takes the architecture
     and the env (ARCH_FIELDS) from the saved run's args.json when there is one."""
     args = tyro.cli(Args)
-    if args.eval_only and args.checkpoint is not None:  # take the architecture from the saved run if present
-        saved = (
-            Path(args.checkpoint) if Path(args.checkpoint).is_dir() else Path(args.checkpoint).parent
-        ) / "args.json"
-        if saved.is_file():
-            for k in ARCH_FIELDS:
-                setattr(args, k, json.loads(saved.read_text()).get(k, getattr(args, k)))
+    if args.eval_only:
+        if args.checkpoint is None:
+            raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or a model.safetensors file)")
+        _, ckpt_args = load_checkpoint(args.checkpoint)
+        for field in ARCH_FIELDS:  # rebuild the env and the architecture the checkpoint was trained with
+            setattr(args, field, ckpt_args.get(field, getattr(args, field)))
     try:
         env_kwargs = json.loads(args.env_kwargs)
         assert isinstance(env_kwargs, dict)
@@ -783,71 +773,113 @@ def parse_args() -> Args:
         raise SystemExit("error: --keep-best needs --select-frequency > 0")
     if not args.eval_only and args.buffer_size // args.num_envs < args.seq_len + 1:
         raise SystemExit(f"error: --buffer-size {args.buffer_size} too small for {args.num_envs} envs x seq-len")
-    if args.eval_only and args.checkpoint is None:
-        raise SystemExit("error: --eval-only needs --checkpoint (a run dir or its model.safetensors)")
     check_writable_dir(Path(args.runs_dir), "--runs-dir")
+    check_env(args.env_id, env_kwargs)
     return args
 
 
+FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
+
+
+def check_env(env_id: str, env_kwargs: dict) -> int:
+    """Make the env once: a bad id, module or kwargs, or a space the script cannot take, is a one-line error.
+    Returns the number of actions."""
+    try:
+        probe = gym.make(env_id, **env_kwargs)
+    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # bad id, module, kwargs
+        raise SystemExit(f"error: cannot make env {env_id!r} with kwargs {env_kwargs}: {err}") from None
+    obs_space, act_space = probe.observation_space, probe.action_space
+    probe.close()
+    if not isinstance(act_space, gym.spaces.Discrete):
+        raise SystemExit(f"error: {env_id} has action space {act_space}; only Discrete action spaces are supported")
+    if not flattenable(obs_space):
+        raise SystemExit(
+            f"error: {env_id} has observation space {obs_space}; supported: Box, Discrete, MultiBinary, "
+            "MultiDiscrete, and Tuple/Dict of these"
+        )
+    return int(act_space.n)
+
+
+def flattenable(space: gym.spaces.Space) -> bool:
+    """True for the spaces gymnasium's `spaces.flatten` turns into one vector: Box, Discrete, MultiBinary,
+    MultiDiscrete, and Tuple/Dict of these (nested)."""
+    if isinstance(space, gym.spaces.Tuple):
+        return all(flattenable(sub) for sub in space.spaces)
+    if isinstance(space, gym.spaces.Dict):
+        return all(flattenable(sub) for sub in space.spaces.values())
+    return isinstance(space, FLAT_SPACES)
+
+
+def load_checkpoint(path_str: str) -> tuple[dict, dict]:
+    """(state_dict, saved args or {}) from a run dir or a .safetensors file; clear errors for bad paths/files."""
+    path = Path(path_str)
+    model_path = path / "model.safetensors" if path.is_dir() else path
+    if not model_path.is_file():
+        raise SystemExit(f"error: checkpoint {model_path} not found (give a run dir or a model.safetensors file)")
+    try:
+        state_dict = load_file(str(model_path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise SystemExit(f"error: cannot read checkpoint {model_path}: {err}") from None
+    args_path = model_path.parent / "args.json"
+    return state_dict, json.loads(args_path.read_text()) if args_path.is_file() else {}
+
+
 class Run:
-    """One run: its device, run dir and tensorboard writer; main() logs through it and ends the run with finish()."""
+    """One run: its device, run dir and tensorboard writer; main() logs through it, loads a checkpoint with
+    load_model() and ends the run with finish()."""
 
     def __init__(self, args: Args, run_dir: Path, writer: SummaryWriter, device: torch.device):
         self.args, self.run_dir, self.writer, self.device = args, run_dir, writer, device
         self.start_time = time.time()
 
     def log(self, step: int, metrics: dict) -> None:
-        """tensorboard scalars: tag -> number, at `step` (environment steps)."""
+        """tensorboard at `step` (environment steps): each tag -> value as a scalar (a str value as text)."""
         for tag, value in metrics.items():
-            self.writer.add_scalar(tag, value, step)
+            if isinstance(value, str):
+                self.writer.add_text(tag, value, step)
+            else:
+                self.writer.add_scalar(tag, value, step)
 
-    def finish(self, metrics: dict, global_step: int, model: nn.Module, q_net: nn.Module) -> None:
-        """summary.json (written atomically), args.json, both networks in model.safetensors; closes the writer."""
+    def load_model(self, module: nn.Module) -> None:
+        """`--checkpoint`'s weights into `module` (world model and Q-network together); a one-line error, and no run
+        dir left behind, if they do not fit."""
+        try:
+            module.load_state_dict(load_checkpoint(self.args.checkpoint)[0])
+        except RuntimeError as e:
+            self.writer.close()
+            shutil.rmtree(self.run_dir)
+            first = str(e).strip().splitlines()[-1].strip()
+            raise SystemExit(
+                f"error: checkpoint {self.args.checkpoint} does not match this architecture/env ({first})"
+            ) from None
+
+    def finish(self, metrics: dict, models: dict[str, nn.Module], samples: int) -> None:
+        """summary.json (written atomically, `sps` = samples / wall time), args.json, `{name}.safetensors` for each of
+        `models`; closes the writer."""
         wall = time.time() - self.start_time
         summary = {
-            "script": Path(__file__).stem,
+            "script": SCRIPT,
             "run_name": self.run_dir.name,
             "run_dir": str(self.run_dir),
             "args": asdict(self.args),
             "metrics": {k: float(v) for k, v in metrics.items()},
             "wall_time_s": wall,
-            "sps": global_step / wall if global_step else 0.0,
+            "sps": samples / wall,
         }
         write_json_atomic(self.run_dir / "summary.json", summary)
         (self.run_dir / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
-        state = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}
-        state.update({f"q.{k}": v.contiguous() for k, v in q_net.state_dict().items()})
-        save_file(state, str(self.run_dir / "model.safetensors"))
+        for name, module in models.items():
+            save_file(module.state_dict(), str(self.run_dir / f"{name}.safetensors"))
         self.writer.close()
         print(f"saved {self.run_dir}")
 
 
-def start_run(args: Args, model: nn.Module, q_net: nn.Module) -> Run:
-    """--eval-only: load model and q_net from --checkpoint first (a bad checkpoint is a one-line error that leaves no
-    run dir); then the device, a new run dir and its tensorboard writer with the hyperparameter table."""
-    if args.eval_only:
-        load_checkpoint(args.checkpoint, model, q_net)
+def start_run(args: Args) -> Run:
+    """The device, a new run dir and its tensorboard writer with the hyperparameter table (after every check of
+    parse_args, so a failed start leaves no run dir)."""
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     run_dir = new_run_dir(args.runs_dir, args.env_id, args.exp_name, args.seed)
     return Run(args, run_dir, open_writer(run_dir, args), device)
-
-
-def load_checkpoint(path: str, model: nn.Module, q_net: nn.Module) -> None:
-    """The networks saved by finish() (a run dir or its model.safetensors), for --eval-only; one-line errors."""
-    file = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
-    if not file.is_file():
-        raise SystemExit(f"error: checkpoint {file} not found")
-    try:
-        state = load_file(str(file))
-    except Exception as e:  # safetensors raises its own error types on corrupt files
-        raise SystemExit(f"error: checkpoint {file} is not a readable safetensors file ({e})") from None
-    for prefix, module in (("model.", model), ("q.", q_net)):
-        sub = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-        try:
-            module.load_state_dict(sub)
-        except RuntimeError as e:
-            first = str(e).strip().splitlines()[-1].strip()
-            raise SystemExit(f"error: checkpoint {file} does not match this architecture/env ({first})") from None
 
 
 def check_writable_dir(path: Path, flag: str) -> None:

@@ -371,14 +371,14 @@ def test_smoke_three_state_line_reports_failure_rate(runs_dir):
         (["--eval-episodes", "10001"], "--eval-episodes"),
         (["--env-id", "seqrl/TMaze-v0", "--env-kwargs", "{corridor: 2}"], "not valid JSON"),
         (["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 0}'], "corridor_length"),
-        (["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"no_such_kwarg": 1}'], "bad --env-kwargs"),
+        (["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"no_such_kwarg": 1}'], "cannot make env"),
         (["--frame-stack", "0"], "--frame-stack"),
         (["--n-step", "0"], "--n-step must be >= 1"),
         (["--difference-scale", "-1"], "--difference-scale must be"),
         (["--difference-scale", "nan"], "--difference-scale must be"),
         (["--keep-best"], "--keep-best needs --select-frequency"),
         (["--eval-only"], "needs --checkpoint"),
-        (["--eval-only", "--checkpoint", "/nonexistent/run"], "does not exist"),
+        (["--eval-only", "--checkpoint", "/nonexistent/run"], "not found"),
     ],
 )
 def test_clear_errors(runs_dir, args, message):

@@ -134,12 +134,12 @@ def test_eval_seeds_disjoint_across_training_seeds():
 
 @pytest.mark.parametrize("env_id", spaces_env.MODULE_IDS)
 def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
-    env, raw = m.make_env(env_id, {})(), gym.make(env_id)
-    obs, raw_obs = env.reset(seed=0)[0], raw.reset(seed=0)[0]
+    env, raw = m.make_vector_env(env_id, {}, 1), gym.make(env_id)
+    obs, raw_obs = env.reset(seed=0)[0][0], raw.reset(seed=0)[0]
     for _ in range(3):
         assert obs.dtype == np.float32
         np.testing.assert_array_equal(obs, spaces_env.expected_flat(raw_obs))
-        obs, raw_obs = env.step(0)[0], raw.step(0)[0]
+        obs, raw_obs = env.step(np.array([0]))[0][0], raw.step(0)[0]
     s = run_script(
         "ssm_vae_q", "--env-id", env_id, "--total-timesteps", "200", "--learning-starts", "100", "--num-envs", "2",
         "--eval-episodes", "2", "--deter-size", "8", "--hidden-size", "8", runs_dir=runs_dir, timeout=120,
@@ -170,7 +170,7 @@ def test_markov_counts_give_one_half_on_two_doors_data():
 
 
 def test_replay_transitions_never_cross_episodes():
-    rep = m.SequenceReplay(capacity=10, num_envs=1, obs_dim=2)
+    rep = m.StreamReplay(capacity=10, num_envs=1, obs_dim=2)
     stream = [([1, 0], -1, True), ([1, 0], 0, False), ([0, 1], 1, False), ([1, 0], -1, True), ([0, 1], 0, False)]
     for o, a, first in stream:
         rep.add(np.array([o], np.float32), np.array([a]), np.zeros(1), np.zeros(1, bool), np.array([first]))
