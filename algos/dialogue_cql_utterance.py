@@ -53,16 +53,13 @@ Implementation details:
      separator) and "<pad>" are added as special tokens when it has none (GPT-2, Llama, GPT-NeoX ship with
      neither), the embeddings grown by those rows (`add_dialogue_tokens`). The critic embeds the same token ids.
      Lower `--bc-lr` for a pretrained model (e.g. 1e-4). With the built-in tiny model nothing changes.
-  9. Lecture Problem 21.4 (time-step design), measured: `timestep/rl_steps_per_dialogue` (agent turns per training
-     dialogue: the RL horizon, 4.85 on average, at most 8), `timestep/action_space_log10` (every sequence of up to
-     12 tokens of the 111 writable ones: 10^24.5 utterances), `timestep/distinct_data_utterances` (26 in the data)
-     and `timestep/actions_per_step` (the deduplicated candidate set the Bellman max runs over: ~6.5 of N = 16).
- 10. Long runs: checkpoints at the ends of the BC and candidate phases and every `--save-every` critic steps,
-     Ctrl-C / SIGTERM, and `--resume RUN_DIR`, which ends with the same metrics, bit for bit on CPU, as the run
-     uninterrupted (all in RUN MANAGEMENT at the end of the file; the algorithm does not depend on it).
+  9. Lecture Problem 21.4 (time-step design), measured: `timestep/rl_steps_per_dialogue` (the RL horizon),
+     `timestep/action_space_log10` (every token sequence the utterance budget allows), `timestep/distinct_data_
+     utterances` and `timestep/actions_per_step` (the deduplicated candidate set the Bellman max runs over).
+ 10. Long runs: checkpoints at the BC and candidate phases' ends and every `--save-every` critic steps, Ctrl-C /
+     SIGTERM, `--resume RUN_DIR` (bit for bit on CPU; all in RUN MANAGEMENT, the algorithm does not depend on it).
 
-How it relates to CHAI and to Snell's re-implementation, what was scaled down and the measured results:
-`docs/dialogue_cql_utterance.md`.
+CHAI and Snell's re-implementation compared, what was scaled down, results: `docs/dialogue_cql_utterance.md`.
 
 References:
   [1] Verma, Fu, Yang, Levine 2022, CHAI: A CHatbot AI for Task-Oriented Dialogue with Offline Reinforcement
@@ -121,6 +118,8 @@ class Args:
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = False
     """use the GPU if `--cuda` and one is available"""
+    threads: int = 1
+    """torch CPU threads: 1 lets runs side by side share the cores; more can speed up one run of a real model alone"""
     runs_dir: str = "runs"
     """where run directories are created"""
     eval_episodes: int = 500
@@ -762,6 +761,7 @@ def main():
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.threads)
     dialogues = load_dialogues(args)
     data_stats = G.dataset_stats(dialogues)
     if args.eval_only:  # STEP 4 alone, on the proposer, tokenizer and critic of a finished run (--checkpoint)
@@ -963,7 +963,7 @@ def headline_charts(metrics: dict) -> dict:
 # `purge_step` (which would cut the BC curve) is not used: critic points a killed run logged after its last
 # checkpoint appear twice.
 SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
-RESUME_FREE_FIELDS = ("resume", "save_every", "runs_dir")  # may change on --resume; the rest is the run's
+RESUME_FREE_FIELDS = ("resume", "save_every", "runs_dir", "threads")  # may change on --resume; the rest is the run's
 ARCH_FIELDS = ("critic_dim", "critic_hidden")  # --eval-only: the critic's sizes, from its run's args.json
 
 
@@ -971,6 +971,8 @@ def parse_args() -> Args:
     """The command line (tyro), validated; with --resume, the run's own arguments (plus RESUME_FREE_FIELDS); with
     --eval-only, the checkpoint's ARCH_FIELDS."""
     args = tyro.cli(Args)
+    if args.threads < 1:
+        raise SystemExit(f"error: --threads must be at least 1, got {args.threads}")
     if args.resume is not None:
         if args.eval_only:
             raise SystemExit("error: --resume continues a training run; it does not go with --eval-only")

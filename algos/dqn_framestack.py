@@ -122,6 +122,8 @@ class Args:
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = False
     """use the GPU if one is available (the default runs are sized for a CPU)"""
+    threads: int = 1
+    """torch CPU threads: 1 lets runs side by side share the cores; more can speed up one run of a real model alone"""
     runs_dir: str = "runs"
     """folder that receives the run directory (tensorboard, summary.json, model.safetensors)"""
     eval_episodes: int = 100
@@ -444,6 +446,7 @@ def main():
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.threads)
     rng = np.random.default_rng(args.seed)
 
     # env setup: NEXT_STEP autoreset (gymnasium's default), see implementation detail 2
@@ -630,6 +633,8 @@ def parse_args() -> Args:
     """tyro.cli(Args) and every check (one-line `error:` exits), the env's included; with `--eval-only`, the env and
     the architecture come from the checkpoint's args.json (ARCH_FIELDS)."""
     args = tyro.cli(Args)
+    if args.threads < 1:
+        raise SystemExit(f"error: --threads must be at least 1, got {args.threads}")
     if args.eval_only:  # rebuild the env and the network the checkpoint was trained with
         if args.checkpoint is None:
             raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or a model.safetensors file)")

@@ -179,6 +179,8 @@ class Args:
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = False
     """use the GPU if available"""
+    threads: int = 1
+    """torch CPU threads: 1 lets runs side by side share the cores; more can speed up one run of a real model alone"""
     runs_dir: str = "runs"
     """where run directories are written"""
     eval_episodes: int = 500
@@ -790,6 +792,7 @@ def main():
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.threads)
 
     # data (also the behavior-mixture baseline row); every rank builds the same data
     dialogues = load_dialogues(args)
@@ -944,7 +947,13 @@ SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpo
 HEADS_FILE = "ilql_heads.safetensors"  # Q1, Q2, target Q1, target Q2, V heads, next to the save_pretrained model
 SEED_STRIDE = 10_000  # torchrun: rank r reseeds its global torch RNG (dropout of real checkpoints) with seed + r * this
 CKPT_DIR = "checkpoints"  # `--save-every`: RUN_DIR/checkpoints/step_<N>/ and latest.json naming the newest complete one
-RESUME_FREE_FIELDS = ("resume", "save_every", "runs_dir", "cuda")  # the only arguments a resumed run may change
+RESUME_FREE_FIELDS = (
+    "resume",
+    "save_every",
+    "runs_dir",
+    "cuda",
+    "threads",
+)  # the only arguments a resumed run may change
 ARCH_FIELDS = ("model_name_or_path", "arch", "n_layer", "n_embd", "n_head")  # --eval-only: its checkpoint's model
 DIST_TIMEOUT = timedelta(minutes=10)  # a rank waiting this long in a collective gives up (a failed rank never hangs)
 
@@ -954,6 +963,8 @@ def parse_args() -> Args:
     sweeps β = 0 only; --resume takes the run's own arguments (only RESUME_FREE_FIELDS may differ), --eval-only the
     architecture (ARCH_FIELDS) in its checkpoint's args.json."""
     args = tyro.cli(Args)
+    if args.threads < 1:
+        raise SystemExit(f"error: --threads must be at least 1, got {args.threads}")
     if not 0.0 < args.filter_top_frac <= 1.0:
         raise SystemExit(f"error: --filter-top-frac must be in (0, 1], got {args.filter_top_frac}")
     if not 0.0 <= args.decay_frac <= 1.0:

@@ -636,6 +636,8 @@ def parse_args() -> Args:
     """tyro.cli(Args), every check that needs no model (one-line `error:` exits), the derived sizes; with
     `--eval-only`, the env and the architecture come from the checkpoint's args.json (ARCH_FIELDS)."""
     args = tyro.cli(Args)
+    if args.threads < 1:
+        raise SystemExit(f"error: --threads must be at least 1, got {args.threads}")
     if args.eval_only:
         if args.checkpoint is None:
             raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or a model.safetensors file)")

@@ -829,6 +829,8 @@ def parse_args() -> Args:
     """tyro's Args with every check (one-line `error:` exits); `--resume` takes the run's own arguments, `--eval-only`
     the env and architecture of its checkpoint; derived sizes filled in."""
     args = tyro.cli(Args)
+    if args.threads < 1:
+        raise SystemExit(f"error: --threads must be at least 1, got {args.threads}")
     if args.resume is not None:
         if args.eval_only:
             raise SystemExit("error: --resume continues a training run; it does not go with --eval-only")

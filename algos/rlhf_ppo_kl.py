@@ -62,11 +62,9 @@ Problem 21.3(c), `--reward-offset 2`: an arbitrary per-prompt constant c(s) adde
 PPO optimizes. The objective E[r + c(s)] - beta KL has the same maximizer pi* ∝ pi_SFT exp(r / beta) (c(s) cancels in
 the normalizer), and the policy gradient's expectation is unchanged (E_a[c(s) grad log pi(a|s)] = 0). In the
 estimator the value baseline absorbs it: once V(prompt, prefix) has learned c(s), the GAE advantages are exactly those
-without it (unit-tested); the batch-wide whitening cannot. Until then c(s) is noise: final gold 0.62 with the offset
-vs 0.85 without (mean of seeds 101-105, beta = 0.1). Same optimum, noisier estimator.
+without it (unit-tested); the batch-wide whitening cannot. Until then c(s) is noise: same optimum, noisier estimator.
 
-Real models (`--model-name-or-path gpt2`, `EleutherAI/pythia-70m`, a TinyLlama id, or a local `save_pretrained`
-dir): the same code path (`load_pretrained`, in RUN MANAGEMENT, says how they are loaded and what to tune).
+Real models (`--model-name-or-path gpt2`, a Pythia or TinyLlama id, a `save_pretrained` dir): the same code path.
 
 Scaled down to a few CPU minutes: a 2-layer, 64-dim GPT-2 over a few hundred words, a synthetic hidden "human", a
 few thousand comparisons. The small reward model, fit on few on-distribution (SFT) comparisons, is what makes it
@@ -81,14 +79,13 @@ References:
       masked whitening, metric names); vwxyzjn/lm-human-preference-details `train_policy_accelerate.py`
       (temperature-scaled logits, reward normalization, left padding + position ids, GAE, adaptive KL);
       vwxyzjn/cleanrl `ppo.py` (clipped surrogate and clipped value loss, script layout).
-Reproduce (one thread, ~2-3 CPU minutes each; per-seed numbers: README part 2; the figure: the runs' curve.jsonl):
+Reproduce (per-seed numbers: README part 2; the figure: the runs' curve.jsonl):
   python algos/rlhf_ppo_kl.py --seed 1 --kl-coef 0.0 --num-updates 200
       # no KL penalty: the proxy reward rises while the gold reward peaks and ends below SFT
   python algos/rlhf_ppo_kl.py --seed 1 --kl-coef 0.1
       # gold well above SFT at a KL below 3; best-of-n from SFT at the same KL about as good
-Scale out and resume (details 10-11):
-  torchrun --standalone --nproc_per_node 2 algos/rlhf_ppo_kl.py --seed 101      # gloo on CPU, nccl with --cuda
-  python algos/rlhf_ppo_kl.py --resume runs/<run_name>                         # after a kill or Ctrl-C
+Scale out and resume (details 10-11): `torchrun --standalone --nproc_per_node 2 algos/rlhf_ppo_kl.py` (gloo on CPU,
+nccl with --cuda); `python algos/rlhf_ppo_kl.py --resume runs/<run_name>` after a kill or Ctrl-C.
 """
 
 import copy
@@ -147,6 +144,8 @@ class Args:
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = False
     """use the GPU if `--cuda` and one is available"""
+    threads: int = 1
+    """torch CPU threads: 1 lets runs side by side share the cores; more can speed up one run of a real model alone"""
     runs_dir: str = "runs"
     """where run directories are created"""
     eval_episodes: int = 160
@@ -705,6 +704,7 @@ def main():
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.threads)
     run = start_run(args)  # torchrun, device, the run dir (a resume: its own), tensorboard (details 10-11)
     device = run.device
     # sampling noise of rollouts and of the reward normalization: the global RNG in one process, one stream per rank
@@ -953,13 +953,22 @@ TASK_ID = "seqrl-preference"  # the task name in the run dir
 DIST_TIMEOUT = timedelta(minutes=10)  # a rank waiting this long in a collective gives up (a failed rank never hangs)
 SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (a resume checks it)
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "gpt2", "EleutherAI/pythia-70m": a name from_pretrained fetches
-RESUME_FREE_FIELDS = ("resume", "save_every", "cuda", "runs_dir", "minibatch_size")  # may differ in the resuming call
+RESUME_FREE_FIELDS = (
+    "resume",
+    "save_every",
+    "cuda",
+    "runs_dir",
+    "minibatch_size",
+    "threads",
+)  # may differ in the resuming call
 
 
 def parse_args() -> Args:
     """The command line, checked before any work (one-line errors); the minibatch size; a resume's own args (a flag
     that would change the run is refused); `--eval-only`'s SFT reference and reward model from its run dir."""
     args = tyro.cli(Args)
+    if args.threads < 1:
+        raise SystemExit(f"error: --threads must be at least 1, got {args.threads}")
     world_size = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun (details 10)
     if args.resume is not None:
         if args.eval_only:

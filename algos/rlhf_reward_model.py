@@ -154,6 +154,8 @@ class Args:
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = False
     """use the GPU if available"""
+    threads: int = 1
+    """torch CPU threads: 1 lets runs side by side share the cores; more can speed up one run of a real model alone"""
     runs_dir: str = "runs"
     """where run directories are written"""
     eval_episodes: int = 500
@@ -524,6 +526,7 @@ def main():
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.threads)
     run = start_run(args)  # torchrun, device, run dir (or the resumed one), tensorboard, Ctrl-C handling
     device, start_time = run.device, run.start_time
     # held-out comparisons: K completions of held-out prompts, ranked by the same labeler (other seed)
@@ -699,13 +702,21 @@ def lecture_scores(model, tokenizer, device) -> tuple[dict, str]:
 # === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
 TASK_ID = "seqrl-preference"  # run-name prefix
 SCRIPT = Path(__file__).stem  # named in summary.json and in every checkpoint's state.json
-RESUME_FREE_FIELDS = ("cuda", "runs_dir", "save_every", "resume")  # what a resumed run may change (rest: the algorithm)
+RESUME_FREE_FIELDS = (
+    "cuda",
+    "runs_dir",
+    "save_every",
+    "resume",
+    "threads",
+)  # what a resumed run may change (rest: the algorithm)
 DIST_TIMEOUT = timedelta(minutes=10)  # a rank waiting this long in a collective gives up (a failed rank never hangs)
 
 
 def parse_args() -> Args:
     """The command line, checked (one-line errors before any work); with --resume, the resumed run's args."""
     args = tyro.cli(Args)
+    if args.threads < 1:
+        raise SystemExit(f"error: --threads must be at least 1, got {args.threads}")
     world_size = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun
     if args.save_every < 0:
         raise SystemExit("error: need --save-every >= 0 (0 = checkpoint only on Ctrl-C)")

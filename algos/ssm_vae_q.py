@@ -119,6 +119,8 @@ class Args:
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = False
     """if toggled (and available), use the GPU"""
+    threads: int = 1
+    """torch CPU threads: 1 lets runs side by side share the cores; more can speed up one run of a real model alone"""
     runs_dir: str = "runs"
     """where run directories are written"""
     env_id: str = "seqrl/TwoDoors-v0"
@@ -424,6 +426,7 @@ def main():
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.threads)
     rng = np.random.default_rng(args.seed)
     eval_seed = eval_env_seed(args.seed)  # the final evaluation's env seeds: eval_seed + i
 
@@ -747,6 +750,8 @@ def parse_args() -> Args:
     """Args from the command line, every check a one-line error before any work; --eval-only takes the architecture
     and the env (ARCH_FIELDS) from the saved run's args.json when there is one."""
     args = tyro.cli(Args)
+    if args.threads < 1:
+        raise SystemExit(f"error: --threads must be at least 1, got {args.threads}")
     if args.eval_only:
         if args.checkpoint is None:
             raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or a model.safetensors file)")
