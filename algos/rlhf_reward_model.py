@@ -224,6 +224,11 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
+    val_prompts: int = 0
+    """extra ranked comparisons of training prompts (another labeler seed), never trained on: their loss and pair
+    accuracy after every epoch (`val/loss`, `val/accuracy`); 0 = no validation"""
+    early_stopping: bool = False
+    """keep the weights of the epoch with the lowest validation loss (needs --val-prompts)"""
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -441,6 +446,40 @@ def reward_minibatch_loss(model, ids: torch.Tensor, mask: torch.Tensor, args) ->
     return kwise_loss(rewards, args.kwise_form, args.margin, args.center_coef), rewards
 
 
+def group_ids(tokenizer, data: list[dict], args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ranked comparisons as token ids and mask (N, G, L), each group best first: all C(K,2) pairs of every ranking
+    as [chosen, rejected] groups (G = 2) for the pairwise loss, one ranking of K per group (G = K) for kwise."""
+    if args.loss == "pairwise":  # every pair its own example: (prompt, chosen, rejected)
+        p, c, r = preference.to_pairs(data)
+        enc = encode(tokenizer, p + p, c + r)
+        ids = enc["input_ids"].view(2, len(p), -1).transpose(0, 1)  # (P, 2, L): [chosen, rejected]
+        mask = enc["attention_mask"].view(2, len(p), -1).transpose(0, 1)  # (P, 2, L)
+        return ids, mask
+    p = [d["prompt"] for d in data for _ in range(args.k)]  # one ranking per example, completions sorted best first
+    c = [d["completions"][j] for d in data for j in d["ranking"]]
+    enc = encode(tokenizer, p, c)
+    return enc["input_ids"].view(len(data), args.k, -1), enc["attention_mask"].view(len(data), args.k, -1)  # (N, K, L)
+
+
+@torch.no_grad()
+def validation_metrics(model, ids: torch.Tensor, mask: torch.Tensor, args, device) -> tuple[float, float]:
+    """(mean loss, accuracy over all pairs i above j of each group) of ranked groups (N, G, L), in no-grad batches."""
+    model.eval()
+    total_loss, n_correct, n_pairs = 0.0, 0.0, 0
+    for start in range(0, len(ids), SCORE_BATCH // ids.shape[1]):
+        sl = slice(start, start + SCORE_BATCH // ids.shape[1])
+        width = int(mask[sl].sum(-1).max())
+        loss, rewards = reward_minibatch_loss(
+            model, ids[sl, :, :width].to(device), mask[sl, :, :width].to(device), args
+        )
+        i, j = torch.triu_indices(ids.shape[1], ids.shape[1], offset=1)  # all i < j: i ranked above j
+        total_loss += loss.item() * len(rewards)
+        n_correct += ((rewards[:, i] > rewards[:, j]).sum() + 0.5 * (rewards[:, i] == rewards[:, j]).sum()).item()
+        n_pairs += rewards[:, i].numel()
+    model.train()
+    return total_loss / len(ids), n_correct / n_pairs
+
+
 def shard(mb: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
     """This rank's contiguous share of a global minibatch: mb[rank * n : (rank + 1) * n] with n = len(mb) / world_size
     (a shorter last minibatch is split as evenly as it goes). One process: the whole minibatch."""
@@ -516,6 +555,10 @@ def main():
     data = preference.make_preference_dataset(
         args.n_train_prompts, args.k, args.seed, args.temperature, args.flip_prob, split="train"
     )
+    # validation comparisons (--val-prompts): more rankings of training prompts, another labeler seed, never trained on
+    val_data = preference.make_preference_dataset(
+        args.val_prompts, args.k, args.seed + 40_000, args.temperature, args.flip_prob, split="train"
+    ) if args.val_prompts > 0 else []  # fmt: skip
     lm, tokenizer = build_lm(args, device)
     run.broadcast_params(lm)
     # 2. supervised fine-tuning on demonstrations; the reward model starts from the SFT model's backbone
@@ -529,17 +572,8 @@ def main():
     del lm
     run.broadcast_params(model)
     # 3. the comparisons as token ids: one group of G sequences per example, best first
-    if args.loss == "pairwise":  # every pair its own example: (prompt, chosen, rejected)
-        p, c, r = preference.to_pairs(data)
-        enc = encode(tokenizer, p + p, c + r)
-        ids = enc["input_ids"].view(2, len(p), -1).transpose(0, 1)  # (P, 2, L): [chosen, rejected]
-        mask = enc["attention_mask"].view(2, len(p), -1).transpose(0, 1)  # (P, 2, L)
-    else:  # one ranking per example, completions sorted best first
-        p = [d["prompt"] for d in data for _ in range(args.k)]
-        c = [d["completions"][j] for d in data for j in d["ranking"]]
-        enc = encode(tokenizer, p, c)
-        ids = enc["input_ids"].view(len(data), args.k, -1)  # (N, K, L)
-        mask = enc["attention_mask"].view(len(data), args.k, -1)  # (N, K, L)
+    ids, mask = group_ids(tokenizer, data, args)  # (N, G, L)
+    val_ids, val_mask = group_ids(tokenizer, val_data, args) if val_data else (None, None)  # (V, G, L)
     n_examples, group = ids.shape[0], ids.shape[1]
     steps_per_epoch = (n_examples + args.batch_size - 1) // args.batch_size
     num_updates = args.epochs * steps_per_epoch
@@ -549,7 +583,8 @@ def main():
         print(f"{n_examples} training examples of {group} sequences, {num_updates} updates, device {device}")
     # where the loop stands (with the weights, all a checkpoint holds): the start, or the --resume checkpoint's place
     fresh = {"phase": "reward", "epoch": 0, "next_start": 0, "perm": None, "global_step": 0, "n_seen": 0,
-             "loss": float("nan"), "sft_nll": sft_nll}  # fmt: skip
+             "loss": float("nan"), "sft_nll": sft_nll, "best_val_loss": float("inf"), "best_epoch": None,
+             "best_params": None}  # fmt: skip
     at = run.restore(fresh, model, optimizer, scheduler)
 
     # 4. fit r_psi by maximum likelihood of the preferences
@@ -581,8 +616,23 @@ def main():
                 run.log(step, {"losses/loss": loss_value, "losses/accuracy_top2": n_correct / len(mb),
                                "charts/learning_rate": scheduler.get_last_lr()[0], "charts/SPS": sps})  # fmt: skip
             run.end_step(sft_updates + step, at, model, optimizer, scheduler)  # a checkpoint when due or stopped
+        if val_data:  # validation loss of this epoch's weights; with --early-stopping, keep the best epoch's
+            val_loss, val_accuracy = validation_metrics(model, val_ids, val_mask, args, device)
+            # every rank decides alike: the ranks' mean (the same weights give the same loss up to rounding)
+            val_loss = (
+                run.global_sum(torch.tensor([val_loss], dtype=torch.float64, device=device)).item() / run.world_size
+            )
+            run.log(epoch, {"val/loss": val_loss, "val/accuracy": val_accuracy})
+            if args.early_stopping and val_loss < at["best_val_loss"]:
+                best = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+                at.update(best_val_loss=val_loss, best_epoch=epoch, best_params=best)
         if run.rank == 0:
-            print(f"epoch {epoch + 1}/{args.epochs}: loss {at['loss']:.4f}  ({time.time() - start_time:.0f}s)")
+            print(f"epoch {epoch + 1}/{args.epochs}: loss {at['loss']:.4f}" + (f"  val loss {val_loss:.4f} acc "
+                  f"{val_accuracy:.4f}" if val_data else "") + f"  ({time.time() - start_time:.0f}s)")  # fmt: skip
+    if at["best_params"] is not None:  # --early-stopping: the weights of the epoch with the lowest validation loss
+        torch.nn.utils.vector_to_parameters(at["best_params"].to(device), model.parameters())
+        if run.rank == 0:
+            print(f"early stopping: kept epoch {at['best_epoch'] + 1} (val loss {at['best_val_loss']:.4f})")
     run.end_training()  # Ctrl-C stops at once again; under torchrun, rank 0 alone goes on (details 8)
 
     # 5. evaluate on the Bradley-Terry scale (calibration is not invariant to the normalization)
