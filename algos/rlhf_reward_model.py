@@ -178,6 +178,8 @@ class Args:
     """tiny GPT-2: width"""
     n_head: int = 4
     """tiny GPT-2: attention heads"""
+    dropout: float = 0.0
+    """tiny GPT-2: dropout of embeddings, attention and residual branches (the reward model inherits it)"""
 
     # 1. supervised fine-tuning of the backbone (InstructGPT initializes the reward model from the SFT model)
     sft_epochs: int = 12
@@ -382,7 +384,7 @@ def build_lm(args, device):
         tokenizer = build_tokenizer()
         config = GPT2Config(
             vocab_size=len(tokenizer), n_positions=N_POSITIONS, n_embd=args.n_embd, n_layer=args.n_layer,
-            n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            n_head=args.n_head, resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )  # fmt: skip
