@@ -228,9 +228,7 @@ class Args:
     """gradient-norm clip"""
     val_prompts: int = 0
     """extra ranked comparisons of training prompts (another labeler seed), never trained on: their loss and pair
-    accuracy after every epoch (`val/loss`, `val/accuracy`); 0 = no validation"""
-    early_stopping: bool = False
-    """keep the weights of the epoch with the lowest validation loss (needs --val-prompts)"""
+    accuracy after every epoch (`val/loss`, `val/accuracy`: does the model overfit the labels' noise?); 0 = none"""
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -464,8 +462,8 @@ def group_ids(tokenizer, data: list[dict], args) -> tuple[torch.Tensor, torch.Te
 
 
 @torch.no_grad()
-def validation_metrics(model, ids: torch.Tensor, mask: torch.Tensor, args, device) -> tuple[float, float]:
-    """(mean loss, accuracy over all pairs i above j of each group) of ranked groups (N, G, L), in no-grad batches."""
+def validation_metrics(model, ids: torch.Tensor, mask: torch.Tensor, args, device) -> dict:
+    """val/loss (mean) and val/accuracy (over all pairs i above j of each group) of ranked groups (N, G, L)."""
     model.eval()
     total_loss, n_correct, n_pairs = 0.0, 0.0, 0
     for start in range(0, len(ids), SCORE_BATCH // ids.shape[1]):
@@ -479,7 +477,7 @@ def validation_metrics(model, ids: torch.Tensor, mask: torch.Tensor, args, devic
         n_correct += ((rewards[:, i] > rewards[:, j]).sum() + 0.5 * (rewards[:, i] == rewards[:, j]).sum()).item()
         n_pairs += rewards[:, i].numel()
     model.train()
-    return total_loss / len(ids), n_correct / n_pairs
+    return {"val/loss": total_loss / len(ids), "val/accuracy": n_correct / n_pairs}
 
 
 def shard(mb: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
@@ -585,8 +583,7 @@ def main():
         print(f"{n_examples} training examples of {group} sequences, {num_updates} updates, device {device}")
     # where the loop stands (with the weights, all a checkpoint holds): the start, or the --resume checkpoint's place
     fresh = {"phase": "reward", "epoch": 0, "next_start": 0, "perm": None, "global_step": 0, "n_seen": 0,
-             "loss": float("nan"), "sft_nll": sft_nll, "best_val_loss": float("inf"), "best_epoch": None,
-             "best_params": None}  # fmt: skip
+             "loss": float("nan"), "sft_nll": sft_nll}  # fmt: skip
     at = run.restore(fresh, model, optimizer, scheduler)
 
     # 4. fit r_psi by maximum likelihood of the preferences
@@ -618,29 +615,20 @@ def main():
                 run.log(step, {"losses/loss": loss_value, "losses/accuracy_top2": n_correct / len(mb),
                                "charts/learning_rate": scheduler.get_last_lr()[0], "charts/SPS": sps})  # fmt: skip
             run.end_step(sft_updates + step, at, model, optimizer, scheduler)  # a checkpoint when due or stopped
-        if val_data:  # validation loss of this epoch's weights; with --early-stopping, keep the best epoch's
-            val_loss, val_accuracy = validation_metrics(model, val_ids, val_mask, args, device)
-            # every rank decides alike: the ranks' mean (the same weights give the same loss up to rounding)
-            val_loss = (
-                run.global_sum(torch.tensor([val_loss], dtype=torch.float64, device=device)).item() / run.world_size
-            )
-            run.log(epoch, {"val/loss": val_loss, "val/accuracy": val_accuracy})
-            if args.early_stopping and val_loss < at["best_val_loss"]:
-                best = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
-                at.update(best_val_loss=val_loss, best_epoch=epoch, best_params=best)
+        val = {}
+        if val_data and run.rank == 0:  # the validation comparisons' loss and pair accuracy with this epoch's weights
+            val = validation_metrics(model, val_ids, val_mask, args, device)
+            run.log(epoch, val)
         if run.rank == 0:
-            print(f"epoch {epoch + 1}/{args.epochs}: loss {at['loss']:.4f}" + (f"  val loss {val_loss:.4f} acc "
-                  f"{val_accuracy:.4f}" if val_data else "") + f"  ({time.time() - start_time:.0f}s)")  # fmt: skip
-    if at["best_params"] is not None:  # --early-stopping: the weights of the epoch with the lowest validation loss
-        torch.nn.utils.vector_to_parameters(at["best_params"].to(device), model.parameters())
-        if run.rank == 0:
-            print(f"early stopping: kept epoch {at['best_epoch'] + 1} (val loss {at['best_val_loss']:.4f})")
+            shown = "".join(f"  {k} {v:.4f}" for k, v in val.items())
+            print(f"epoch {epoch + 1}/{args.epochs}: loss {at['loss']:.4f}{shown}  ({time.time() - start_time:.0f}s)")
     run.end_training()  # Ctrl-C stops at once again; under torchrun, rank 0 alone goes on (details 8)
 
     # 5. evaluate on the Bradley-Terry scale (calibration is not invariant to the normalization)
     metrics, report = evaluate(model, tokenizer, heldout, args, device)
     if at["sft_nll"] is not None:
         metrics["model/sft_nll"] = at["sft_nll"]
+    metrics.update(val)  # the last epoch's validation loss and accuracy (--val-prompts)
     # 6. normalize to mean 0 / std 1 on SFT demonstrations, folded into the saved weights
     demos = preference.make_sft_dataset(args.n_norm_samples, seed=args.seed + 20_000)
     raw = score_texts(model, tokenizer, [d[0] for d in demos], [d[1] for d in demos], device)
