@@ -22,7 +22,9 @@ Implementation details:
      Why it matters here: the SFT LM must learn the fact table ("capital of france ?" -> "paris") to predict the
      demonstrations, so the Bradley-Terry step only has to learn to read it out (from scratch, held-out accuracy
      0.69; with SFT, 0.71-0.76 against a ceiling of ~0.75 on tuning seeds 101-110). The ended / cut-off and rude/idk
-     distinctions are learned either way. `--sft-epochs 0` turns it off.
+     distinctions are learned either way. `--sft-epochs 0` turns it off. What stays below the ceiling is mostly a
+     fact not carried over to a held-out phrasing of its prompt, not overfitting to the labels' noise (the loss on
+     `--val-prompts` keeps falling): 6,000 comparisons close it; more epochs, width or depth on 3,000 do not.
   1. Reward = a transformer backbone + linear head `score` read at the LAST NON-PAD token
      (`AutoModelForSequenceClassification`, num_labels=1). The pad token (<pad>, id 0) is distinct from EOS,
      so the pooled token of a finished completion is its EOS; a wrong pooled token is the most common reason
@@ -41,7 +43,7 @@ Implementation details:
      put into the head bias or, for heads without one (GPT-2, Llama), into the bias of the final LayerNorm along
      the head direction (shifts every score by exactly -mean/std). If the backbone has neither, the shift is left
      in `config.seqrl_reward_offset` (add it). mean/std are also kept in `config.seqrl_reward_mean/_std`.
-  6. No dropout in the tiny GPT-2 (tiny data, short runs; dropout only slowed convergence here).
+  6. No dropout in the tiny GPT-2 by default (`--dropout`; tiny data, short runs: it only slowed convergence here).
   7. Three Spearman ρ with the gold utility on held-out prompts. Bradley-Terry fixes r only up to a per-prompt
      constant c(s) (Problem 21.3b): no comparison ever pits two prompts against each other, so on a prompt phrasing
      never seen in training c(s) is whatever the network extrapolates. `eval/spearman_gold` pools the raw rewards
@@ -80,7 +82,7 @@ pretrained model, learning rates well below its 3e-3 (SFT) / 1e-3 (reward) are t
 Offline, a hub id that is not cached is a one-line error.
 
 What was scaled down and why: a 2-layer, 64-wide GPT-2 on the task vocabulary, SFT'd for ~750 steps on 4,000
-simulated demonstrations instead of a pretrained 6B model SFT'd on human demonstrations, and 3,000 ranked prompts
+simulated demonstrations instead of a pretrained 6B model SFT'd on human demonstrations, and 6,000 ranked prompts
 of K=4 from a simulated labeler instead of human labels: it fits in a few minutes on a CPU and the gold utility
 is known.
 
@@ -155,15 +157,17 @@ class Args:
     """use the GPU if available"""
     runs_dir: str = "runs"
     """where run directories are written"""
-    eval_episodes: int = 500
-    """held-out comparisons (prompts with K ranked completions, from held-out prompts) to evaluate on"""
+    eval_episodes: int = 2000
+    """held-out comparisons (prompts with K ranked completions, from held-out prompts) to evaluate on: 2,000 give
+    12,000 pairs, on which the sampled labels move the accuracy by ±0.35 points (1 SD; 500: ±0.7), so a 1-point gap
+    to the noise-free `eval/bayes_accuracy` is about 3 SD"""
     eval_only: bool = False
     """only evaluate the reward model given by `--checkpoint` (a run dir or its reward_model/ dir)"""
     checkpoint: str | None = None
     """path of a saved run dir or `save_pretrained` reward-model dir to evaluate with `--eval-only`"""
     save_every: int = 250
     """write a training checkpoint into RUN_DIR/checkpoints/ every N gradient steps (SFT and reward-model updates
-    counted together; the default run has ~1,130) and at the last update; 0 = only on Ctrl-C (details 9)"""
+    counted together; the default run has ~1,500) and at the last update; 0 = only on Ctrl-C (details 9)"""
     resume: str | None = None
     """continue the run in this run dir from its latest checkpoint, with its saved args (details 9)"""
 
@@ -193,8 +197,9 @@ class Args:
     """demonstrations per SFT minibatch"""
 
     # preference data (envs/preference.py)
-    n_train_prompts: int = 3000
-    """ranked comparisons to train on (each: K completions of one training prompt)"""
+    n_train_prompts: int = 6000
+    """ranked comparisons to train on (each: K completions of one training prompt); 6,000 rather than 3,000: the
+    held-out accuracy reaches the labeler's Bayes ceiling (more epochs on 3,000 do not, details 0)"""
     k: int = 4
     """completions ranked per prompt (K); each ranking gives C(K,2) pairs"""
     temperature: float = 1.0
@@ -217,6 +222,9 @@ class Args:
     """reward-centering coefficient λ_c on (sum of an element's rewards)^2"""
     epochs: int = 8
     """passes over the preference data"""
+    head_only_epochs: int = 0
+    """of these, the first N train only the new `score` head on the frozen SFT backbone, then everything (LP-FT,
+    Kumar et al. 2022: fine-tuning under a random head distorts the pretrained features); 0 = all from the start"""
     batch_size: int = 64
     """rankings per minibatch (kwise) or pairs per minibatch (pairwise)"""
     learning_rate: float = 1e-3
@@ -587,8 +595,10 @@ def main():
     at = run.restore(fresh, model, optimizer, scheduler)
 
     # 4. fit r_psi by maximum likelihood of the preferences
+    val = {}  # the last epoch's validation metrics (--val-prompts)
     for epoch in range(at["epoch"], args.epochs):
         model.train()
+        model.base_model.requires_grad_(epoch >= args.head_only_epochs)  # frozen: no gradient, AdamW skips it
         if epoch > at["epoch"] or at["perm"] is None:  # a new epoch: a new order
             at.update(epoch=epoch, next_start=0, perm=torch.randperm(n_examples))
         for start in range(at["next_start"], n_examples, args.batch_size):
@@ -615,11 +625,9 @@ def main():
                 run.log(step, {"losses/loss": loss_value, "losses/accuracy_top2": n_correct / len(mb),
                                "charts/learning_rate": scheduler.get_last_lr()[0], "charts/SPS": sps})  # fmt: skip
             run.end_step(sft_updates + step, at, model, optimizer, scheduler)  # a checkpoint when due or stopped
-        val = {}
-        if val_data and run.rank == 0:  # the validation comparisons' loss and pair accuracy with this epoch's weights
-            val = validation_metrics(model, val_ids, val_mask, args, device)
+        if run.rank == 0:  # --val-prompts: the validation comparisons' loss and pair accuracy with this epoch's weights
+            val = validation_metrics(model, val_ids, val_mask, args, device) if val_data else {}
             run.log(epoch, val)
-        if run.rank == 0:
             shown = "".join(f"  {k} {v:.4f}" for k, v in val.items())
             print(f"epoch {epoch + 1}/{args.epochs}: loss {at['loss']:.4f}{shown}  ({time.time() - start_time:.0f}s)")
     run.end_training()  # Ctrl-C stops at once again; under torchrun, rank 0 alone goes on (details 8)
