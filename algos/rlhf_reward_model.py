@@ -22,9 +22,10 @@ Implementation details:
      Why it matters here: the SFT LM must learn the fact table ("capital of france ?" -> "paris") to predict the
      demonstrations, so the Bradley-Terry step only has to learn to read it out (from scratch, held-out accuracy
      0.69; with SFT, 0.71-0.76 against a ceiling of ~0.75 on tuning seeds 101-110). The ended / cut-off and rude/idk
-     distinctions are learned either way. `--sft-epochs 0` turns it off. What stays below the ceiling is mostly a
+     distinctions are learned either way. `--sft-epochs 0` turns it off. What keeps it below the ceiling is mostly a
      fact not carried over to a held-out phrasing of its prompt, not overfitting to the labels' noise (the loss on
-     `--val-prompts` keeps falling): 6,000 comparisons close it; more epochs, width or depth on 3,000 do not.
+     `--val-prompts` keeps falling): the SFT LM knows more held-out facts than the reward model keeps, so the first
+     `--head-only-epochs` fit the new head on the frozen backbone before everything is trained (LP-FT [6]).
   1. Reward = a transformer backbone + linear head `score` read at the LAST NON-PAD token
      (`AutoModelForSequenceClassification`, num_labels=1). The pad token (<pad>, id 0) is distinct from EOS,
      so the pooled token of a finished completion is its EOS; a wrong pooled token is the most common reason
@@ -82,7 +83,7 @@ pretrained model, learning rates well below its 3e-3 (SFT) / 1e-3 (reward) are t
 Offline, a hub id that is not cached is a one-line error.
 
 What was scaled down and why: a 2-layer, 64-wide GPT-2 on the task vocabulary, SFT'd for ~750 steps on 4,000
-simulated demonstrations instead of a pretrained 6B model SFT'd on human demonstrations, and 6,000 ranked prompts
+simulated demonstrations instead of a pretrained 6B model SFT'd on human demonstrations, and 3,000 ranked prompts
 of K=4 from a simulated labeler instead of human labels: it fits in a few minutes on a CPU and the gold utility
 is known.
 
@@ -90,7 +91,8 @@ References:
   [1] Christiano et al. 2017, Deep RL from human preferences. [2] Ziegler et al. 2019, Fine-tuning LMs from human
   preferences (K-way softmax, reward normalization; code: openai/lm-human-preferences). [3] Ouyang et al. 2022,
   InstructGPT (all C(K,2) pairs per batch element). [4] Eisenstein et al. 2023, Helping or herding? (reward
-  centering). [5] huggingface/trl `RewardTrainer` (margin, center_rewards_coefficient).
+  centering). [5] huggingface/trl `RewardTrainer` (margin, center_rewards_coefficient). [6] Kumar et al. 2022,
+  Fine-tuning can distort pretrained features and underperform out-of-distribution (LP-FT).
 Reproduce: python algos/rlhf_reward_model.py --seed 1
 Data-parallel (details 8): torchrun --standalone --nproc_per_node 2 algos/rlhf_reward_model.py --seed 1   (CPU, gloo)
   N GPUs: torchrun --standalone --nproc_per_node N algos/rlhf_reward_model.py --cuda ...   (nccl)
@@ -167,7 +169,7 @@ class Args:
     """path of a saved run dir or `save_pretrained` reward-model dir to evaluate with `--eval-only`"""
     save_every: int = 250
     """write a training checkpoint into RUN_DIR/checkpoints/ every N gradient steps (SFT and reward-model updates
-    counted together; the default run has ~1,500) and at the last update; 0 = only on Ctrl-C (details 9)"""
+    counted together; the default run has ~1,130) and at the last update; 0 = only on Ctrl-C (details 9)"""
     resume: str | None = None
     """continue the run in this run dir from its latest checkpoint, with its saved args (details 9)"""
 
@@ -197,9 +199,8 @@ class Args:
     """demonstrations per SFT minibatch"""
 
     # preference data (envs/preference.py)
-    n_train_prompts: int = 6000
-    """ranked comparisons to train on (each: K completions of one training prompt); 6,000 rather than 3,000: the
-    held-out accuracy reaches the labeler's Bayes ceiling (more epochs on 3,000 do not, details 0)"""
+    n_train_prompts: int = 3000
+    """ranked comparisons to train on (each: K completions of one training prompt)"""
     k: int = 4
     """completions ranked per prompt (K); each ranking gives C(K,2) pairs"""
     temperature: float = 1.0
@@ -222,9 +223,9 @@ class Args:
     """reward-centering coefficient λ_c on (sum of an element's rewards)^2"""
     epochs: int = 8
     """passes over the preference data"""
-    head_only_epochs: int = 0
-    """of these, the first N train only the new `score` head on the frozen SFT backbone, then everything (LP-FT,
-    Kumar et al. 2022: fine-tuning under a random head distorts the pretrained features); 0 = all from the start"""
+    head_only_epochs: int = 2
+    """of these, the first N train only the new `score` head on the frozen SFT backbone, then everything (LP-FT [6]:
+    fine-tuning under a random head distorts the SFT features); 0 = all from the start (details 0)"""
     batch_size: int = 64
     """rankings per minibatch (kwise) or pairs per minibatch (pairwise)"""
     learning_rate: float = 1e-3
