@@ -24,8 +24,9 @@ Implementation details:
      0.69; with SFT, 0.71-0.76 against a ceiling of ~0.75 on tuning seeds 101-110). The ended / cut-off and rude/idk
      distinctions are learned either way. `--sft-epochs 0` turns it off. What keeps it below the ceiling is mostly a
      fact not carried over to a held-out phrasing of its prompt, not overfitting to the labels' noise (the loss on
-     `--val-prompts` keeps falling): the SFT LM knows more held-out facts than the reward model keeps, so the first
-     `--head-only-epochs` fit the new head on the frozen backbone before everything is trained (LP-FT [6]).
+     `--val-prompts` keeps falling). The SFT LM knows more held-out facts than the reward model keeps, so the first
+     `--head-only-epochs` fit the new head on the frozen backbone before everything is trained (LP-FT [6]); more
+     comparisons, epochs, SFT epochs, width or depth did not close the gap on every seed.
   1. Reward = a transformer backbone + linear head `score` read at the LAST NON-PAD token
      (`AutoModelForSequenceClassification`, num_labels=1). The pad token (<pad>, id 0) is distinct from EOS,
      so the pooled token of a finished completion is its EOS; a wrong pooled token is the most common reason
