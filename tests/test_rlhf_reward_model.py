@@ -259,7 +259,7 @@ def test_bad_input_gives_clear_error(runs_dir, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_reward_model_learns_near_the_bayes_ceiling(runs_dir):
-    # the default run (benchmark.sh's rlhf_rm claim, at its line): ~1.5 min alone on 2 cores. Tuning seeds 101-109:
+    # the default run (benchmark.sh's rlhf_rm claim, at its line): ~1.5 min alone on 2 cores. Tuning seeds 101-110:
     # 1.2-4.1 points below the ceiling; what is missing is a fact on a held-out phrasing, which varies by seed
     summary = run_script("rlhf_reward_model", runs_dir=runs_dir, timeout=900)
     m = summary["metrics"]
