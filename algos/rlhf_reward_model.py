@@ -25,8 +25,8 @@ Implementation details:
      distinctions are learned either way. `--sft-epochs 0` turns it off. What keeps it below the ceiling is mostly a
      fact not carried over to a held-out phrasing of its prompt, not overfitting to the labels' noise (the loss on
      `--val-prompts` keeps falling). The SFT LM knows more held-out facts than the reward model keeps, so the first
-     `--head-only-epochs` fit the new head on the frozen backbone before everything is trained (LP-FT [6]); more
-     comparisons, epochs, SFT epochs, width or depth did not close the gap on every seed.
+     `--head-only-fraction` of the updates fit the new head on the frozen backbone, then everything (LP-FT [6]);
+     more comparisons, epochs, SFT epochs, width or depth did not close the gap on every seed.
   1. Reward = a transformer backbone + linear head `score` read at the LAST NON-PAD token
      (`AutoModelForSequenceClassification`, num_labels=1). The pad token (<pad>, id 0) is distinct from EOS,
      so the pooled token of a finished completion is its EOS; a wrong pooled token is the most common reason
@@ -224,9 +224,9 @@ class Args:
     """reward-centering coefficient λ_c on (sum of an element's rewards)^2"""
     epochs: int = 8
     """passes over the preference data"""
-    head_only_epochs: int = 2
-    """of these, the first N train only the new `score` head on the frozen SFT backbone, then everything (LP-FT [6]:
-    fine-tuning under a random head distorts the SFT features); 0 = all from the start (details 0)"""
+    head_only_fraction: float = 0.25
+    """the first fraction of the updates (2 of 8 epochs) train only the new `score` head on the frozen SFT backbone,
+    then everything (LP-FT [6]: fine-tuning under a random head distorts the SFT features); 0 = all from the start"""
     batch_size: int = 64
     """rankings per minibatch (kwise) or pairs per minibatch (pairwise)"""
     learning_rate: float = 1e-3
@@ -600,13 +600,14 @@ def main():
     val = {}  # the last epoch's validation metrics (--val-prompts)
     for epoch in range(at["epoch"], args.epochs):
         model.train()
-        model.base_model.requires_grad_(epoch >= args.head_only_epochs)  # frozen: no gradient, AdamW skips it
         if epoch > at["epoch"] or at["perm"] is None:  # a new epoch: a new order
             at.update(epoch=epoch, next_start=0, perm=torch.randperm(n_examples))
         for start in range(at["next_start"], n_examples, args.batch_size):
             mb = at["perm"][start : start + args.batch_size]  # the global minibatch (details 8)
             width = int(mask[mb].sum(-1).max())  # right padding: drop its all-pad columns
             part = shard(mb, run.world_size, run.rank)  # this rank's share of it
+            head_only = at["global_step"] < args.head_only_fraction * num_updates  # LP-FT: the backbone frozen first
+            model.base_model.requires_grad_(not head_only)  # frozen: no gradient, AdamW skips it
             loss, rewards = reward_minibatch_loss(model, ids[part, :, :width].to(device),
                                                   mask[part, :, :width].to(device), args)  # fmt: skip
             loss = loss * (len(part) / len(mb))  # weighted by its share: summed over ranks, the global mean
