@@ -12,6 +12,7 @@ from envs import preference
 from envs.preference import Completion
 
 rm = load_script("rlhf_reward_model")
+BAYES_GAP = 0.05  # the slow test's line = benchmark.sh's rlhf_rm claim: at most this far below the Bayes accuracy
 TINY = ("--n-train-prompts", "48", "--epochs", "1", "--eval-episodes", "16", "--n-norm-samples", "64",
         "--sft-epochs", "1", "--sft-examples", "64")  # fmt: skip
 
@@ -186,6 +187,12 @@ def test_smoke_run_and_eval_only(runs_dir):
         assert again["metrics"][key] == pytest.approx(m[key], abs=1e-4)
 
 
+def test_smoke_validation_comparisons(runs_dir):
+    summary = run_script("rlhf_reward_model", *TINY, "--val-prompts", "16", runs_dir=runs_dir)
+    m = summary["metrics"]  # the last epoch's loss and pair accuracy on 16 rankings never trained on
+    assert math.isfinite(m["val/loss"]) and m["val/loss"] > 0 and 0.0 <= m["val/accuracy"] <= 1.0
+
+
 def test_smoke_kwise_softmax(runs_dir):
     summary = run_script("rlhf_reward_model", *TINY, "--loss", "kwise", "--kwise-form", "softmax", runs_dir=runs_dir)
     assert summary["args"]["kwise_form"] == "softmax"
@@ -252,11 +259,12 @@ def test_bad_input_gives_clear_error(runs_dir, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_reward_model_learns_near_the_bayes_ceiling(runs_dir):
-    # reduced settings (half the preference data): ~40 s alone on 2 cores, SFT backbone as in the default run
-    summary = run_script("rlhf_reward_model", "--n-train-prompts", "1500", "--epochs", "8", runs_dir=runs_dir,
-                         timeout=600)  # fmt: skip
+    # the default run (benchmark.sh's rlhf_rm claim, at its line): ~1.5 min alone on 2 cores. Tuning seeds 101-110:
+    # 1.2-4.1 points below the ceiling; what is missing is a fact on a held-out phrasing, which varies by seed
+    summary = run_script("rlhf_reward_model", runs_dir=runs_dir, timeout=900)
     m = summary["metrics"]
-    assert m["eval/preference_accuracy"] > m["eval/bayes_accuracy"] - 0.06  # chance is 0.5, ceiling ≈ 0.75
+    assert m["eval/n_pairs"] == 2000 * 6  # the held-out pairs: ±0.35 points of label noise on the accuracy (1 SD)
+    assert m["eval/preference_accuracy"] >= m["eval/bayes_accuracy"] - BAYES_GAP  # chance is 0.5, ceiling ≈ 0.75
     assert m["eval/spearman_gold_within_prompt"] > 0.7
     assert m["eval/score_lecture_0"] > m["eval/score_lecture_3"]  # "paris" > "london": the facts were learned
     assert m["eval/score_lecture_0"] > m["eval/score_lecture_4"] + 1.0  # "paris" >> rude
