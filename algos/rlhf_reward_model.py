@@ -21,12 +21,11 @@ Implementation details:
      loaded from the LM's (GPT-2: the `transformer.*` weights); the scalar head is new.
      Why it matters here: the SFT LM must learn the fact table ("capital of france ?" -> "paris") to predict the
      demonstrations, so the Bradley-Terry step only has to learn to read it out (from scratch, held-out accuracy
-     0.69; with SFT, 0.71-0.76 against a ceiling of ~0.75 on tuning seeds 101-110). The ended / cut-off and rude/idk
-     distinctions are learned either way. `--sft-epochs 0` turns it off. What keeps it below the ceiling is mostly a
-     fact not carried over to a held-out phrasing of its prompt, not overfitting to the labels' noise (the loss on
-     `--val-prompts` keeps falling). The SFT LM knows more held-out facts than the reward model keeps, so the first
-     `--head-only-fraction` of the updates fit the new head on the frozen backbone, then everything (LP-FT [6]);
-     more comparisons, epochs, SFT epochs, width or depth did not close the gap on every seed.
+     0.69; with SFT, close to the ceiling). The ended / cut-off and rude/idk distinctions are learned either way.
+     `--sft-epochs 0` turns it off. What keeps it below the ceiling is mostly a fact not carried over to a held-out
+     phrasing of its prompt, not overfitting to the labels' noise (the loss on `--val-prompts` keeps falling).
+     `--head-only-fraction` (LP-FT [6]: the head fit on the frozen backbone first) is an option, off by default: it
+     helped on the seeds it was tried on and not on seeds it was not tuned on (docs/rlhf_reward_model.md).
   1. Reward = a transformer backbone + linear head `score` read at the LAST NON-PAD token
      (`AutoModelForSequenceClassification`, num_labels=1). The pad token (<pad>, id 0) is distinct from EOS,
      so the pooled token of a finished completion is its EOS; a wrong pooled token is the most common reason
@@ -227,9 +226,9 @@ class Args:
     """reward-centering coefficient λ_c on (sum of an element's rewards)^2"""
     epochs: int = 8
     """passes over the preference data"""
-    head_only_fraction: float = 0.25
-    """the first fraction of the updates (2 of 8 epochs) train only the new `score` head on the frozen SFT backbone,
-    then everything (LP-FT [6]: fine-tuning under a random head distorts the SFT features); 0 = all from the start"""
+    head_only_fraction: float = 0.0
+    """the first fraction of the updates train only the new `score` head on the frozen SFT backbone, then everything
+    (LP-FT [6]: fine-tuning under a random head can distort the SFT features); 0 = all from the start"""
     batch_size: int = 64
     """rankings per minibatch (kwise) or pairs per minibatch (pairwise)"""
     learning_rate: float = 1e-3
