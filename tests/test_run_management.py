@@ -23,11 +23,25 @@ SCRIPTS = sorted(READING_PATH)
 CHECKPOINTING = ["dialogue_cql_utterance", "ilql_per_token", "r2d2_rnnstate", "r2d2_trxl_memory", "rlhf_ppo_kl",
                  "rlhf_reward_model"]  # fmt: skip
 TORCHRUN = ["ilql_per_token", "rlhf_ppo_kl", "rlhf_reward_model"]
+ENV_SCRIPTS = ["dqn_framestack", "ppo_recurrent", "r2d2_rnnstate", "r2d2_trxl_memory", "ssm_vae_q"]  # gymnasium envs
+R2D2 = ["r2d2_rnnstate", "r2d2_trxl_memory"]  # checkpoints of replay, networks and envs
 SHARED = {  # name -> the scripts that hold the same text of it
     "check_writable_dir": SCRIPTS, "new_run_dir": SCRIPTS, "open_writer": SCRIPTS, "write_json_atomic": SCRIPTS,
     "STOP_EXIT_CODE": CHECKPOINTING, "install_stop_handlers": CHECKPOINTING, "restore_signal_handlers": CHECKPOINTING,
     "init_torchrun": TORCHRUN, "sync_grads": TORCHRUN, "global_sum": TORCHRUN, "broadcast_params": TORCHRUN,
     "NullWriter": TORCHRUN,
+    "DIST_TIMEOUT": TORCHRUN,
+    "SCRIPT": SCRIPTS,
+    "FLAT_SPACES": ENV_SCRIPTS,
+    "flattenable": ENV_SCRIPTS,
+    "check_env": ENV_SCRIPTS,
+    "track_episodes": R2D2,
+    "restore_envs": R2D2,
+    "checkpoint_kind": R2D2,
+    "CHECKPOINT_SUFFIX": R2D2,
+    "save_models": ["rlhf_ppo_kl", "rlhf_reward_model"],
+    "TASK_ID": ["rlhf_ppo_kl", "rlhf_reward_model"],
+    "check_dataset": ["dialogue_cql_utterance", "ilql_per_token"],
 }  # fmt: skip
 
 
