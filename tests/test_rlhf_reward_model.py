@@ -193,6 +193,21 @@ def test_smoke_validation_comparisons(runs_dir):
     assert math.isfinite(m["val/loss"]) and m["val/loss"] > 0 and 0.0 <= m["val/accuracy"] <= 1.0
 
 
+def test_head_only_fraction_1_trains_the_head_and_leaves_the_backbone(runs_dir):
+    """--head-only-fraction 1.0 (LP-FT's first stage for the whole run): the backbone stays at its start, which an
+    untrained run (--learning-rate 0) from the same seed saves too; the scalar head has moved."""
+    from safetensors.torch import load_file
+
+    def saved(*extra):
+        summary = run_script("rlhf_reward_model", *TINY, "--sft-epochs", "0", *extra, runs_dir=runs_dir)
+        return load_file(str(Path(summary["run_dir"]) / "reward_model" / "model.safetensors"))
+
+    frozen, untrained = saved("--head-only-fraction", "1.0"), saved("--learning-rate", "0")
+    backbone = [k for k in frozen if k != "score.weight" and ".ln_f." not in k]  # ln_f: the normalization's shift
+    assert backbone and all(torch.equal(frozen[k], untrained[k]) for k in backbone)
+    assert not torch.allclose(frozen["score.weight"], untrained["score.weight"])
+
+
 def test_smoke_kwise_softmax(runs_dir):
     summary = run_script("rlhf_reward_model", *TINY, "--loss", "kwise", "--kwise-form", "softmax", runs_dir=runs_dir)
     assert summary["args"]["kwise_form"] == "softmax"
