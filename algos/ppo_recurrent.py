@@ -138,17 +138,15 @@ class Args:
     gae_lambda: float = 0.95
     """the GAE lambda (0: one-step TD advantages from the critic); with `--returns gae` only"""
     returns: Literal["gae", "mc"] = "gae"
-    """`gae`: GAE-lambda, bootstrapped from V at every rollout end and (with `--bootstrap-truncated`) at truncations;
-    `mc`: pure Monte Carlo, nothing bootstrapped: each rollout resets the envs and runs until every env finished its
-    episode (at most `num_steps`, which must cover the time limit); A_t = G_t - V(o_t) on those episodes only"""
+    """`gae`: GAE-lambda, bootstrapped from V at rollout ends and (`--bootstrap-truncated`) truncations; `mc`: Monte
+    Carlo, A_t = G_t - V(o_t) on each env's first episode of a rollout (`num_steps` must cover the time limit)"""
     bootstrap_truncated: bool = True
     """on truncation (time limit) add gamma * V(final obs) to the last reward; terminations never bootstrap"""
     reward_scale: float = 1.0
     """multiply rewards by this before learning (logged returns are unscaled)"""
     norm_reward: bool = False
     """divide the rewards learned from by a running std of each env's discounted return, clipped to [-10, 10] (SB3's
-    VecNormalize(norm_reward=True), gymnasium's NormalizeReward); the network's r_{t-1} input and the logged returns
-    stay unnormalized"""
+    VecNormalize(norm_reward=True)); the network's r_{t-1} input and the logged returns stay raw"""
     num_minibatches: int = 4
     """the number of minibatches per epoch; each holds num_envs / num_minibatches whole env sequences"""
     update_epochs: int = 4
