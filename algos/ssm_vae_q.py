@@ -250,11 +250,10 @@ def eval_env_seed(seed: int) -> int:
     return EVAL_SEED_STRIDE * (seed + 1)
 
 
-# not dqn_framestack's `linear_schedule`: the same line with another rounding order (t / duration), which changes the
-# last bits of epsilon; a name of its own keeps this script's numbers as they were
-def linear_epsilon(start_e: float, end_e: float, duration: int, t: int) -> float:
-    """epsilon(t): linear from start_e to end_e over `duration` steps (at least 1), then constant."""
-    return max(start_e + (end_e - start_e) * t / max(duration, 1), end_e)
+def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> float:
+    """epsilon(t): linear from start_e to end_e over `duration` steps, then constant (CleanRL's schedule)."""
+    slope = (end_e - start_e) / duration
+    return max(slope * t + start_e, end_e)
 
 
 # ---------------------------------------------------------------- models
@@ -413,7 +412,7 @@ def main():
 
     # ALGO LOGIC: collect with the online filter, learn model + Q interleaved on replayed chunks
     num_iterations = 0 if args.eval_only else args.total_timesteps // args.num_envs
-    decay_steps = int(args.exploration_fraction * args.total_timesteps)  # epsilon decays linearly over these
+    decay_steps = max(int(args.exploration_fraction * args.total_timesteps), 1)  # epsilon decays linearly over these
     obs, _ = venv.reset(seed=args.seed)
     venv.action_space.seed(args.seed)
     h = torch.zeros(args.num_envs, args.deter_size, device=device)
@@ -440,7 +439,7 @@ def main():
                 online_err.extend(err.tolist())
             q_values = q_net(torch.cat([h, post[0]], -1))
         # 3. epsilon-greedy action
-        epsilon = linear_epsilon(args.start_e, args.end_e, decay_steps, global_step)
+        epsilon = linear_schedule(args.start_e, args.end_e, decay_steps, global_step)
         epsilon = 1.0 if global_step < args.learning_starts else epsilon  # uniformly random warm-up
         explore = rng.random(args.num_envs) < epsilon
         actions = np.where(explore, rng.integers(0, args.num_actions, args.num_envs), q_values.argmax(-1).cpu().numpy())
