@@ -2,7 +2,7 @@
 # benchmark.sh: run the experiments behind the lecture's claims, check every claim's prediction, write results + plots.
 #
 #   bash benchmark.sh --quick                       # 1 seed, the quick experiments (parts 1 and 2)
-#   bash benchmark.sh --quick --seeds "1 2 3 4 5"   # the same on 5 seeds (what README's numbers come from)
+#   bash benchmark.sh --quick --seeds "1 2 3 4 5"   # the same on 5 seeds (what docs/results.md publishes)
 #   bash benchmark.sh                               # full: quick + full-mode experiments (dialogue, ...), 3 seeds
 #   bash benchmark.sh --only 'tmaze|tiger' --jobs 2 # --only: a regex over experiment ids
 #   bash benchmark.sh --aggregate results/<stamp>   # re-check and re-plot an earlier run's folder
@@ -156,21 +156,21 @@ full: cql_utterance | GuessTheImage: per-utterance CQL (CHAI-style) beats BC (th
 full: cql_utterance | Problem 21.4, per utterance: the horizon is the number of turns, each step chooses among every utterance the tokenizer can write (the data's numbers) | dialogue_cql_utterance | timestep/rl_steps_per_dialogue,timestep/action_space_log10,timestep/distinct_data_utterances | ~5 steps of ~10^24 actions (per token: the ilql row above) | info
 EOF
 )
-# Settings shared by the small discrete-observation DQN runs (TMaze, ThreeStateLine), substituted above.
 # RL Zoo's RecurrentPPO (ppo_lstm) recipe for CartPoleNoVel, substituted above: 8 envs x 32 steps, 20 epochs on the
-# whole batch, no entropy bonus, normalized observations; changed (issue 28, ppo_recurrent detail 7): rewards over the
-# running std of the return instead of per-minibatch advantage normalization, gamma 0.99 (zoo 0.98), lambda 0.95 (0.8).
+# whole batch, no entropy bonus, normalized observations; changed (ppo_recurrent detail 7): rewards over the running
+# std of the return instead of per-minibatch advantage normalization, gamma 0.99 (zoo 0.98), lambda 0.95 (0.8).
 PPO_CARTPOLE_ARGS="--num-envs 8 --num-steps 32 --num-minibatches 1 --update-epochs 20 --gamma 0.99 --gae-lambda 0.95 --ent-coef 0 --norm-obs --norm-reward --no-norm-adv --total-timesteps 100000"
 EXPERIMENTS="${EXPERIMENTS//PPO_CARTPOLE_ARGS/$PPO_CARTPOLE_ARGS}"
-# R2D2 on MaskedCartPole (issue 28, r2d2_rnnstate docstring): inputs over their bounds, gamma 0.995 with 10-step
+# R2D2 on MaskedCartPole (r2d2_rnnstate's implementation details): inputs over their bounds, gamma 0.995 with 10-step
 # returns, learning rate 2e-3 annealed to 0, 64 sequences an update every 3 vector steps, a 128-unit LSTM; greedy
 # checks every 5000 steps.
 R2D2_CARTPOLE_ARGS="--env-id seqrl/MaskedCartPole-v0 --total-timesteps 150000 --eval-episodes 20 --select-frequency 5000 --scale-obs --gamma 0.995 --n-step 10 --learning-rate 2e-3 --anneal-lr --batch-size 64 --train-frequency 3 --hidden-size 128"
 EXPERIMENTS="${EXPERIMENTS//R2D2_CARTPOLE_ARGS/$R2D2_CARTPOLE_ARGS}"
-# The cost study's runs (issue 27): the same replay size, batch and updates for every method and length; 250 updates
+# The cost study's runs: the same replay size, batch and updates for every method and length; 250 updates
 # after 8000 acted steps, timed, not trained to convergence (run them alone, --jobs 1, on an otherwise idle machine).
 COST_ARGS="--buffer-size 30000 --batch-size 32 --total-timesteps 16000 --learning-starts 8000 --eval-episodes 1 --final-delta-q-sequences 64 --save-every 0"
 EXPERIMENTS="${EXPERIMENTS//COST_ARGS/$COST_ARGS}"
+# Settings shared by the small discrete-observation DQN runs (TMaze, ThreeStateLine), substituted above.
 DQN_SMALL_ARGS="--n-step 1 --difference-scale 0 --learning-rate 5e-4 --train-frequency 1 --gradient-steps 1 --batch-size 128 --exploration-fraction 0.5 --end-e 0.05 --hidden-size 128 --target-network-frequency 500"
 EXPERIMENTS="${EXPERIMENTS//DQN_SMALL_ARGS/$DQN_SMALL_ARGS}"
 
@@ -966,7 +966,7 @@ def run_info(folder: Folder) -> dict:
     return {
         "folder": folder_name(folder.out),
         "date": date,
-        "machine": f"{meta.get('cpu', '?')}, {meta.get('cores', '?')} cores, {meta.get('jobs', '?')} runs at a time",
+        "machine": f"{meta.get('cpu', '?')}, {meta.get('cores', '?')} cores, --jobs {meta.get('jobs', '?')}",
         "command": f"bash benchmark.sh {meta.get('argv', '')}".strip(),
         "commit": meta.get("git", "unknown"),
         "seeds": folder.seeds,
