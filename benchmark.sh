@@ -981,9 +981,11 @@ def untrained_info(folder: Folder) -> dict:
     return {"folder": folder_name(folder.out), "head": head, "holds": by_kind["holds"], "errors": by_kind["error"]}
 
 
-def headline_values(claim: dict) -> dict:
-    """What the README's table shows of a script's headline experiment: its command and its published values."""
-    return {k: claim.get(k) for k in ("command", "folder", "seeds", "values", "wall_time_s")}
+def headline(row: dict, claims: list[dict]) -> dict:
+    """A HEADLINES row with what the README's table shows of it: the command and published values of the first claim
+    line of its experiment that shows its metric."""
+    claim = next(c for c in claims if c["id"] == row["id"] and row["metric"] in c["metrics"])
+    return row | {k: claim.get(k) for k in ("command", "folder", "seeds", "values", "wall_time_s")}
 
 
 def published_claim(e: dict, first_cmd: dict, trained: list[Folder]) -> dict:
@@ -1026,7 +1028,6 @@ def publish(spec: Path, figures_file: Path, headlines_file: Path, paths: list[Pa
     for e in experiments:
         first_cmd.setdefault(e["id"], e["cmd"])
     claims = [published_claim(e, first_cmd, trained) for e in experiments]
-    by_id = {c["id"]: c for c in claims}
     figure_dir = DOCS / "figures"
     figure_dir.mkdir(parents=True, exist_ok=True)
     for old in figure_dir.glob("*.png"):  # a figure that no published run drew must not stay behind
@@ -1044,7 +1045,7 @@ def publish(spec: Path, figures_file: Path, headlines_file: Path, paths: list[Pa
         "untrained": [untrained_info(f) for f in folders if f.untrained],
         "claims": claims,
         "figures": [{"name": row[1], "title": row[2], "folder": drawn.get(f"{row[1]}.png")} for row in figures],
-        "headlines": [h | headline_values(by_id[h["id"]]) for h in headlines],
+        "headlines": [headline(row, claims) for row in headlines],
     }
     (DOCS / "results.json").write_text(json.dumps(data, indent=1) + "\n")
     (DOCS / "results.md").write_text(render_page(data))

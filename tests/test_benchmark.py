@@ -301,7 +301,7 @@ def test_every_experiment_line_of_benchmark_sh_parses():
 
 
 def test_bad_usage_is_a_one_line_error():
-    for args in (["--seeds", "one"], ["--jobs", "0"], ["--nonsense"]):
+    for args in (["--seeds", "one"], ["--jobs", "0"], ["--nonsense"], ["--publish"], ["--publish", "no/such/folder"]):
         proc = subprocess.run(["bash", str(ROOT / "benchmark.sh"), *args], capture_output=True, text=True)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)
 

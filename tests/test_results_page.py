@@ -58,6 +58,8 @@ def test_the_published_page_carries_every_claim_line_of_benchmark_sh():
     ids = list(dict.fromkeys(claim["id"] for claim in data["claims"]))
     assert all(page.count(f'<a id="{exp_id}"></a>') == 1 for exp_id in ids)  # one anchor per id
     assert all(claim["check"] and claim["command"] for claim in data["claims"])
+    for row in data["headlines"]:  # README's headline of a script that ran has its values
+        assert not row["folder"] or len(row["values"][row["metric"]]) == len(row["seeds"]), row
     for figure in data["figures"]:  # a figure the page shows is in docs/figures/
         assert not figure["folder"] or (ROOT / "docs" / "figures" / f"{figure['name']}.png").is_file()
 
