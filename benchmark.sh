@@ -2,13 +2,16 @@
 # benchmark.sh: run the experiments behind the lecture's claims, check every claim's prediction, write results + plots.
 #
 #   bash benchmark.sh --quick                       # 1 seed, the quick experiments (parts 1 and 2)
-#   bash benchmark.sh --quick --seeds "1 2 3 4 5"   # the same on 5 seeds (what README's numbers come from)
+#   bash benchmark.sh --quick --seeds "1 2 3 4 5"   # the same on 5 seeds (what docs/results.md publishes)
 #   bash benchmark.sh                               # full: quick + full-mode experiments (dialogue, ...), 3 seeds
 #   bash benchmark.sh --only 'tmaze|tiger' --jobs 2 # --only: a regex over experiment ids
 #   bash benchmark.sh --aggregate results/<stamp>   # re-check and re-plot an earlier run's folder
 #   bash benchmark.sh --validate                    # parse every experiment line and check, run nothing
 #   bash benchmark.sh --quick --untrained           # control: the same runs with learning cut to nothing (UNTRAINED
 #                                                   # below); every positive claim must fail there
+#   bash benchmark.sh --publish results/<a> results/<b> ...  # publish runs: docs/results.md, docs/results.json,
+#                                                   # docs/figures/, README's results table (between its markers)
+#   bash benchmark.sh --check-published             # exit 1, a line per reason, if docs/results.* is stale
 #
 # Each run is `python algos/<script>.py --seed S --runs-dir <out>/runs/<id>/seed<S> <args>`; its summary.json is read
 # back. Output goes to a new folder results/<timestamp>/ (never overwriting earlier results):
@@ -19,9 +22,17 @@
 # --untrained writes results/<timestamp>-untrained/ (no figures): results.md opens with "positive claims failing
 # untrained: X of Y" and lists the positive claims that hold untrained (they cannot fail: a check to redesign), the
 # errors (a crashed run or a missing metric: nothing to judge), the negative controls and the rows left out (why).
+# --publish reads one or more results folders (e.g. a 5-seed --quick run, a full-mode run, an -untrained control; a
+# relative path from the current directory or the repository) and writes, for every claim line of this file in its
+# order: its command, per-seed values, mean and range, check and verdict, from the first folder given that ran its
+# experiment with its command (else "not run in the published runs"); an anchor per experiment id
+# (docs/results.md#<id>); the folders' date, machine, command, commit, seeds and wall times; the untrained control's
+# line. docs/results.json holds the same, and the page and README's table are rendered from it alone:
+# --check-published re-renders them and compares every claim line's id, command and check with this file.
 # Exit status: 0 if every run finished and every checked claim holds (--untrained: every positive claim fails), 1
 # otherwise (written after everything), 2 for bad usage or a malformed experiment line.
 set -uo pipefail
+CALLER_DIR=$PWD  # --publish folders may be given relative to it
 cd "$(dirname "$0")"
 {  # the whole script is one block, parsed before it runs, so editing this file mid-run cannot change a run
 
@@ -31,6 +42,8 @@ ONLY=""
 AGGREGATE=""
 VALIDATE=0
 UNTRAINED=0
+PUBLISH=()
+CHECK_PUBLISHED=0
 JOBS=$(nproc 2>/dev/null || echo 2)
 ARGV="$*"
 while [ $# -gt 0 ]; do
@@ -42,7 +55,11 @@ while [ $# -gt 0 ]; do
     --aggregate) AGGREGATE="${2:?--aggregate needs a results folder}"; shift ;;
     --validate) VALIDATE=1 ;;
     --untrained) UNTRAINED=1 ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    --publish)
+      while [ $# -gt 1 ] && [[ "$2" != --* ]]; do PUBLISH+=("$2"); shift; done
+      [ ${#PUBLISH[@]} -gt 0 ] || { echo "benchmark.sh: --publish needs results folders" >&2; exit 2; } ;;
+    --check-published) CHECK_PUBLISHED=1 ;;
+    -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;;
     *) echo "benchmark.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
   shift
@@ -139,21 +156,21 @@ full: cql_utterance | GuessTheImage: per-utterance CQL (CHAI-style) beats BC (th
 full: cql_utterance | Problem 21.4, per utterance: the horizon is the number of turns, each step chooses among every utterance the tokenizer can write (the data's numbers) | dialogue_cql_utterance | timestep/rl_steps_per_dialogue,timestep/action_space_log10,timestep/distinct_data_utterances | ~5 steps of ~10^24 actions (per token: the ilql row above) | info
 EOF
 )
-# Settings shared by the small discrete-observation DQN runs (TMaze, ThreeStateLine), substituted above.
 # RL Zoo's RecurrentPPO (ppo_lstm) recipe for CartPoleNoVel, substituted above: 8 envs x 32 steps, 20 epochs on the
-# whole batch, no entropy bonus, normalized observations; changed (issue 28, ppo_recurrent detail 7): rewards over the
-# running std of the return instead of per-minibatch advantage normalization, gamma 0.99 (zoo 0.98), lambda 0.95 (0.8).
+# whole batch, no entropy bonus, normalized observations; changed (ppo_recurrent detail 7): rewards over the running
+# std of the return instead of per-minibatch advantage normalization, gamma 0.99 (zoo 0.98), lambda 0.95 (0.8).
 PPO_CARTPOLE_ARGS="--num-envs 8 --num-steps 32 --num-minibatches 1 --update-epochs 20 --gamma 0.99 --gae-lambda 0.95 --ent-coef 0 --norm-obs --norm-reward --no-norm-adv --total-timesteps 100000"
 EXPERIMENTS="${EXPERIMENTS//PPO_CARTPOLE_ARGS/$PPO_CARTPOLE_ARGS}"
-# R2D2 on MaskedCartPole (issue 28, r2d2_rnnstate docstring): inputs over their bounds, gamma 0.995 with 10-step
+# R2D2 on MaskedCartPole (r2d2_rnnstate's implementation details): inputs over their bounds, gamma 0.995 with 10-step
 # returns, learning rate 2e-3 annealed to 0, 64 sequences an update every 3 vector steps, a 128-unit LSTM; greedy
 # checks every 5000 steps.
 R2D2_CARTPOLE_ARGS="--env-id seqrl/MaskedCartPole-v0 --total-timesteps 150000 --eval-episodes 20 --select-frequency 5000 --scale-obs --gamma 0.995 --n-step 10 --learning-rate 2e-3 --anneal-lr --batch-size 64 --train-frequency 3 --hidden-size 128"
 EXPERIMENTS="${EXPERIMENTS//R2D2_CARTPOLE_ARGS/$R2D2_CARTPOLE_ARGS}"
-# The cost study's runs (issue 27): the same replay size, batch and updates for every method and length; 250 updates
+# The cost study's runs: the same replay size, batch and updates for every method and length; 250 updates
 # after 8000 acted steps, timed, not trained to convergence (run them alone, --jobs 1, on an otherwise idle machine).
 COST_ARGS="--buffer-size 30000 --batch-size 32 --total-timesteps 16000 --learning-starts 8000 --eval-episodes 1 --final-delta-q-sequences 64 --save-every 0"
 EXPERIMENTS="${EXPERIMENTS//COST_ARGS/$COST_ARGS}"
+# Settings shared by the small discrete-observation DQN runs (TMaze, ThreeStateLine), substituted above.
 DQN_SMALL_ARGS="--n-step 1 --difference-scale 0 --learning-rate 5e-4 --train-frequency 1 --gradient-steps 1 --batch-size 128 --exploration-fraction 0.5 --end-e 0.05 --hidden-size 128 --target-network-frequency 500"
 EXPERIMENTS="${EXPERIMENTS//DQN_SMALL_ARGS/$DQN_SMALL_ARGS}"
 
@@ -169,6 +186,21 @@ rlhf_reward_model | --sft-epochs 0 --epochs 1 --learning-rate 0 | a random backb
 rlhf_ppo_kl | --sft-epochs 0 --rm-epochs 0 --num-updates 0 | random SFT policy and reward model (their 10 + 6 epochs cost ~1 min a run), no PPO update: the policy is the SFT policy
 ilql_per_token | --num-steps 0 | no gradient step, every beta head of the initial network evaluated
 dialogue_cql_utterance | --bc-epochs 0 --critic-steps 0 | the initial proposer and critic (its candidate generation and evaluation still take ~5 min)
+EOF
+)
+
+# README's results table (written by --publish): per script, the experiment and metric of its headline result
+#   script | experiment id | metric | what it shows
+HEADLINES=$(cat <<'EOF'
+ppo_recurrent | ppo_cartpole_gru | eval/episodic_return | memory restores the Markov property: PPO with a GRU balances MaskedCartPole
+dqn_framestack | dqn_cartpole_k4 | eval/episodic_return | a 4-frame stack recovers MaskedCartPole's velocities for DQN
+r2d2_rnnstate | r2d2_cartpole | eval/episodic_return | R2D2: recurrent Q-learning from replay with stored states and a burn-in
+r2d2_trxl_memory | trxl_tmaze20 | eval/success_rate | a Transformer-XL memory stored in replay carries the TMaze cue past every window
+ssm_vae_q | ssm_twodoors | eval/episodic_return | Q-learning on a latent belief state beats the best memoryless policy (TwoDoors)
+rlhf_reward_model | rlhf_rm | eval/preference_accuracy | a Bradley-Terry reward model learns the labeler's preferences
+rlhf_ppo_kl | rlhf_kl_sweep0.1 | eval/gold_reward | PPO with a KL penalty raises the hidden gold reward without over-optimizing
+ilql_per_token | ilql | eval/episodic_return | offline RL per token (ILQL) beats behavior cloning on a dialogue task
+dialogue_cql_utterance | cql_utterance | eval/episodic_return | offline RL per utterance (CQL) on the same dialogue task
 EOF
 )
 
@@ -195,15 +227,19 @@ EOF
 )
 
 AGG_PY=$(cat <<'PY'
-"""Check every claim of a benchmark folder, write results.md and the figures. Modes: validate, aggregate."""
+"""Check every claim of a benchmark folder, write results.md and the figures; publish folders to docs/.
+
+Modes: validate, aggregate, publish, check-published (see the end of this file)."""
 
 import ast
 import json
 import math
 import re
 import shlex
+import shutil
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 SMOOTH_EPISODES = 20  # smallest rolling-mean window (episodes) of the charts/ curves in the figures ...
@@ -214,8 +250,25 @@ CONSISTENCY_PREFIX = "consistency:"  # a figure-vs-evaluation check: judged when
 NEGATIVE_RE = re.compile(r"negative\((?P<pair>[^)]*)\):(?P<check>.*)")  # `negative(<id>): <check>`
 ID_RE = re.compile(r"[A-Za-z_][\w.\-]*")
 FUNCS = {"abs": abs, "min": min, "max": max}
-ALLOWED = (ast.Expression, ast.Compare, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Load, ast.Call,
-           ast.Add, ast.Sub, ast.Mult, ast.USub, ast.UAdd, ast.Lt, ast.LtE, ast.Gt, ast.GtE)  # fmt: skip
+ALLOWED = (
+    ast.Expression,
+    ast.Compare,
+    ast.BinOp,
+    ast.UnaryOp,
+    ast.Constant,
+    ast.Name,
+    ast.Load,
+    ast.Call,
+    ast.Add,
+    ast.Sub,
+    ast.Mult,
+    ast.USub,
+    ast.UAdd,
+    ast.Lt,
+    ast.LtE,
+    ast.Gt,
+    ast.GtE,
+)
 
 
 class CheckError(ValueError):
@@ -246,7 +299,9 @@ def parse_condition(text: str) -> dict:
         bad |= isinstance(node, ast.Name) and not (node.id.startswith("_r") or node.id in FUNCS)
         bad |= isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in FUNCS)
         if bad:
-            raise CheckError(f"{body!r}: {type(node).__name__} is not allowed (numbers, metric refs, + - *, abs/min/max)")
+            raise CheckError(
+                f"{body!r}: {type(node).__name__} is not allowed (numbers, metric refs, + - *, abs/min/max)"
+            )
     if not refs:
         raise CheckError(f"{body!r} names no metric")
     return {"mean": mean, "code": compile(tree, "<check>", "eval"), "refs": refs, "text": text}
@@ -255,8 +310,10 @@ def parse_condition(text: str) -> dict:
 def parse_line(line: str, where: str) -> dict:
     fields = [f.strip() for f in line.split("|")]
     if len(fields) != 6:
-        raise CheckError(f"{where}: needs 6 '|'-separated fields (id | claim | command | metrics | prediction | "
-                         f"check), got {len(fields)}")  # fmt: skip
+        raise CheckError(
+            f"{where}: needs 6 '|'-separated fields (id | claim | command | metrics | prediction | "
+            f"check), got {len(fields)}"
+        )
     exp_id, claim, cmd, metrics, prediction, check = fields
     if not ID_RE.fullmatch(exp_id):
         raise CheckError(f"{where}: bad experiment id {exp_id!r}")
@@ -266,8 +323,10 @@ def parse_line(line: str, where: str) -> dict:
     if match := NEGATIVE_RE.fullmatch(check):
         negative, body = match.group("pair").strip(), match.group("check").strip()
         if not ID_RE.fullmatch(negative):
-            raise CheckError(f"{where} (id {exp_id}): `negative(<id>):` must name the experiment of the positive "
-                             f"claim it pairs with, got {negative!r}")  # fmt: skip
+            raise CheckError(
+                f"{where} (id {exp_id}): `negative(<id>):` must name the experiment of the positive "
+                f"claim it pairs with, got {negative!r}"
+            )
     if not body or ((negative or consistency) and body == "info"):
         raise CheckError(f"{where}: empty check (write a prediction the results can test, or `info`)")
     conditions = []
@@ -277,9 +336,19 @@ def parse_line(line: str, where: str) -> dict:
                 conditions.append(parse_condition(part))
             except CheckError as err:
                 raise CheckError(f"{where} (id {exp_id}): check {err}") from None
-    return dict(id=exp_id, claim=claim, cmd=cmd, metrics=[m.strip() for m in metrics.split(",") if m.strip()],
-                prediction=prediction, check=body, negative=negative, consistency=consistency, conditions=conditions,
-                where=where)  # fmt: skip
+    return dict(
+        id=exp_id,
+        claim=claim,
+        cmd=cmd,
+        metrics=[m.strip() for m in metrics.split(",") if m.strip()],
+        prediction=prediction,
+        check=body,
+        check_as_written=check,  # with its `negative(...)` or `consistency:` prefix
+        negative=negative,
+        consistency=consistency,
+        conditions=conditions,
+        where=where,
+    )
 
 
 def env_of(cmd: str):
@@ -318,13 +387,17 @@ def parse_experiments(lines: list[tuple[str, str]], strict: bool = True) -> list
             continue
         positive = [x for x in experiments if x["id"] == e["negative"] and x["conditions"] and not x["negative"]]
         if not positive:
-            raise CheckError(f"{e['where']} (id {e['id']}): negative control without a pair: no line with id "
-                             f"{e['negative']!r} states a positive claim (a check that is neither `info` nor "
-                             f"`negative(...)`)")  # fmt: skip
+            raise CheckError(
+                f"{e['where']} (id {e['id']}): negative control without a pair: no line with id "
+                f"{e['negative']!r} states a positive claim (a check that is neither `info` nor "
+                f"`negative(...)`)"
+            )
         if env_of(e["cmd"]) != env_of(positive[0]["cmd"]):
-            raise CheckError(f"{e['where']} (id {e['id']}): negative control on {env_of(e['cmd'])}, its pair "
-                             f"{e['negative']!r} on {env_of(positive[0]['cmd'])}: pair it with a claim on the same "
-                             f"task")  # fmt: skip
+            raise CheckError(
+                f"{e['where']} (id {e['id']}): negative control on {env_of(e['cmd'])}, its pair "
+                f"{e['negative']!r} on {env_of(positive[0]['cmd'])}: pair it with a claim on the same "
+                f"task"
+            )
     return experiments
 
 
@@ -351,12 +424,16 @@ def evaluate_claim(e: dict, metric_of, seeds: list[int], ran: set) -> dict:
         return {"status": "not checked", "text": f"not checked: {', '.join(missing)} not run"}
     per_seed, failures, mean_ok, absent, held = {}, [], True, [], []
     for cond in e["conditions"]:
-        def values(seed):
+
+        def values(seed, cond=cond):
             return [metric_of(exp or e["id"], metric, seed) for exp, metric in cond["refs"]]
 
         for seed in seeds:
-            absent += [f"seed {seed}: {(x + ':') if x else ''}{m}"
-                       for (x, m), v in zip(cond["refs"], values(seed), strict=True) if v is None]  # fmt: skip
+            absent += [
+                f"seed {seed}: {(x + ':') if x else ''}{m}"
+                for (x, m), v in zip(cond["refs"], values(seed), strict=True)
+                if v is None
+            ]
         if cond["mean"]:
             columns = [values(s) for s in seeds]
             complete = [col for col in columns if None not in col]
@@ -370,7 +447,7 @@ def evaluate_claim(e: dict, metric_of, seeds: list[int], ran: set) -> dict:
             if ok:
                 held.append(cond["text"])
             else:
-                shown = ", ".join(f"{m}={fmt(v)}" for (_, m), v in zip(cond["refs"], means))
+                shown = ", ".join(f"{m}={fmt(v)}" for (_, m), v in zip(cond["refs"], means, strict=True))
                 failures.append(f"`{cond['text']}` false on the means ({shown})")
             continue
         all_ok = True
@@ -380,7 +457,9 @@ def evaluate_claim(e: dict, metric_of, seeds: list[int], ran: set) -> dict:
             per_seed[seed] = per_seed.get(seed, True) and ok
             all_ok &= ok
             if not ok:
-                shown = ", ".join(f"{(x + ':') if x else ''}{m}={fmt(v)}" for (x, m), v in zip(cond["refs"], vals))
+                shown = ", ".join(
+                    f"{(x + ':') if x else ''}{m}={fmt(v)}" for (x, m), v in zip(cond["refs"], vals, strict=True)
+                )
                 failures.append(f"seed {seed}: `{cond['text']}` false ({shown})")
         if all_ok:
             held.append(cond["text"])
@@ -395,22 +474,29 @@ def evaluate_claim(e: dict, metric_of, seeds: list[int], ran: set) -> dict:
     if failures:
         text += ": " + "; ".join(failures)
     seed_ok = {seed: mean_ok and per_seed.get(seed, True) for seed in seeds}
-    return {"status": "holds" if holds else "fails", "text": text, "seed_ok": seed_ok,
-            "absent": list(dict.fromkeys(absent)), "held": held}  # fmt: skip
+    return {
+        "status": "holds" if holds else "fails",
+        "text": text,
+        "seed_ok": seed_ok,
+        "absent": list(dict.fromkeys(absent)),
+        "held": held,
+    }
 
 
 def untrained_verdict(e: dict, verdict: dict | None, seeds: list[int], pair_status: dict) -> tuple[str, str]:
     """--untrained: (kind, text) of one claim row. kind: `fails` (a positive claim that fails on every seed: its check
     can fail), `holds` (a positive claim that holds on some seed: it cannot fail), `error` (a value to judge is
-    missing: a crashed run or a metric the script did not write), `negative` (a negative control, left out), `consistency` (left out), `info`
-    and `not checked` (left out)."""
+    missing: a crashed run or a metric the script did not write), `negative` (a negative control, left out),
+    `consistency` (left out), `info` and `not checked` (left out)."""
     if verdict is None:
         return "info", "left out: an anchor or a fact of the data (reported, not judged)"
     if verdict["status"] == "not checked":
         return "not checked", f"left out: {verdict['text']}"
     if e["consistency"]:
-        return "consistency", ("left out: a consistency check (the training curve against the run's own evaluation), "
-                               "not a learning claim; an untrained run has no training curve")  # fmt: skip
+        return "consistency", (
+            "left out: a consistency check (the training curve against the run's own evaluation), "
+            "not a learning claim; an untrained run has no training curve"
+        )
     if verdict["absent"]:
         return "error", f"**ERROR** (nothing to judge: no value for {', '.join(verdict['absent'])})"
     held_on = [seed for seed in seeds if verdict["seed_ok"][seed]]
@@ -427,13 +513,49 @@ def untrained_verdict(e: dict, verdict: dict | None, seeds: list[int], pair_stat
     return "fails", text
 
 
-def aggregate(out: Path) -> int:
-    lines = [(line, f"experiments.txt line {i}") for i, line in enumerate((out / "experiments.txt").read_text()
-             .splitlines(), start=1) if line.strip() and not line.startswith("#")]  # fmt: skip
+@dataclass
+class Folder:
+    """A results folder as a run left it: its experiment lines (experiments.txt), meta.json, and per experiment id the
+    summary.json of each seed that finished and the seeds whose run left none (crashed)."""
+
+    out: Path
+    experiments: list[dict]
+    meta: dict
+    summaries: dict  # id -> seed -> summary.json
+    crashed: dict  # id -> seeds without a summary.json
+    seeds: list[int]
+
+    @property
+    def untrained(self) -> bool:
+        return str(self.meta.get("untrained", "0")) == "1"
+
+    @property
+    def ran(self) -> set:
+        return set(self.summaries) | set(self.crashed)
+
+    def metric_of(self, exp_id: str, metric: str, seed: int):
+        value = self.summaries.get(exp_id, {}).get(seed, {}).get("metrics", {}).get(metric)
+        return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+    def wall_times(self, exp_id: str) -> list[float]:
+        runs = self.summaries.get(exp_id, {})
+        return [runs[s]["wall_time_s"] for s in sorted(runs) if "wall_time_s" in runs[s]]
+
+    def run_counts(self) -> tuple[int, int]:
+        """(runs finished, runs started)."""
+        n_ok = sum(len(runs) for runs in self.summaries.values())
+        return n_ok, n_ok + sum(len(seeds) for seeds in self.crashed.values())
+
+
+def read_folder(out: Path) -> Folder:
+    lines = [
+        (line, f"experiments.txt line {i}")
+        for i, line in enumerate((out / "experiments.txt").read_text().splitlines(), start=1)
+        if line.strip() and not line.startswith("#")
+    ]
     experiments = parse_experiments(lines, strict=False)
     meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").is_file() else {}
-    untrained = str(meta.get("untrained", "0")) == "1"
-    summaries, crashed = defaultdict(dict), defaultdict(list)  # id -> seed -> summary; id -> seeds without one
+    summaries, crashed = defaultdict(dict), defaultdict(list)
     for exp_id in dict.fromkeys(e["id"] for e in experiments):
         for seed_dir in sorted((out / "runs" / exp_id).glob("seed*")):
             seed = int(seed_dir.name[len("seed") :])
@@ -445,137 +567,200 @@ def aggregate(out: Path) -> int:
     seeds = [int(s) for s in meta.get("seeds", "").split()] or sorted(
         {s for d in summaries.values() for s in d} | {s for v in crashed.values() for s in v}
     )
-    ran = {exp_id for exp_id in summaries} | {exp_id for exp_id in crashed}
+    return Folder(out, experiments, meta, dict(summaries), dict(crashed), seeds)
 
-    def metric_of(exp_id, metric, seed):
-        value = summaries.get(exp_id, {}).get(seed, {}).get("metrics", {}).get(metric)
-        return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
-    rows = []  # (n, experiment, measured cells, verdict or None)
-    for n, e in enumerate(experiments, start=1):
-        if e["id"] not in ran:
-            continue
-        cells = []
-        for metric in e["metrics"]:
-            vals = [metric_of(e["id"], metric, s) for s in seeds]
-            got = [v for v in vals if v is not None]
-            summary = f" (mean {fmt(mean_std(got)[0])} ± {fmt(mean_std(got)[1])})" if len(got) > 1 else ""
-            cells.append(f"`{metric}`: {' / '.join(fmt(v) for v in vals)}{summary}")
-        rows.append((n, e, cells, evaluate_claim(e, metric_of, seeds, ran) if e["conditions"] else None))
-    verdicts = [v["status"] for _, _, _, v in rows if v is not None]
+def judge(experiments: list[dict], folder: Folder, ran: set) -> list[tuple[int, dict, dict | None]]:
+    """(line number, experiment, verdict or None for `info`) of each line whose experiment is in `ran`."""
+    return [
+        (n, e, evaluate_claim(e, folder.metric_of, folder.seeds, ran) if e["conditions"] else None)
+        for n, e in enumerate(experiments, start=1)
+        if e["id"] in ran
+    ]
 
-    # --untrained: judge each row as a control (see untrained_verdict); a negative control shows its pair's state
-    kinds = {}
-    for n, e, _, verdict in rows:
-        if not e["negative"]:
-            kinds[n] = untrained_verdict(e, verdict, seeds, {})
+
+def untrained_kinds(rows, seeds: list[int]) -> dict:
+    """--untrained: line number -> (kind, text) of each judged row (see untrained_verdict); a negative control shows
+    the state of its pair."""
+    kinds = {n: untrained_verdict(e, verdict, seeds, {}) for n, e, verdict in rows if not e["negative"]}
     pair_status = {}
-    for n, e, _, _ in rows:
+    for n, e, _ in rows:
         if n in kinds and kinds[n][0] in ("fails", "holds", "error"):
             state = {"fails": "fails untrained", "holds": "HOLDS untrained", "error": "error untrained"}[kinds[n][0]]
             if pair_status.get(e["id"], "fails untrained") == "fails untrained":
                 pair_status[e["id"]] = state
-    for n, e, _, verdict in rows:
+    for n, e, verdict in rows:
         if e["negative"]:
             kinds[n] = untrained_verdict(e, verdict, seeds, pair_status)
+    return kinds
+
+
+def untrained_summary(folder: Folder) -> tuple[str, dict, dict]:
+    """The untrained control's head line ("positive claims failing untrained: X of Y ..."), its rows by kind, and the
+    kind of each row."""
+    rows = judge(folder.experiments, folder, folder.ran)
+    kinds = untrained_kinds(rows, folder.seeds)
+    by_kind = defaultdict(list)
+    for n, e, _ in rows:
+        by_kind[kinds[n][0]].append(f"- #{n} {e['id']}: {e['claim']} — {kinds[n][1]}")
+    n_ok, n_runs = folder.run_counts()
+    n_pos = len(by_kind["fails"]) + len(by_kind["holds"]) + len(by_kind["error"])
+    head = f"**positive claims failing untrained: {len(by_kind['fails'])} of {n_pos}**"
+    head += f" · holding untrained (cannot fail): {len(by_kind['holds'])}"
+    head += f" · errors (nothing to judge): {len(by_kind['error'])} · runs finished: {n_ok} of {n_runs}"
+    left_out = [
+        f"{len(by_kind[k])} {label}"
+        for k, label in [
+            ("negative", "negative controls"),
+            ("info", "info rows"),
+            ("consistency", "consistency checks"),
+            ("not checked", "not checked"),
+        ]
+        if by_kind[k]
+    ]
+    if left_out:
+        head += f" · left out: {', '.join(left_out)}"
+    return head, by_kind, kinds
+
+
+def measured(values: list) -> str:
+    """Per-seed values in seed order, then the mean ± sample std over the seeds that have one."""
+    got = [v for v in values if v is not None]
+    summary = f" (mean {fmt(mean_std(got)[0])} ± {fmt(mean_std(got)[1])})" if len(got) > 1 else ""
+    return " / ".join(fmt(v) for v in values) + summary
+
+
+def aggregate(out: Path) -> int:
+    folder = read_folder(out)
+    experiments, seeds, untrained = folder.experiments, folder.seeds, folder.untrained
+    rows = judge(experiments, folder, folder.ran)
+    verdicts = [v["status"] for _, _, v in rows if v is not None]
+    if untrained:
+        head, by_kind, kinds = untrained_summary(folder)
 
     claim_rows = []
-    for n, e, cells, verdict in rows:
+    for n, e, verdict in rows:
+        cells = [f"`{m}`: {measured([folder.metric_of(e['id'], m, s) for s in seeds])}" for m in e["metrics"]]
         check = "—" if not e["conditions"] else "`" + e["check"].replace("|", "\\|") + "`"
         if e["negative"]:
             check = f"negative control (pairs with {e['negative']}): {check}"
         text = verdict["text"] if verdict else "reported (anchor or fact of the data, not a claim)"
         untrained_cell = f" {kinds[n][1]} |" if untrained else ""
-        claim_rows.append(f"| {n} | {e['claim']} | {'<br>'.join(cells)} | {e['prediction']} | {check} | "
-                          f"{text} |{untrained_cell}")  # fmt: skip
+        claim_rows.append(
+            f"| {n} | {e['claim']} | {'<br>'.join(cells)} | {e['prediction']} | {check} | {text} |{untrained_cell}"
+        )
 
-    run_rows, n_runs, n_ok = [], 0, 0
+    run_rows = []
     for exp_id in dict.fromkeys(e["id"] for e in experiments):
-        if exp_id not in ran:
+        if exp_id not in folder.ran:
             continue
         e = next(x for x in experiments if x["id"] == exp_id)
-        ok_seeds, bad = sorted(summaries[exp_id]), crashed[exp_id]
-        n_runs, n_ok = n_runs + len(ok_seeds) + len(bad), n_ok + len(ok_seeds)
-        times = [summaries[exp_id][s]["wall_time_s"] for s in ok_seeds if "wall_time_s" in summaries[exp_id][s]]
+        ok_seeds, bad = sorted(folder.summaries.get(exp_id, {})), folder.crashed.get(exp_id, [])
+        times = folder.wall_times(exp_id)
         status = f"finished {len(ok_seeds)}/{len(ok_seeds) + len(bad)}"
         if bad:
             status = f"**CRASHED** seeds {', '.join(map(str, bad))} (see logs/) · " + status
-        script, _, script_args = e["cmd"].partition(" ")
         wall = f"{sum(times) / len(times):.0f}" if times else "—"
-        run_rows.append(f"| {exp_id} | `python algos/{script}.py {script_args}` | {status} | {wall} |")
+        run_rows.append(f"| {exp_id} | `{python_command(e['cmd'])}` | {status} | {wall} |")
 
+    n_ok, n_runs = folder.run_counts()
     n_hold, n_fail = verdicts.count("holds"), verdicts.count("fails")
     n_checked, n_unchecked = n_hold + n_fail, verdicts.count("not checked")
+    meta = folder.meta
     minutes = f"{meta['total_s'] / 60:.1f} min" if "total_s" in meta else "unknown"
     about = [
         f"- seeds: {' '.join(map(str, seeds))}; command: `bash benchmark.sh {meta.get('argv', '')}`; "
         f"git: {meta.get('git', '?')}",
         f"- machine: {meta.get('cpu', '?')}, {meta.get('cores', '?')} cores; {meta.get('jobs', '?')} runs at a time, "
         "one torch thread each; total wall time " + minutes,
-    ]  # fmt: skip
-    table_head = "| # | claim | measured | lecture predicts | check | verdict |" + (" untrained control |" if untrained
-                                                                                 else "")  # fmt: skip
+    ]
+    table_head = "| # | claim | measured | lecture predicts | check | verdict |"
+    if untrained:
+        table_head += " untrained control |"
     table = [table_head, "|---" * (7 if untrained else 6) + "|", *claim_rows]
-    runs = ["## Runs", "", "| experiment | command (plus `--seed S`) | status | wall time per run (s) |",
-            "|---|---|---|---|", *run_rows]  # fmt: skip
+    runs = [
+        "## Runs",
+        "",
+        "| experiment | command (plus `--seed S`) | status | wall time per run (s) |",
+        "|---|---|---|---|",
+        *run_rows,
+    ]
     if not untrained:
         head = f"**claims holding: {n_hold} of {n_checked}**"
         if n_unchecked:
             head += f" ({n_unchecked} not checked: an experiment they compare with was not run)"
         head += f" · runs finished: {n_ok} of {n_runs}"
         doc = [
-            "# seqrl benchmark results", "", head, "", *about,
+            "# seqrl benchmark results",
+            "",
+            head,
+            "",
+            *about,
             "- Single-seed numbers differ across CPUs (torch's CPU kernels round differently per instruction set); the "
-            "checks are set with margin so that they hold on other seeds and machines.", "",
-            "## Claims", "",
+            "checks are set with margin so that they hold on other seeds and machines.",
+            "",
+            "## Claims",
+            "",
             "Measured: per-seed values in seed order (mean ± sample std over seeds). Check: evaluated on every seed "
-            "(`mean:` conditions on the means over seeds).", "",
-            *table, "", *runs,
-        ]  # fmt: skip
+            "(`mean:` conditions on the means over seeds).",
+            "",
+            *table,
+            "",
+            *runs,
+        ]
         rc = 0 if n_fail == 0 and n_ok == n_runs else 1
     else:
-        by_kind = defaultdict(list)
-        for n, e, _, _ in rows:
-            by_kind[kinds[n][0]].append(f"- #{n} {e['id']}: {e['claim']} — {kinds[n][1]}")
-        n_pos = len(by_kind["fails"]) + len(by_kind["holds"]) + len(by_kind["error"])
-        head = f"**positive claims failing untrained: {len(by_kind['fails'])} of {n_pos}**"
-        head += f" · holding untrained (cannot fail): {len(by_kind['holds'])}"
-        head += f" · errors (nothing to judge): {len(by_kind['error'])} · runs finished: {n_ok} of {n_runs}"
-        left_out = [f"{len(by_kind[k])} {label}" for k, label in [("negative", "negative controls"), ("info", "info "
-                    "rows"), ("consistency", "consistency checks"), ("not checked", "not checked")] if by_kind[k]]  # fmt: skip
-        if left_out:
-            head += f" · left out: {', '.join(left_out)}"
         table_file = out / "untrained.txt"  # the UNTRAINED_TABLE rows of the scripts that ran
-        cut_rows = [[f.strip() for f in line.split("|")] for line in table_file.read_text().splitlines()
-                    if line.strip()] if table_file.is_file() else []  # fmt: skip
-        scripts = {e["cmd"].split()[0] for e in experiments if e["id"] in ran and e["cmd"].split()}
+        cut_rows = (
+            [[f.strip() for f in line.split("|")] for line in table_file.read_text().splitlines() if line.strip()]
+            if table_file.is_file()
+            else []
+        )
+        scripts = {e["cmd"].split()[0] for e in experiments if e["id"] in folder.ran and e["cmd"].split()}
         cut = [f"- `{r[0]}`: `{r[1]}`: {r[2]}" for r in cut_rows if len(r) == 3 and r[0] in scripts]
-        sections = [("holds", "Positive claims that hold untrained: they cannot fail (redesign the check)"),
-                    ("error", "Errors: no value to judge (a crashed run, see Runs, or a metric missing from "
-                     "summary.json)"),
-                    ("fails", "Positive claims that fail untrained (as they must)"),
-                    ("negative", "Negative controls (a prediction of failure holds untrained by nature: left out)"),
-                    ("info", "Info rows (anchors and facts of the data, not judged: left out)"),
-                    ("consistency", "Consistency checks (a training curve against its own evaluation: an untrained run "
-                     "has none, left out)"),
-                    ("not checked", "Not checked (an experiment they compare with was not run: left out)")]  # fmt: skip
+        sections = [
+            ("holds", "Positive claims that hold untrained: they cannot fail (redesign the check)"),
+            ("error", "Errors: no value to judge (a crashed run, see Runs, or a metric missing from summary.json)"),
+            ("fails", "Positive claims that fail untrained (as they must)"),
+            ("negative", "Negative controls (a prediction of failure holds untrained by nature: left out)"),
+            ("info", "Info rows (anchors and facts of the data, not judged: left out)"),
+            (
+                "consistency",
+                "Consistency checks (a training curve against its own evaluation: an untrained run has none, left out)",
+            ),
+            ("not checked", "Not checked (an experiment they compare with was not run: left out)"),
+        ]
         doc = [
-            "# seqrl benchmark results: untrained control", "", head, "", *about,
+            "# seqrl benchmark results: untrained control",
+            "",
+            head,
+            "",
+            *about,
             "- Every run's learning is cut to nothing (the arguments below are appended to its command), the "
             "evaluation unchanged. A claim that something was learned must fail here; one that holds cannot fail.",
-            *cut, "", "## Untrained control", "",
-        ]  # fmt: skip
+            *cut,
+            "",
+            "## Untrained control",
+            "",
+        ]
         for kind, title in sections:
             if by_kind[kind]:
                 doc += [f"### {title}", "", *by_kind[kind], ""]
-        doc += ["## Claims", "", "Measured untrained: per-seed values in seed order. Verdict: the check as in a "
-                "trained run.", "", *table, "", *runs]  # fmt: skip
+        doc += [
+            "## Claims",
+            "",
+            "Measured untrained: per-seed values in seed order. Verdict: the check as in a trained run.",
+            "",
+            *table,
+            "",
+            *runs,
+        ]
         rc = 0 if not by_kind["holds"] and not by_kind["error"] and n_ok == n_runs else 1
     (out / "results.md").write_text("\n".join(doc) + "\n")
     print("\n".join(doc))
     if not untrained:  # the figures show learning: none in the untrained control
         try:
-            plot(out, summaries, seeds, metric_of)
+            plot(out, folder.summaries, seeds, folder.metric_of)
         except ImportError as err:  # matplotlib or tensorboard missing: the table is still complete
             print(f"no figures: {err}")
     print(f"\n{head.replace('**', '')}\nwrote {out / 'results.md'}")
@@ -597,8 +782,11 @@ def plot(out: Path, summaries, seeds, metric_of):
     import matplotlib
 
     matplotlib.use("Agg")
-    figures = [[f.strip() for f in line.split("|")] for line in (out / "figures.txt").read_text().splitlines()
-               if line.strip() and not line.startswith("#")]  # fmt: skip
+    figures = [
+        [f.strip() for f in line.split("|")]
+        for line in (out / "figures.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     for fields in figures:
         try:
             draw(out, summaries, seeds, metric_of, *fields)
@@ -651,7 +839,7 @@ def draw(out: Path, summaries, seeds, metric_of, kind, name, title, series, ylab
     elif kind == "bar":
         fig, ax = plt.subplots(figsize=(6.4, 4))
         xs, drawn = np.arange(len(pairs)), 0
-        for x, (label, ref) in zip(xs, pairs):
+        for x, (_, ref) in zip(xs, pairs, strict=True):
             exp_id, metric = ref.split(":", 1)
             vals = [v for v in (metric_of(exp_id, metric, s) for s in seeds) if v is not None]
             if vals:
@@ -677,11 +865,13 @@ def draw(out: Path, summaries, seeds, metric_of, kind, name, title, series, ylab
             label = exp_id.replace(series, "beta=") if path.parts[-3] == f"seed{seeds[0]}" else None
             axes[0].plot(kl, [p["gold_reward"] for p in points], ".-", color=color, alpha=0.6, label=label)
             axes[1].plot(kl, [p["proxy_reward"] for p in points], ".-", color=color, alpha=0.6)
-            axes[2].plot(np.sqrt(np.maximum(kl, 0)), [p["gold_reward"] for p in points], ".-", color=color,
-                         alpha=0.6)  # fmt: skip
-        for ax, (xl, yl) in zip(axes, [("KL(pi || pi_SFT)", "gold reward (hidden utility)"),
-                                       ("KL(pi || pi_SFT)", "proxy reward (learned RM)"),
-                                       ("sqrt KL (Gao et al. 2022)", "gold reward")]):  # fmt: skip
+            axes[2].plot(np.sqrt(np.maximum(kl, 0)), [p["gold_reward"] for p in points], ".-", color=color, alpha=0.6)
+        labels = [
+            ("KL(pi || pi_SFT)", "gold reward (hidden utility)"),
+            ("KL(pi || pi_SFT)", "proxy reward (learned RM)"),
+            ("sqrt KL (Gao et al. 2022)", "gold reward"),
+        ]
+        for ax, (xl, yl) in zip(axes, labels, strict=True):
             ax.set_xlabel(xl)
             ax.set_ylabel(yl)
             ax.grid(alpha=0.3)
@@ -701,32 +891,421 @@ def draw(out: Path, summaries, seeds, metric_of, kind, name, title, series, ylab
     plt.close(fig)
 
 
-if __name__ == "__main__":
-    mode, path = sys.argv[1], Path(sys.argv[2])
+# --publish: docs/results.json holds what was published (per claim line of benchmark.sh: its id, command and check as
+# written, and the values, verdict and folder); docs/results.md and README.md's results table are rendered from it
+# alone, so --check-published can re-render them and compare.
+DOCS = Path("docs")
+README = Path("README.md")
+README_BEGIN = "<!-- BEGIN results table: written by benchmark.sh --publish -->"
+README_END = "<!-- END results table -->"
+NOT_RUN = "not run in the published runs"
+STAMP_RE = re.compile(r"(\d{4})(\d{2})(\d{2})-(\d{2})(\d{2})\d{2}")  # results/<YYYYmmdd-HHMMSS>: the run's start
+
+
+def read_table(path: Path, n_fields: int, name: str, layout: str) -> list[list[str]]:
+    """The rows of a `|`-separated table of benchmark.sh (UNTRAINED_TABLE, HEADLINES, FIGURES)."""
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), start=1):
+        row = [f.strip() for f in line.split("|")]
+        if line.strip() and not line.startswith("#"):
+            if len(row) != n_fields:
+                raise CheckError(f"{name} line {i}: needs `{layout}`")
+            rows.append(row)
+    return rows
+
+
+def read_benchmark_lines(path: Path) -> list[dict]:
+    """The experiment lines of benchmark.sh (`quick:` or `full:` then the six fields), every check parsed."""
+    lines = []
+    for i, line in enumerate(path.read_text().splitlines(), start=1):
+        mode, colon, spec = line.partition(":")
+        if line.strip() and (not colon or mode.strip() not in ("quick", "full")):
+            raise CheckError(f"experiment line {i}: starts with {mode.strip()!r}, not `quick:` or `full:`")
+        if spec.strip():
+            lines.append((mode.strip(), spec, f"experiment line {i}"))
+    experiments = parse_experiments([(spec, where) for _, spec, where in lines])
+    for e, (mode, _, _) in zip(experiments, lines, strict=True):
+        e["mode"] = mode
+    return experiments
+
+
+def read_headlines(path: Path, experiments: list[dict]) -> list[dict]:
+    """HEADLINES: one row per script, naming an experiment of that script and one of its metrics."""
+    metrics, script_of = defaultdict(set), {}
+    for e in experiments:
+        metrics[e["id"]].update(e["metrics"])
+        script_of[e["id"]] = e["cmd"].split()[0] if e["cmd"].split() else ""
+    rows = read_table(path, 4, "HEADLINES", "script | experiment id | metric | what it shows")
+    headlines = [dict(zip(("script", "id", "metric", "shows"), row, strict=True)) for row in rows]
+    for h in headlines:
+        if h["id"] not in script_of:
+            raise CheckError(f"HEADLINES row {h['script']}: no experiment line has id {h['id']!r}")
+        if script_of[h["id"]] != h["script"]:
+            raise CheckError(f"HEADLINES row {h['script']}: {h['id']} runs {script_of[h['id']]}, not {h['script']}")
+        if h["metric"] not in metrics[h["id"]]:
+            raise CheckError(f"HEADLINES row {h['script']}: {h['id']} shows no metric {h['metric']!r}")
+    scripts = [h["script"] for h in headlines]
+    for script in dict.fromkeys(script_of.values()):
+        if scripts.count(script) != 1:
+            raise CheckError(f"HEADLINES: script {script!r} needs one row, has {scripts.count(script)}")
+    return headlines
+
+
+def folder_name(path: Path) -> str:
+    """A results folder as the page names it: relative to the repository (the working directory), else its name."""
     try:
-        if mode == "validate":  # the selected experiment lines (and every line, for the refs) must parse
-            lines = []
-            for i, line in enumerate(path.read_text().splitlines(), start=1):
-                mode, colon, spec = line.partition(":")
-                if line.strip() and (not colon or mode.strip() not in ("quick", "full")):
-                    raise CheckError(f"experiment line {i}: starts with {mode.strip()!r}, not `quick:` or `full:`")
-                lines.append((spec, f"experiment line {i}"))
-            experiments = parse_experiments([(spec, where) for spec, where in lines if spec.strip()])
-            if len(sys.argv) > 3:  # the --untrained table: one row per script, each script of a line has one
-                cut = {}
-                for i, line in enumerate(Path(sys.argv[3]).read_text().splitlines(), start=1):
-                    row = [f.strip() for f in line.split("|")]
-                    if line.strip() and (len(row) != 3 or not row[1].startswith("--")):
-                        raise CheckError(f"UNTRAINED_TABLE line {i}: needs `script | --arguments | what is left`")
-                    if line.strip():
-                        cut[row[0]] = row[1]
-                for e in experiments:
-                    script = e["cmd"].split()[0] if e["cmd"].split() else ""
-                    if script not in cut:
-                        raise CheckError(f"{e['where']} (id {e['id']}): script {script!r} has no UNTRAINED_TABLE "
-                                         "row (the arguments that cut its learning to nothing)")  # fmt: skip
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path.resolve().name
+
+
+def run_info(folder: Folder) -> dict:
+    meta, (n_ok, n_runs) = folder.meta, folder.run_counts()
+    stamp = STAMP_RE.search(folder.out.resolve().name)
+    date = meta.get("date") or (f"{stamp[1]}-{stamp[2]}-{stamp[3]} {stamp[4]}:{stamp[5]}" if stamp else "unknown")
+    return {
+        "folder": folder_name(folder.out),
+        "date": date,
+        "machine": f"{meta.get('cpu', '?')}, {meta.get('cores', '?')} cores, --jobs {meta.get('jobs', '?')}",
+        "command": f"bash benchmark.sh {meta.get('argv', '')}".strip(),
+        "commit": meta.get("git", "unknown"),
+        "seeds": folder.seeds,
+        "untrained": folder.untrained,
+        "runs_finished": f"{n_ok} of {n_runs}",
+        "total_s": meta.get("total_s"),
+    }
+
+
+def untrained_info(folder: Folder) -> dict:
+    head, by_kind, _ = untrained_summary(folder)
+    return {"folder": folder_name(folder.out), "head": head, "holds": by_kind["holds"], "errors": by_kind["error"]}
+
+
+def headline(row: dict, claims: list[dict]) -> dict:
+    """A HEADLINES row with what the README's table shows of it: the command and published values of the first claim
+    line of its experiment that shows its metric."""
+    claim = next(c for c in claims if c["id"] == row["id"] and row["metric"] in c["metrics"])
+    return row | {k: claim.get(k) for k in ("command", "folder", "seeds", "values", "wall_time_s")}
+
+
+def published_claim(e: dict, first_cmd: dict, trained: list[Folder]) -> dict:
+    """One claim line of benchmark.sh, judged in the first folder that ran its experiment with its command (a folder
+    run with another command for an experiment counts as not having run it, also for the checks that refer to it)."""
+    claim = {k: e[k] for k in ("id", "mode", "claim", "metrics", "prediction")}
+    claim |= {"command": e["cmd"], "check": e["check_as_written"], "folder": None, "status": "not run"}
+    claim["verdict"] = NOT_RUN
+    for folder in trained:
+        ran = {x["id"] for x in folder.experiments if first_cmd.get(x["id"]) == x["cmd"]} & folder.ran
+        if e["id"] not in ran:
+            continue
+        verdict = evaluate_claim(e, folder.metric_of, folder.seeds, ran) if e["conditions"] else None
+        values = {m: [folder.metric_of(e["id"], m, s) for s in folder.seeds] for m in e["metrics"]}
+        got = {m: [v for v in vals if v is not None] for m, vals in values.items()}
+        return claim | {
+            "folder": folder_name(folder.out),
+            "seeds": folder.seeds,
+            "values": values,
+            "mean": {m: sum(v) / len(v) if v else None for m, v in got.items()},
+            "range": {m: [min(v), max(v)] if v else None for m, v in got.items()},
+            "status": verdict["status"] if verdict else "info",
+            "verdict": verdict["text"] if verdict else "reported (anchor or fact of the data, not a claim)",
+            "crashed_seeds": folder.crashed.get(e["id"], []),
+            "wall_time_s": folder.wall_times(e["id"]),
+        }
+    return claim
+
+
+def publish(spec: Path, figures_file: Path, headlines_file: Path, paths: list[Path]) -> int:
+    experiments = read_benchmark_lines(spec)
+    headlines = read_headlines(headlines_file, experiments)
+    folders = []
+    for path in paths:
+        if not (path / "experiments.txt").is_file():
+            raise CheckError(f"--publish: {path} is not a results folder (no experiments.txt)")
+        folders.append(read_folder(path))
+    trained = [f for f in folders if not f.untrained]
+    first_cmd = {}
+    for e in experiments:
+        first_cmd.setdefault(e["id"], e["cmd"])
+    claims = [published_claim(e, first_cmd, trained) for e in experiments]
+    figure_dir = DOCS / "figures"
+    figure_dir.mkdir(parents=True, exist_ok=True)
+    for old in figure_dir.glob("*.png"):  # a figure that no published run drew must not stay behind
+        old.unlink()
+    drawn = {}
+    for folder in trained:
+        for png in sorted(folder.out.glob("*.png")):
+            if png.name not in drawn:
+                shutil.copyfile(png, figure_dir / png.name)
+                drawn[png.name] = folder_name(folder.out)
+    figures = read_table(figures_file, 6, "FIGURES", "kind | file | title | series | y | reference")
+    data = {
+        "command": "bash benchmark.sh --publish " + " ".join(folder_name(f.out) for f in folders),
+        "runs": [run_info(f) for f in folders],
+        "untrained": [untrained_info(f) for f in folders if f.untrained],
+        "claims": claims,
+        "figures": [{"name": row[1], "title": row[2], "folder": drawn.get(f"{row[1]}.png")} for row in figures],
+        "headlines": [headline(row, claims) for row in headlines],
+    }
+    (DOCS / "results.json").write_text(json.dumps(data, indent=1) + "\n")
+    (DOCS / "results.md").write_text(render_page(data))
+    print(f"wrote {DOCS / 'results.md'}, {DOCS / 'results.json'} and {len(drawn)} figures in {figure_dir}")
+    if README.is_file() and README_BEGIN in README.read_text():
+        README.write_text(readme_with_table(README.read_text(), data))
+        print(f"rewrote the results table of {README}")
+    else:
+        print(f"{README} has no `{README_BEGIN}` line: its results table is not written", file=sys.stderr)
+    return 0
+
+
+def check_published(spec: Path, headlines_file: Path) -> int:
+    experiments = read_benchmark_lines(spec)
+    reasons = stale_reasons(experiments, read_headlines(headlines_file, experiments))
+    for reason in reasons:
+        print(f"benchmark.sh: stale: {reason}", file=sys.stderr)
+    if reasons:
+        return 1
+    print(f"{DOCS / 'results.json'} and {DOCS / 'results.md'} carry every claim line of benchmark.sh as it is")
+    return 0
+
+
+def stale_reasons(experiments: list[dict], headlines: list[dict]) -> list[str]:
+    """Why the published page no longer matches benchmark.sh, one line per reason: a claim line (id, command, check)
+    that the page does not carry or one it carries that benchmark.sh no longer has, a changed HEADLINES table, or a
+    results.md or README table that is not what results.json renders."""
+    path = DOCS / "results.json"
+    if not path.is_file():
+        return [f"{path} not found (write it: bash benchmark.sh --publish <results folder> ...)"]
+    data = json.loads(path.read_text())
+    current = [(e["id"], e["cmd"], e["check_as_written"]) for e in experiments]
+    published = [(c["id"], c["command"], c["check"]) for c in data["claims"]]
+    missing, extra = Counter(current) - Counter(published), Counter(published) - Counter(current)
+    reasons = []
+    for e, key in zip(experiments, current, strict=True):
+        if missing[key] > 0:
+            missing[key] -= 1
+            reasons.append(
+                f"{e['where']} (id {e['id']}) is not on the published page (a new line, or its command or check "
+                f"changed): `{e['check_as_written']}`"
+            )
+    for exp_id, _, check in published:
+        if extra[(exp_id, _, check)] > 0:
+            extra[(exp_id, _, check)] -= 1
+            reasons.append(
+                f"published claim of id {exp_id}: benchmark.sh has no line with its command and check `{check}`"
+            )
+    if [{k: h[k] for k in ("script", "id", "metric", "shows")} for h in data["headlines"]] != headlines:
+        reasons.append("the HEADLINES table of benchmark.sh is not the one published")
+    page = DOCS / "results.md"
+    if not page.is_file() or page.read_text() != render_page(data):
+        reasons.append(f"{page} is not what {path} renders (edited by hand, or written by another benchmark.sh)")
+    readme = README.read_text() if README.is_file() else ""
+    if README_BEGIN in readme and readme != readme_with_table(readme, data):
+        reasons.append(f"the results table of {README} is not what {path} renders")
+    return reasons
+
+
+def python_command(cmd: str) -> str:
+    """An experiment's command as a reader types it (benchmark.sh adds `--seed S` and the run directory)."""
+    script, _, args = cmd.partition(" ")
+    return f"python algos/{script}.py {args}".rstrip()
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
+
+
+def short(v: float) -> str:
+    """A headline number: three significant digits, whole numbers from 100 on."""
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def cell(text: str) -> str:
+    """Text in a markdown table cell (a `|` would end the cell)."""
+    return text.replace("|", "\\|")
+
+
+def claim_group(claim: dict) -> list[str]:
+    """The heading of an experiment's lines: its anchor, command, mode, folder and seeds, wall time per run."""
+    info = f"`{python_command(claim['command'])}` (plus `--seed S`) · {claim['mode']}"
+    if claim["folder"] is None:
+        info += f" · **{NOT_RUN}**"
+    else:
+        info += f" · from `{claim['folder']}`, seeds {' '.join(map(str, claim['seeds']))}"
+        if claim["crashed_seeds"]:
+            info += f" · **CRASHED** seeds {', '.join(map(str, claim['crashed_seeds']))}"
+        times = claim["wall_time_s"]
+        if times:
+            info += f" · wall time per run: median {duration(median(times))} ({duration(min(times))} to "
+            info += f"{duration(max(times))})"
+    return [
+        f'### <a id="{claim["id"]}"></a>{claim["id"]}',
+        "",
+        info,
+        "",
+        "| claim | measured | lecture predicts | check | verdict |",
+        "|---|---|---|---|---|",
+    ]
+
+
+def claim_row(claim: dict) -> str:
+    cells = []
+    for metric in claim["metrics"]:
+        if claim["folder"] is None:
+            cells.append(f"`{metric}`: —")
+            continue
+        shown = f"`{metric}`: {' / '.join(fmt(v) for v in claim['values'][metric])}"
+        if claim["range"][metric] is not None:
+            low, high = claim["range"][metric]
+            shown += f" · mean {fmt(claim['mean'][metric])}, range {fmt(low)} to {fmt(high)}"
+        cells.append(shown)
+    verdict = claim["verdict"] if claim["folder"] else NOT_RUN
+    return (
+        f"| {cell(claim['claim'])} | {'<br>'.join(cells)} | {cell(claim['prediction'])} | `{cell(claim['check'])}` "
+        f"| {cell(verdict)} |"
+    )
+
+
+def render_page(data: dict) -> str:
+    claims = data["claims"]
+    statuses = [c["status"] for c in claims]
+    n_hold, n_fail, n_unchecked = statuses.count("holds"), statuses.count("fails"), statuses.count("not checked")
+    head = f"**claims holding: {n_hold} of {n_hold + n_fail}**"
+    if n_unchecked:
+        head += f" ({n_unchecked} not checked: an experiment they compare with was not run)"
+    head += f" · claim lines {NOT_RUN}: {statuses.count('not run')} of {len(claims)}"
+    doc = [
+        "# seqrl benchmark results",
+        "",
+        f"Written by `{data['command']}` from the runs below; not edited by hand (`bash benchmark.sh "
+        "--check-published` fails when this page does not carry every claim line of benchmark.sh as it is).",
+        "",
+        head,
+        "",
+        "## Published runs",
+        "",
+        "| folder | date | machine | command | commit | seeds | runs finished | total wall time |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in data["runs"]:
+        total = duration(run["total_s"]) if run["total_s"] is not None else "unknown"
+        doc.append(
+            f"| `{run['folder']}` | {run['date']} | {run['machine']} | `{cell(run['command'])}` | {run['commit']} | "
+            f"{' '.join(map(str, run['seeds']))} | {run['runs_finished']} | {total} |"
+        )
+    doc += [
+        "",
+        "Single-seed numbers differ across CPUs (torch's CPU kernels round differently per instruction set); the "
+        "checks are set with margin so that they hold on other seeds and machines.",
+        "",
+        "## Untrained control",
+        "",
+        "The same runs with learning cut to nothing (`bash benchmark.sh --quick --untrained`): a claim that something "
+        "was learned must fail there; one that holds cannot fail.",
+        "",
+    ]
+    if not data["untrained"]:
+        doc += ["No untrained control among the published runs.", ""]
+    for control in data["untrained"]:
+        doc += [f"`{control['folder']}`: {control['head']}", ""]
+        if control["holds"]:
+            doc += ["Positive claims that hold untrained (they cannot fail):", "", *control["holds"], ""]
+        else:
+            doc += ["No positive claim holds untrained.", ""]
+        if control["errors"]:
+            doc += ["Errors (no value to judge):", "", *control["errors"], ""]
+    doc += [
+        "## Claims",
+        "",
+        "Every claim line of benchmark.sh in its order, grouped by experiment (one run, several claims); `quick` "
+        "lines run in `--quick` and full mode, `full` lines in full mode only. Measured: per-seed values in seed "
+        "order, then the mean and range (min to max) over seeds. Check: as written in benchmark.sh, evaluated on "
+        "every seed (`mean:` conditions on the means over seeds).",
+        "",
+    ]
+    previous = None
+    for claim in claims:
+        if claim["id"] != previous:
+            doc += ([""] if previous else []) + claim_group(claim)
+            previous = claim["id"]
+        doc.append(claim_row(claim))
+    doc += ["", "## Figures", ""]
+    for figure in data["figures"]:
+        if figure["folder"]:
+            doc += [f"### {figure['name']}", "", f"![{figure['title']}](figures/{figure['name']}.png)", ""]
+    missing = [f"- `{f['name']}`: {f['title']}" for f in data["figures"] if not f["folder"]]
+    if missing:
+        doc += ["Not drawn in the published runs (their experiments were not run):", "", *missing, ""]
+    return "\n".join(doc).rstrip("\n") + "\n"
+
+
+def render_headlines(data: dict) -> list[str]:
+    """README's table of the nine scripts, each with its headline result (HEADLINES in benchmark.sh)."""
+    rows = [
+        "| script | what it shows | headline result (mean, range over seeds) | wall time per run | command |",
+        "|---|---|---|---|---|",
+    ]
+    for h in data["headlines"]:
+        link = f"[{h['id']}](docs/results.md#{h['id']})"
+        values = [v for v in (h["values"] or {}).get(h["metric"], []) if v is not None]
+        result = f"{NOT_RUN}: {link}"
+        if values:
+            spread = f"{short(min(values))} to {short(max(values))}"
+            result = f"`{h['metric']}` {short(sum(values) / len(values))} ({spread}, {len(values)} seeds): {link}"
+        wall = duration(median(h["wall_time_s"])) if h["wall_time_s"] else "—"
+        rows.append(
+            f"| [{h['script']}](docs/{h['script']}.md) | {cell(h['shows'])} | {result} | {wall} | "
+            f"`{python_command(h['command'])}` |"
+        )
+    return rows
+
+
+def readme_with_table(text: str, data: dict) -> str:
+    before, _, rest = text.partition(README_BEGIN)
+    if README_END not in rest:
+        raise CheckError(f"{README}: `{README_BEGIN}` without a `{README_END}` line")
+    after = rest.split(README_END, 1)[1]
+    return before + "\n".join([README_BEGIN, *render_headlines(data), README_END]) + after
+
+
+def check_untrained_table(path: Path, experiments: list[dict]):
+    """UNTRAINED_TABLE: one row per script, and every script of an experiment line has one."""
+    rows = read_table(path, 3, "UNTRAINED_TABLE", "script | --arguments | what is left")
+    for i, row in enumerate(rows, start=1):
+        if not row[1].startswith("--"):
+            raise CheckError(f"UNTRAINED_TABLE line {i}: needs `script | --arguments | what is left`")
+    cut = {row[0] for row in rows}
+    for e in experiments:
+        script = e["cmd"].split()[0] if e["cmd"].split() else ""
+        if script not in cut:
+            raise CheckError(
+                f"{e['where']} (id {e['id']}): script {script!r} has no UNTRAINED_TABLE row (the arguments that cut "
+                "its learning to nothing)"
+            )
+
+
+if __name__ == "__main__":
+    mode, args = sys.argv[1], [Path(a) for a in sys.argv[2:]]
+    try:
+        if mode == "validate":  # every experiment line (for the refs) and the tables of benchmark.sh must parse
+            experiments = read_benchmark_lines(args[0])
+            if len(args) > 1:
+                check_untrained_table(args[1], experiments)
+            if len(args) > 2:
+                read_headlines(args[2], experiments)
             sys.exit(0)
-        sys.exit(aggregate(path))
+        if mode == "publish":  # the caller's directory (relative folders), lines, figures, headlines, folders
+            caller, spec, figures_file, headlines_file, *paths = args
+            folders = [p if p.is_absolute() or not (caller / p).is_dir() else caller / p for p in paths]
+            sys.exit(publish(spec, figures_file, headlines_file, folders))
+        if mode == "check-published":
+            sys.exit(check_published(args[0], args[1]))
+        sys.exit(aggregate(args[0]))
     except CheckError as err:
         print(f"benchmark.sh: {err}", file=sys.stderr)
         sys.exit(2)
@@ -734,13 +1313,21 @@ PY
 )
 
 # Validate every experiment line and check before anything runs (a typo must not cost an hour of runs).
-VALIDATE_FILE=$(mktemp)
-printf '%s\n' "$EXPERIMENTS" | grep -v '^\s*$' >"$VALIDATE_FILE"
-printf '%s\n' "$UNTRAINED_TABLE" >"$VALIDATE_FILE.untrained"
-python3 -c "$AGG_PY" validate "$VALIDATE_FILE" "$VALIDATE_FILE.untrained" || {
-  rc=$?; rm -f "$VALIDATE_FILE" "$VALIDATE_FILE.untrained"; exit $rc; }
-rm -f "$VALIDATE_FILE" "$VALIDATE_FILE.untrained"
+TABLES=$(mktemp -d)
+trap 'rm -rf "$TABLES"' EXIT
+printf '%s\n' "$EXPERIMENTS" | grep -v '^\s*$' >"$TABLES/experiments"
+printf '%s\n' "$UNTRAINED_TABLE" >"$TABLES/untrained"
+printf '%s\n' "$HEADLINES" >"$TABLES/headlines"
+printf '%s\n' "$FIGURES" >"$TABLES/figures"
+python3 -c "$AGG_PY" validate "$TABLES/experiments" "$TABLES/untrained" "$TABLES/headlines" || exit $?
 if [ "$VALIDATE" = 1 ]; then echo "benchmark.sh: every experiment line and check parses"; exit 0; fi
+if [ "$CHECK_PUBLISHED" = 1 ]; then
+  python3 -c "$AGG_PY" check-published "$TABLES/experiments" "$TABLES/headlines"; exit $?
+fi
+if [ ${#PUBLISH[@]} -gt 0 ]; then
+  python3 -c "$AGG_PY" publish "$CALLER_DIR" "$TABLES/experiments" "$TABLES/figures" "$TABLES/headlines" "${PUBLISH[@]}"
+  exit $?
+fi
 
 if [ -n "$AGGREGATE" ]; then
   if [ "$UNTRAINED" = 1 ]; then
@@ -780,8 +1367,9 @@ else
   CPU=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)
   GIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
   [ -z "$(git status --porcelain 2>/dev/null)" ] || GIT="$GIT (with uncommitted changes)"
-  python3 -c 'import json,sys; print(json.dumps(dict(zip(["argv","seeds","jobs","cpu","cores","git","untrained"],
-    sys.argv[1:]))))' "$ARGV" "$SEEDS" "$JOBS" "${CPU:-unknown}" "$(nproc --all)" "$GIT" "$UNTRAINED" >"$OUT/meta.json"
+  python3 -c 'import json,sys; print(json.dumps(dict(zip(["argv","seeds","jobs","cpu","cores","git","untrained","date"],
+    sys.argv[1:]))))' "$ARGV" "$SEEDS" "$JOBS" "${CPU:-unknown}" "$(nproc --all)" "$GIT" "$UNTRAINED" \
+    "$(date '+%Y-%m-%d %H:%M')" >"$OUT/meta.json"
   echo "benchmark: $N_EXP experiments x $N_SEEDS seed(s) = $TOTAL runs, $JOBS at a time -> $OUT"
   export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1
 

@@ -140,8 +140,11 @@ def validate(tmp_path: Path, lines: list[str], untrained_table: str | None = Non
 
 
 def test_lines_sharing_an_id_must_share_the_command(tmp_path):
-    same = ["a | A | s --x 1 | eval/x | - | eval/x >= 0", "b | B | s --x 2 | eval/x | - | eval/x >= 0",
-            "a | A again | s --x 1 | eval/y | - | eval/y >= 0"]  # fmt: skip
+    same = [
+        "a | A | s --x 1 | eval/x | - | eval/x >= 0",
+        "b | B | s --x 2 | eval/x | - | eval/x >= 0",
+        "a | A again | s --x 1 | eval/y | - | eval/y >= 0",
+    ]
     assert validate(tmp_path / "same", same).returncode == 0
     differ = [*same[:2], "a | A again | s --x 3 | eval/y | - | eval/y >= 0"]  # only line 1's command would run
     proc = validate(tmp_path / "differ", differ)
@@ -152,14 +155,15 @@ def test_lines_sharing_an_id_must_share_the_command(tmp_path):
 
 def test_a_negative_control_must_pair_with_a_positive_claim_on_the_same_task(tmp_path):
     gru = "gru | memory solves it | s --env-id T --rnn gru | eval/x | 1 | eval/x >= 0.9"
-    for n, (line, message) in enumerate([
+    cases = [  # (the negative control's line, the error it gets or None)
         ("none | memoryless at chance | s --env-id T | eval/x | 0.5 | negative(gru): eval/x <= 0.6", None),
         ("none | at chance | s --env-id T | eval/x | 0.5 | negative(nothere): eval/x <= 0.6", "without a pair"),
         ("none | at chance | s --env-id T | eval/x | 0.5 | negative(): eval/x <= 0.6", "must name the experiment"),
         ("none | at chance | s --env-id U | eval/x | 0.5 | negative(gru): eval/x <= 0.6", "same task"),
         ("none | at chance | s --env-id T | eval/x | 0.5 | negative(gru): info", "empty check"),
         ("none | at chance | s --env-id T | eval/x | 0.5 | negative(gru):", "empty check"),
-    ]):  # fmt: skip
+    ]
+    for n, (line, message) in enumerate(cases):
         proc = validate(tmp_path / str(n), [gru, line])
         if message is None:
             assert proc.returncode == 0, proc.stderr
@@ -167,8 +171,10 @@ def test_a_negative_control_must_pair_with_a_positive_claim_on_the_same_task(tmp
             assert proc.returncode == 2 and message in proc.stderr, (line, proc.stderr)
             assert "experiment line 2" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     # its pair must be a positive claim: another negative control or an info row is no pair
-    for pair in ["gru | anchor | s --env-id T | eval/x | 1 | info",
-                 "gru | also at chance | s --env-id T | eval/x | 0.5 | negative(none): eval/x <= 0.6"]:  # fmt: skip
+    for pair in [
+        "gru | anchor | s --env-id T | eval/x | 1 | info",
+        "gru | also at chance | s --env-id T | eval/x | 0.5 | negative(none): eval/x <= 0.6",
+    ]:
         line = "none | at chance | s --env-id T | eval/x | 0.5 | negative(gru): eval/x <= 0.6"
         proc = validate(tmp_path / "pair", [pair, line])
         assert proc.returncode == 2 and "without a pair" in proc.stderr, proc.stderr
@@ -260,8 +266,9 @@ def test_untrained_exits_zero_only_when_every_positive_claim_fails(tmp_path):
 
 def test_untrained_crash_or_missing_metric_is_an_error_not_a_failure(tmp_path):
     # every run finished and every other positive claim fails, but one metric is missing: an error, exit 1
-    metrics = untrained_metrics(line={1: {"eval/p": 0.9}, 2: {"eval/p": 0.1}}, mean={1: {"eval/q": -1.0},
-                                                                                     2: {"eval/q": -1.0}})  # fmt: skip
+    metrics = untrained_metrics(
+        line={1: {"eval/p": 0.9}, 2: {"eval/p": 0.1}}, mean={1: {"eval/q": -1.0}, 2: {"eval/q": -1.0}}
+    )
     metrics["cmp"][2] = {"eval/other": 1.0}
     proc = aggregate(make_folder(tmp_path / "missing", UNTRAINED_LINES, metrics, untrained=True))
     text = (tmp_path / "missing" / "results" / "results.md").read_text()
@@ -294,7 +301,7 @@ def test_every_experiment_line_of_benchmark_sh_parses():
 
 
 def test_bad_usage_is_a_one_line_error():
-    for args in (["--seeds", "one"], ["--jobs", "0"], ["--nonsense"]):
+    for args in (["--seeds", "one"], ["--jobs", "0"], ["--nonsense"], ["--publish"], ["--publish", "no/such/folder"]):
         proc = subprocess.run(["bash", str(ROOT / "benchmark.sh"), *args], capture_output=True, text=True)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)
 
@@ -308,8 +315,9 @@ def test_a_consistency_check_is_judged_when_trained_and_left_out_untrained(tmp_p
     assert proc.returncode == 1 and "claims holding: 0 of 1" in proc.stdout, proc.stdout + proc.stderr
     # untrained: no training curve, so nothing to judge; left out with its reason, neither an error nor a claim
     lines = [*UNTRAINED_LINES, line]
-    metrics = untrained_metrics(line={1: {"eval/p": 0.9}, 2: {"eval/p": 0.1}}, mean={1: {"eval/q": -1.0},
-                                                                                     2: {"eval/q": 0.5}})  # fmt: skip
+    metrics = untrained_metrics(
+        line={1: {"eval/p": 0.9}, 2: {"eval/p": 0.1}}, mean={1: {"eval/q": -1.0}, 2: {"eval/q": 0.5}}
+    )
     metrics["curve"] = {1: {"eval/r": 1.0}, 2: {"eval/r": 1.0}}
     proc = aggregate(make_folder(tmp_path / "untrained", lines, metrics, untrained=True))
     text = (tmp_path / "untrained" / "results" / "results.md").read_text()

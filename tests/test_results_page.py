@@ -1,0 +1,197 @@
+"""docs/results.md and docs/results.json, written by `benchmark.sh --publish`, carry every claim line of benchmark.sh
+as it is (id, command after the *_ARGS substitution, check): `benchmark.sh --check-published` says so, and fails with
+one line per reason when a claim line is edited, added or removed, or the page is edited by hand. Runs the tools on
+copies of benchmark.sh and of the published files, and publishes hand-made results folders (no training)."""
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from conftest import ROOT
+from test_benchmark import make_folder
+
+BEGIN = "<!-- BEGIN results table: written by benchmark.sh --publish -->"
+END = "<!-- END results table -->"
+
+
+def run(tree: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(tree / "benchmark.sh"), *args], cwd=tree, capture_output=True, text=True, timeout=120
+    )
+
+
+def stale(proc: subprocess.CompletedProcess) -> list[str]:
+    prefix = "benchmark.sh: stale: "
+    return [line.removeprefix(prefix) for line in proc.stderr.splitlines() if line.startswith(prefix)]
+
+
+def copy_tree(tmp_path: Path) -> Path:
+    """benchmark.sh and the published page, as in the repository."""
+    tree = tmp_path / "tree"
+    (tree / "docs").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmark.sh", tree / "benchmark.sh")
+    for name in ("results.md", "results.json"):
+        shutil.copy(ROOT / "docs" / name, tree / "docs" / name)
+    return tree
+
+
+def edit(tree: Path, old: str, new: str):
+    text = (tree / "benchmark.sh").read_text()
+    assert text.count(old) == 1, old
+    (tree / "benchmark.sh").write_text(text.replace(old, new))
+
+
+def experiment_line(tree: Path, exp_id: str) -> str:
+    """The first experiment line of benchmark.sh with this id."""
+    return next(
+        line for line in (tree / "benchmark.sh").read_text().splitlines() if line.startswith(f"quick: {exp_id} |")
+    )
+
+
+def test_the_published_page_carries_every_claim_line_of_benchmark_sh():
+    proc = run(ROOT, "--check-published")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((ROOT / "docs" / "results.json").read_text())
+    page = (ROOT / "docs" / "results.md").read_text()
+    ids = list(dict.fromkeys(claim["id"] for claim in data["claims"]))
+    assert all(page.count(f'<a id="{exp_id}"></a>') == 1 for exp_id in ids)  # one anchor per id
+    assert all(claim["check"] and claim["command"] for claim in data["claims"])
+    for row in data["headlines"]:  # README's headline of a script that ran has its values
+        assert not row["folder"] or len(row["values"][row["metric"]]) == len(row["seeds"]), row
+    for figure in data["figures"]:  # a figure the page shows is in docs/figures/
+        assert not figure["folder"] or (ROOT / "docs" / "figures" / f"{figure['name']}.png").is_file()
+
+
+def test_an_edited_check_is_stale(tmp_path):
+    tree = copy_tree(tmp_path)
+    assert run(tree, "--check-published").returncode == 0
+    edit(tree, "eval/episodic_length <= 2.3", "eval/episodic_length <= 2.4")
+    proc = run(tree, "--check-published")
+    reasons = stale(proc)
+    assert proc.returncode == 1 and len(reasons) == 2, proc.stderr  # the new line missing, the old one left over
+    assert "(id ppo_line_none) is not on the published page" in reasons[0] and "<= 2.4" in reasons[0]
+    assert "published claim of id ppo_line_none" in reasons[1] and "<= 2.3" in reasons[1]
+
+
+def test_an_added_or_removed_line_is_stale(tmp_path):
+    tree = copy_tree(tmp_path)
+    line = experiment_line(tree, "ppo_line_gru")
+    edit(tree, line, line + "\n" + line.replace("ppo_line_gru |", "ppo_line_gru_copy |"))
+    reasons = stale(run(tree, "--check-published"))
+    assert len(reasons) == 1 and "(id ppo_line_gru_copy) is not on the published page" in reasons[0], reasons
+    tree = copy_tree(tmp_path / "removed")
+    edit(tree, experiment_line(tree, "ppo_cartpole_v1") + "\n", "")
+    reasons = stale(run(tree, "--check-published"))
+    assert len(reasons) == 1 and "published claim of id ppo_cartpole_v1:" in reasons[0], reasons
+
+
+def test_a_changed_command_is_stale_also_through_a_substituted_args_variable(tmp_path):
+    tree = copy_tree(tmp_path)
+    edit(tree, 'PPO_CARTPOLE_ARGS="--num-envs 8 ', 'PPO_CARTPOLE_ARGS="--num-envs 16 ')
+    reasons = stale(run(tree, "--check-published"))
+    users = [line for line in (ROOT / "benchmark.sh").read_text().splitlines() if "PPO_CARTPOLE_ARGS |" in line]
+    assert len(reasons) == 2 * len(users), reasons  # each line missing as it is now, and left over as published
+    assert {re.search(r"id ([\w.]+)", r)[1] for r in reasons} == {
+        "ppo_cartpole_gru",
+        "ppo_cartpole_lstm",
+        "ppo_cartpole_none",
+    }
+
+
+def test_a_hand_edited_page_or_a_missing_one_is_stale(tmp_path):
+    tree = copy_tree(tmp_path)
+    page = tree / "docs" / "results.md"
+    page.write_text(page.read_text().replace("claims holding", "claims holding (edited)"))
+    reasons = stale(run(tree, "--check-published"))
+    assert len(reasons) == 1 and "docs/results.md is not what docs/results.json renders" in reasons[0], reasons
+    (tree / "docs" / "results.json").unlink()
+    reasons = stale(run(tree, "--check-published"))
+    assert len(reasons) == 1 and "docs/results.json not found" in reasons[0]
+
+
+def test_the_headline_table_must_name_an_experiment_and_a_metric_of_its_script(tmp_path):
+    tree = copy_tree(tmp_path)
+    edit(
+        tree, "ilql_per_token | ilql | eval/episodic_return |", "ilql_per_token | ilql_nothere | eval/episodic_return |"
+    )
+    proc = run(tree, "--validate")
+    assert (
+        proc.returncode == 2 and "HEADLINES row ilql_per_token: no experiment line has id 'ilql_nothere'" in proc.stderr
+    )
+    tree = copy_tree(tmp_path / "metric")
+    edit(tree, "ilql_per_token | ilql | eval/episodic_return |", "ilql_per_token | ilql | eval/nothere |")
+    proc = run(tree, "--validate")
+    assert proc.returncode == 2 and "ilql shows no metric 'eval/nothere'" in proc.stderr, proc.stderr
+
+
+def published_folders(tmp_path: Path, tree: Path) -> tuple[Path, Path]:
+    """A trained folder that ran ppo_cartpole_gru and ppo_cartpole_none (2 seeds) with benchmark.sh's commands, and
+    an untrained control of the same runs in which the GRU claim holds on seed 2."""
+    data = json.loads((tree / "docs" / "results.json").read_text())
+    claims = [c for c in data["claims"] if c["id"] in ("ppo_cartpole_gru", "ppo_cartpole_none")]
+    lines = [
+        " | ".join([c["id"], c["claim"], c["command"], ",".join(c["metrics"]), c["prediction"], c["check"]])
+        for c in claims
+    ]
+    trained = {
+        "ppo_cartpole_gru": {
+            1: {"eval/episodic_return": 500.0, "charts/late_episodic_return": 490.0},
+            2: {"eval/episodic_return": 480.0, "charts/late_episodic_return": 470.0},
+        },
+        "ppo_cartpole_none": {1: {"eval/episodic_return": 40.0}, 2: {"eval/episodic_return": 45.0}},
+    }
+    untrained = {
+        "ppo_cartpole_gru": {1: {"eval/episodic_return": 20.0}, 2: {"eval/episodic_return": 480.0}},
+        "ppo_cartpole_none": {1: {"eval/episodic_return": 20.0}, 2: {"eval/episodic_return": 20.0}},
+    }
+    folders = []
+    for name, metrics, is_untrained in [
+        ("20260101-120000", trained, False),
+        ("20260101-130000-untrained", untrained, True),
+    ]:
+        out = make_folder(tmp_path, lines, metrics, untrained=is_untrained).rename(tmp_path / name)
+        for seed_dir in (out / "runs").glob("*/seed*/*"):
+            summary = json.loads((seed_dir / "summary.json").read_text())
+            (seed_dir / "summary.json").write_text(json.dumps(summary | {"wall_time_s": 90.0}))
+        folders.append(out)
+    (folders[0] / "maskedcartpole.png").write_bytes(b"png")
+    return folders[0], folders[1]
+
+
+def test_publish_writes_the_page_the_json_the_figures_and_the_readme_table(tmp_path):
+    tree = copy_tree(tmp_path)
+    (tree / "README.md").write_text(f"# seqrl\n\n{BEGIN}\nold table\n{END}\n\nthe rest\n")
+    trained, control = published_folders(tmp_path, tree)
+    assert stale(run(tree, "--check-published")) == [
+        "the results table of README.md is not what docs/results.json renders"
+    ]
+    proc = run(tree, "--publish", str(trained), str(control))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((tree / "docs" / "results.json").read_text())
+    gru = next(c for c in data["claims"] if c["id"] == "ppo_cartpole_gru")
+    assert gru["folder"] == trained.name and gru["values"]["eval/episodic_return"] == [500.0, 480.0]
+    assert gru["status"] == "holds" and gru["wall_time_s"] == [90.0, 90.0]
+    assert next(c for c in data["claims"] if c["id"] == "ppo_line_none")["status"] == "not run"
+    page = (tree / "docs" / "results.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| MaskedCartPole with a GRU"))
+    assert "500.000 / 480.000 · mean 490.000, range 480.000 to 500.000" in row and "holds 2/2 seeds" in row
+    assert "not run in the published runs" in page and "| `20260101-120000` | 2026-01-01 12:00 |" in page
+    assert "**positive claims failing untrained: 0 of 1**" in page  # the GRU claim holds on seed 2 untrained
+    assert "ppo_cartpole_gru: MaskedCartPole with a GRU" in page.split("they cannot fail):", 1)[1]
+    assert (tree / "docs" / "figures" / "maskedcartpole.png").read_bytes() == b"png"
+    assert "![MaskedCartPole: memory recovers the velocities](figures/maskedcartpole.png)" in page
+    readme = (tree / "README.md").read_text()
+    assert readme.startswith("# seqrl\n\n" + BEGIN + "\n| script |") and readme.endswith(f"{END}\n\nthe rest\n")
+    ppo = next(line for line in readme.splitlines() if line.startswith("| [ppo_recurrent](docs/ppo_recurrent.md)"))
+    assert (
+        "`eval/episodic_return` 490 (480 to 500, 2 seeds): [ppo_cartpole_gru](docs/results.md#ppo_cartpole_gru)" in ppo
+    )
+    assert "| 90 s | `python algos/ppo_recurrent.py --env-id seqrl/MaskedCartPole-v0 --rnn gru --num-envs 8" in ppo
+    assert run(tree, "--check-published").returncode == 0
+    # a folder run with another command for an experiment has not run the current line
+    edit(tree, 'PPO_CARTPOLE_ARGS="--num-envs 8 ', 'PPO_CARTPOLE_ARGS="--num-envs 16 ')
+    assert run(tree, "--publish", str(trained)).returncode == 0
+    data = json.loads((tree / "docs" / "results.json").read_text())
+    assert {c["status"] for c in data["claims"]} == {"not run"}
