@@ -468,9 +468,12 @@ def main():
     target_network = target_network.to(device)
     target_network.load_state_dict(q_network.state_dict())
     rb = FrameStackReplay(
-        args.buffer_size // args.num_envs, args.num_envs, args.obs_dim, args.frame_stack,
+        args.buffer_size // args.num_envs,
+        args.num_envs,
+        args.obs_dim,
+        args.frame_stack,
         num_actions if args.stack_actions else 0,
-    )  # fmt: skip
+    )
     num_iterations = 0 if args.eval_only else args.total_timesteps // args.num_envs  # `--eval-only`: no training
 
     global_step = 0
@@ -531,10 +534,15 @@ def main():
                 num_updates += 1
                 if num_updates % LOG_EVERY_UPDATES == 0:
                     sps = int(global_step / (time.time() - run.start_time))
-                    run.log(global_step, {
-                        "losses/td_loss": loss.item(), "losses/q_values": q_taken.mean().item(),
-                        "charts/learning_rate": optimizer.param_groups[0]["lr"], "charts/SPS": sps,
-                    })  # fmt: skip
+                    run.log(
+                        global_step,
+                        {
+                            "losses/td_loss": loss.item(),
+                            "losses/q_values": q_taken.mean().item(),
+                            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                            "charts/SPS": sps,
+                        },
+                    )
                     print(f"global_step={global_step} epsilon={epsilon:.3f} td_loss={loss.item():.4f} SPS={sps}")
 
         # 6. target network: hard copy (tau = 1) or Polyak average every target_network_frequency env steps

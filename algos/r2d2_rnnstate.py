@@ -321,9 +321,19 @@ class SequenceReplay:
         """Write one row per env (all (E, ...) arrays) and register the sequences whose windows are complete."""
         r = self.t % self.cap
         self.ep_start[first] = self.t
-        for name, value in (("obs", obs), ("first", first), ("final", final), ("terminal", terminal),
-                            ("prev_action", prev_action), ("prev_reward", prev_reward), ("h", h), ("c", c),
-                            ("action", action), ("reward", reward), ("ep_step", self.t - self.ep_start)):  # fmt: skip
+        for name, value in (
+            ("obs", obs),
+            ("first", first),
+            ("final", final),
+            ("terminal", terminal),
+            ("prev_action", prev_action),
+            ("prev_reward", prev_reward),
+            ("h", h),
+            ("c", c),
+            ("action", action),
+            ("reward", reward),
+            ("ep_step", self.t - self.ep_start),
+        ):
             getattr(self, name)[r] = value
         # a window is complete when its last row (t0 + m + n - 1) is written ...
         span = self.m + self.n - 1
@@ -557,18 +567,31 @@ def main():
     eps_v = args.value_rescaling_eps
 
     state = TrainState(
-        q_network, target_network, optimizer, rb, rng, vec_env, obs=vec_env.reset(seed=args.seed)[0],
-        first=np.ones(E, dtype=bool), final=np.zeros(E, dtype=bool), terminal=np.zeros(E, dtype=bool),
-        prev_action=np.full(E, NO_ACTION, dtype=np.int64), prev_reward=np.zeros(E, dtype=np.float32),
-        h=torch.zeros(E, H, device=device), c=torch.zeros(E, H, device=device), ep_return=np.zeros(E),
-        ep_length=np.zeros(E, dtype=int))  # fmt: skip
+        q_network,
+        target_network,
+        optimizer,
+        rb,
+        rng,
+        vec_env,
+        obs=vec_env.reset(seed=args.seed)[0],
+        first=np.ones(E, dtype=bool),
+        final=np.zeros(E, dtype=bool),
+        terminal=np.zeros(E, dtype=bool),
+        prev_action=np.full(E, NO_ACTION, dtype=np.int64),
+        prev_reward=np.zeros(E, dtype=np.float32),
+        h=torch.zeros(E, H, device=device),
+        c=torch.zeros(E, H, device=device),
+        ep_return=np.zeros(E),
+        ep_length=np.zeros(E, dtype=int),
+    )
     global_step = run.restore(state)  # 0, or --resume's step (networks, Adam, replay, rng, envs and loop restored)
     num_vector_steps = 0 if args.eval_only else args.total_timesteps // E
     for step in range(global_step // E, num_vector_steps):
         # 1. act: zero the state at episode starts, epsilon-greedy per env on Q(h_t, .)
         state.prev_action[state.first], state.prev_reward[state.first] = NO_ACTION, 0.0
         q, (state.h, state.c), (h_before, c_before) = actor_step(
-            q_network, state.obs, state.prev_action, state.prev_reward, state.first, (state.h, state.c))  # fmt: skip
+            q_network, state.obs, state.prev_action, state.prev_reward, state.first, (state.h, state.c)
+        )
         greedy = q.argmax(-1).cpu().numpy()  # (E,)
         explore = rng.random(E) < epsilons
         action = np.where(explore, rng.integers(num_actions, size=E), greedy)
@@ -576,16 +599,28 @@ def main():
         # 2. step the envs (NEXT_STEP autoreset: after a final row, this step is the reset step)
         next_obs, reward, term, trunc, infos = vec_env.step(action)
         reward = np.where(state.final, 0.0, reward).astype(np.float32)  # the reset step's reward is not a reward
-        rb.add(state.obs, state.first, state.final, state.terminal, state.prev_action, state.prev_reward, h_before,
-               c_before, action, reward)  # fmt: skip
+        rb.add(
+            state.obs,
+            state.first,
+            state.final,
+            state.terminal,
+            state.prev_action,
+            state.prev_reward,
+            h_before,
+            c_before,
+            action,
+            reward,
+        )
         global_step += E
         state.ep_return += reward
         state.ep_length += ~state.final
         for e in np.nonzero(state.final)[0]:  # the previous step ended these episodes; log them
             state.ep_returns.append(state.ep_return[e])
             state.ep_lengths.append(state.ep_length[e])
-            run.log(global_step, {"charts/episodic_return": state.ep_return[e],
-                                  "charts/episodic_length": state.ep_length[e]})  # fmt: skip
+            run.log(
+                global_step,
+                {"charts/episodic_return": state.ep_return[e], "charts/episodic_length": state.ep_length[e]},
+            )
             state.ep_return[e], state.ep_length[e] = 0.0, 0
         state.first, state.final, state.terminal = next_row_flags(state.final, term, trunc)
         state.obs, state.prev_action, state.prev_reward = next_obs, action, reward
@@ -652,12 +687,20 @@ def main():
 
             if state.num_updates_done % 100 == 0:
                 sps = int(global_step / (time.time() - run.start_time))
-                run.log(global_step, {"losses/td_loss": loss.item(), "losses/q_values": q_taken.mean().item(),
-                                      "charts/SPS": sps,
-                                      "charts/learning_rate": optimizer.param_groups[0]["lr"]})  # fmt: skip
+                run.log(
+                    global_step,
+                    {
+                        "losses/td_loss": loss.item(),
+                        "losses/q_values": q_taken.mean().item(),
+                        "charts/SPS": sps,
+                        "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                    },
+                )
                 recent = np.mean(state.ep_returns[-50:]) if state.ep_returns else float("nan")
-                print(f"global_step={global_step} updates={state.num_updates_done} return(last 50)={recent:.2f} "
-                      f"loss={loss.item():.4f} dq={state.delta_q_log[-1:]} SPS={sps}")  # fmt: skip
+                print(
+                    f"global_step={global_step} updates={state.num_updates_done} return(last 50)={recent:.2f} "
+                    f"loss={loss.item():.4f} dq={state.delta_q_log[-1:]} SPS={sps}"
+                )
         run.end_step(global_step, state)  # env replay info; a checkpoint every --save-every env steps; Ctrl-C: exit
     run.end_training()  # Ctrl-C / SIGTERM stop at once again (a resume would redo what follows)
     vec_env.close()
@@ -667,12 +710,18 @@ def main():
     metrics = {"model/final_delta_q_" + key: value for key, value in final_dq.items() if key != "count"}
     if args.keep_best and state.best_model is not None:  # evaluate the last network too, then switch to the kept one
         last = evaluate(q_network, eval_env, args.eval_episodes, eval_env_seed(args.seed), device)
-        metrics |= {"eval/last_network_episodic_return": last["ret"].mean(), "select/best_global_step": state.best_step,
-                    "select/best_episodic_return": state.best_return}  # fmt: skip
+        metrics |= {
+            "eval/last_network_episodic_return": last["ret"].mean(),
+            "select/best_global_step": state.best_step,
+            "select/best_episodic_return": state.best_return,
+        }
         q_network.load_state_dict(state.best_model)
     result = evaluate(q_network, eval_env, args.eval_episodes, eval_env_seed(args.seed), device)
-    metrics |= {"eval/episodic_return": result["ret"].mean(), "eval/episodic_return_std": result["ret"].std(),
-                "eval/episodic_length": result["length"].mean()}  # fmt: skip
+    metrics |= {
+        "eval/episodic_return": result["ret"].mean(),
+        "eval/episodic_return_std": result["ret"].std(),
+        "eval/episodic_length": result["length"].mean(),
+    }
     if not np.isnan(result["success"]).all():  # the env reports info["success"] (TMaze, Tiger)
         metrics["eval/success_rate"] = np.nanmean(result["success"])
     if state.late_selects:  # the end of the training curve, next to the final evaluation
@@ -700,9 +749,11 @@ def evaluate(net, make_env, episodes: int, seed: int, device) -> dict:
         state = (torch.zeros(1, net.hidden_size, device=device), torch.zeros(1, net.hidden_size, device=device))
         prev_action, prev_reward, total, success = NO_ACTION, 0.0, 0.0, np.nan
         for length in range(1, MAX_EVAL_STEPS + 1):  # noqa: B007  (read after the loop)
-            z = net.encode(torch.as_tensor(obs, dtype=torch.float32, device=device)[None, None],
-                           torch.tensor([[prev_action]], device=device),
-                           torch.tensor([[prev_reward]], dtype=torch.float32, device=device))  # (1, 1, H)  # fmt: skip
+            z = net.encode(
+                torch.as_tensor(obs, dtype=torch.float32, device=device)[None, None],
+                torch.tensor([[prev_action]], device=device),
+                torch.tensor([[prev_reward]], dtype=torch.float32, device=device),
+            )  # (1, 1, H)
             out, state = net.core(z, state)
             action = int(net.head(out)[0, 0].argmax())
             obs, reward, terminated, truncated, info = env.step(action)
@@ -767,8 +818,10 @@ def final_delta_q(net, rb, rng: np.random.Generator, num_sequences: int, device)
     win = to_torch(rb.gather(ids), device)  # rows t0 - L .. t0 + m + n
     trained = {key: value[L:] for key, value in win.items() if key not in ("h0", "c0")}  # rows t0 ..
     anchor_rows, cols = rb.seq_anchor[ids] % rb.cap, rb.seq_env[ids]
-    stored_t0 = (torch.as_tensor(rb.h[anchor_rows, cols], device=device),
-                 torch.as_tensor(rb.c[anchor_rows, cols], device=device))  # fmt: skip
+    stored_t0 = (
+        torch.as_tensor(rb.h[anchor_rows, cols], device=device),
+        torch.as_tensor(rb.c[anchor_rows, cols], device=device),
+    )
     variants = {"zero": unroll(net, trained, zeros, 0)[0], "stored": unroll(net, trained, stored_t0, 0)[0]}
     if L > 0:
         variants["stored_burn_in"] = unroll(net, win, (win["h0"], win["c0"]), L)[0]

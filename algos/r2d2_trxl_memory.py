@@ -379,10 +379,18 @@ class MemoryReplay:  # r2d2_rnnstate.py's SequenceReplay stores LSTM states; thi
     def __init__(self, capacity, num_envs, obs_dim, stored_layers, d_model, seq_len, overlap, lead, n_step):
         self.cap, self.E = capacity, num_envs
         self.m, self.stride, self.lead, self.n = seq_len, seq_len - overlap, lead, n_step
-        row_layout = {"obs": ((obs_dim,), np.float32), "action": ((), np.int64), "reward": ((), np.float32),
-                      "prev_action": ((), np.int64), "prev_reward": ((), np.float32), "first": ((), bool),
-                      "final": ((), bool), "terminal": ((), bool), "ep_step": ((), np.int32),  # step in the episode
-                      "layer_inputs": ((stored_layers, d_model), np.float32)}  # the actor's memory entry  # fmt: skip
+        row_layout = {
+            "obs": ((obs_dim,), np.float32),
+            "action": ((), np.int64),
+            "reward": ((), np.float32),
+            "prev_action": ((), np.int64),
+            "prev_reward": ((), np.float32),
+            "first": ((), bool),
+            "final": ((), bool),
+            "terminal": ((), bool),
+            "ep_step": ((), np.int32),  # step in the episode
+            "layer_inputs": ((stored_layers, d_model), np.float32),
+        }  # the actor's memory entry
         for name, (shape, dtype) in row_layout.items():  # (capacity, num_envs, *shape) arrays
             setattr(self, name, np.zeros((capacity, num_envs, *shape), dtype=dtype))
         self.row_fields = tuple(row_layout)  # what the replay stores per row
@@ -533,13 +541,17 @@ def initial_context(net, memory: str, window: int, num_envs: int, device) -> dic
     """What the actor carries between steps, empty: the memory of the last M rows' layer inputs (memory modes), or
     the last window - 1 rows' inputs to re-encode (window mode); `valid` marks entries of the current episode."""
     if not MEMORY_MODES[memory].acts_on_window:
-        return {"memory": torch.zeros(len(net.blocks), net.span, num_envs, net.d_model, device=device),
-                "valid": torch.zeros(net.span, num_envs, dtype=torch.bool, device=device)}  # fmt: skip
+        return {
+            "memory": torch.zeros(len(net.blocks), net.span, num_envs, net.d_model, device=device),
+            "valid": torch.zeros(net.span, num_envs, dtype=torch.bool, device=device),
+        }
     k = window - 1
-    return {"obs": torch.zeros(k, num_envs, net.obs_dim, device=device),
-            "prev_action": torch.full((k, num_envs), NO_ACTION, device=device),
-            "prev_reward": torch.zeros(k, num_envs, device=device),
-            "valid": torch.zeros(k, num_envs, dtype=torch.bool, device=device)}  # fmt: skip
+    return {
+        "obs": torch.zeros(k, num_envs, net.obs_dim, device=device),
+        "prev_action": torch.full((k, num_envs), NO_ACTION, device=device),
+        "prev_reward": torch.zeros(k, num_envs, device=device),
+        "valid": torch.zeros(k, num_envs, dtype=torch.bool, device=device),
+    }
 
 
 @torch.no_grad()  # r2d2_rnnstate.py's actor_step carries an LSTM state, this one a memory (or window) of rows
@@ -549,9 +561,11 @@ def memory_actor_step(net, context: dict, obs, prev_action, prev_reward, first):
     memory entry, stored in replay; L' = 0 in the window mode)."""
     device, dtype, E = context["valid"].device, net.embed.weight.dtype, len(obs)
     valid = context["valid"] & ~torch.as_tensor(first, device=device)[None]  # (K, E)
-    row = {"obs": torch.as_tensor(obs, dtype=dtype, device=device)[None],
-           "prev_action": torch.as_tensor(prev_action, device=device)[None],
-           "prev_reward": torch.as_tensor(prev_reward, dtype=dtype, device=device)[None]}  # fmt: skip
+    row = {
+        "obs": torch.as_tensor(obs, dtype=dtype, device=device)[None],
+        "prev_action": torch.as_tensor(prev_action, device=device)[None],
+        "prev_reward": torch.as_tensor(prev_reward, dtype=dtype, device=device)[None],
+    }
     key_valid = torch.cat([valid, torch.ones(1, E, dtype=torch.bool, device=device)])
     if "memory" in context:  # Transformer-XL: the new row attends to the memory of the last M rows
         q, inputs = net(net.encode(**row), context["memory"], key_valid)  # (1, E, A), (L, 1, E, D)
@@ -649,24 +663,37 @@ def main():
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, eps=args.adam_eps)
     E, m, n = args.num_envs, args.seq_len, args.n_step
     stored_layers = args.num_layers if MEMORY_MODES[args.memory].stores_memory else 0
-    rb = MemoryReplay(args.buffer_size // E, E, obs_dim, stored_layers, args.d_model, m, args.seq_overlap,
-                        replay_lead(args), n)  # fmt: skip
+    rb = MemoryReplay(
+        args.buffer_size // E, E, obs_dim, stored_layers, args.d_model, m, args.seq_overlap, replay_lead(args), n
+    )
     epsilons = ape_x_epsilons(E, args.exploration_eps, args.exploration_alpha)  # (E,)
     eps_v = args.value_rescaling_eps
 
     state = TrainState(
-        q_network, target_network, optimizer, rb, rng, vec_env, obs=vec_env.reset(seed=args.seed)[0],
-        first=np.ones(E, dtype=bool), final=np.zeros(E, dtype=bool), terminal=np.zeros(E, dtype=bool),
-        prev_action=np.full(E, NO_ACTION, dtype=np.int64), prev_reward=np.zeros(E, dtype=np.float32),
-        ep_return=np.zeros(E), ep_length=np.zeros(E, dtype=int),
-        context=initial_context(q_network, args.memory, args.window, E, device))  # fmt: skip
+        q_network,
+        target_network,
+        optimizer,
+        rb,
+        rng,
+        vec_env,
+        obs=vec_env.reset(seed=args.seed)[0],
+        first=np.ones(E, dtype=bool),
+        final=np.zeros(E, dtype=bool),
+        terminal=np.zeros(E, dtype=bool),
+        prev_action=np.full(E, NO_ACTION, dtype=np.int64),
+        prev_reward=np.zeros(E, dtype=np.float32),
+        ep_return=np.zeros(E),
+        ep_length=np.zeros(E, dtype=int),
+        context=initial_context(q_network, args.memory, args.window, E, device),
+    )
     global_step = run.restore(state)  # 0, or --resume's step (networks, Adam, replay, rng, envs and loop restored)
     num_vector_steps = 0 if args.eval_only else args.total_timesteps // E
     for step in range(global_step // E, num_vector_steps):
         # 1. act: forget the memory at episode starts, epsilon-greedy per env on Q(h_t, .) from the carried memory
         state.prev_action[state.first], state.prev_reward[state.first] = NO_ACTION, 0.0
         q, state.context, layer_inputs = memory_actor_step(
-            q_network, state.context, state.obs, state.prev_action, state.prev_reward, state.first)  # fmt: skip
+            q_network, state.context, state.obs, state.prev_action, state.prev_reward, state.first
+        )
         greedy = q.argmax(-1).cpu().numpy()  # (E,)
         explore = rng.random(E) < epsilons
         action = np.where(explore, rng.integers(num_actions, size=E), greedy)
@@ -674,17 +701,27 @@ def main():
         # 2. step the envs (NEXT_STEP autoreset: after a final row, this step is the reset step)
         next_obs, reward, term, trunc, infos = vec_env.step(action)
         reward = np.where(state.final, 0.0, reward).astype(np.float32)  # the reset step's reward is not a reward
-        rb.add(obs=state.obs, first=state.first, final=state.final, terminal=state.terminal,
-               prev_action=state.prev_action, prev_reward=state.prev_reward, layer_inputs=layer_inputs, action=action,
-               reward=reward)  # fmt: skip
+        rb.add(
+            obs=state.obs,
+            first=state.first,
+            final=state.final,
+            terminal=state.terminal,
+            prev_action=state.prev_action,
+            prev_reward=state.prev_reward,
+            layer_inputs=layer_inputs,
+            action=action,
+            reward=reward,
+        )
         global_step += E
         state.ep_return += reward
         state.ep_length += ~state.final
         for e in np.nonzero(state.final)[0]:  # the previous step ended these episodes; log them
             state.ep_returns.append(state.ep_return[e])
             state.ep_lengths.append(state.ep_length[e])
-            run.log(global_step, {"charts/episodic_return": state.ep_return[e],
-                                  "charts/episodic_length": state.ep_length[e]})  # fmt: skip
+            run.log(
+                global_step,
+                {"charts/episodic_return": state.ep_return[e], "charts/episodic_length": state.ep_length[e]},
+            )
             state.ep_return[e], state.ep_length[e] = 0.0, 0
         state.first, state.final, state.terminal = next_row_flags(state.final, term, trunc)
         state.obs, state.prev_action, state.prev_reward = next_obs, action, reward
@@ -726,11 +763,20 @@ def main():
 
             if state.num_updates_done % 100 == 0:
                 sps = int(global_step / (time.time() - run.start_time))
-                run.log(global_step, {"losses/td_loss": loss.item(), "losses/q_values": q_taken.mean().item(),
-                                      "charts/SPS": sps, "charts/learning_rate": args.learning_rate})  # fmt: skip
+                run.log(
+                    global_step,
+                    {
+                        "losses/td_loss": loss.item(),
+                        "losses/q_values": q_taken.mean().item(),
+                        "charts/SPS": sps,
+                        "charts/learning_rate": args.learning_rate,
+                    },
+                )
                 recent = np.mean(state.ep_returns[-50:]) if state.ep_returns else float("nan")
-                print(f"global_step={global_step} updates={state.num_updates_done} return(last 50)={recent:.2f} "
-                      f"loss={loss.item():.4f} SPS={sps}")  # fmt: skip
+                print(
+                    f"global_step={global_step} updates={state.num_updates_done} return(last 50)={recent:.2f} "
+                    f"loss={loss.item():.4f} SPS={sps}"
+                )
         run.end_step(global_step, state)  # env replay info; a checkpoint every --save-every env steps; Ctrl-C: exit
     run.end_training()  # Ctrl-C / SIGTERM stop at once again (a resume would redo what follows)
     vec_env.close()
@@ -738,12 +784,16 @@ def main():
     # after training: the one-network Delta-Q ablation (memory modes), then the greedy evaluation
     final_dq = {}
     if not args.eval_only and MEMORY_MODES[args.memory].stores_memory:
-        final_dq = final_delta_q_memory(q_network, rb, rng, args.final_delta_q_sequences, device, args.burn_in,
-                                 args.memory_length)  # fmt: skip
+        final_dq = final_delta_q_memory(
+            q_network, rb, rng, args.final_delta_q_sequences, device, args.burn_in, args.memory_length
+        )
     metrics = {"model/final_delta_q_" + key: value for key, value in final_dq.items() if key != "count"}
     result = evaluate(q_network, args, env_kwargs, eval_env_seed(args.seed), device)
-    metrics |= {"eval/episodic_return": result["ret"].mean(), "eval/episodic_return_std": result["ret"].std(),
-                "eval/episodic_length": result["length"].mean()}  # fmt: skip
+    metrics |= {
+        "eval/episodic_return": result["ret"].mean(),
+        "eval/episodic_return_std": result["ret"].std(),
+        "eval/episodic_length": result["length"].mean(),
+    }
     if not np.isnan(result["success"]).all():  # the env reports info["success"] (TMaze, Tiger)
         metrics["eval/success_rate"] = np.nanmean(result["success"])
     if not args.eval_only:  # the O(T) replay: each step once, with its memory entry; the learner's time per update
@@ -813,8 +863,11 @@ def replay_bytes_memory(rb, memory_length: int) -> dict:
     """Bytes of the replay's filled rows as stored (each step once, with its layer inputs), a row's bytes, and what
     the memory at one sequence start takes (M x L x D floats; the LSTM's state is 2 x width)."""
     per_row = sum(getattr(rb, name)[0, 0].nbytes for name in rb.row_fields)
-    return {"bytes": float(min(rb.t, rb.cap) * rb.E * per_row), "bytes_per_row": float(per_row),
-            "memory_bytes_per_sequence": float(memory_length * rb.layer_inputs[0, 0].nbytes)}  # fmt: skip
+    return {
+        "bytes": float(min(rb.t, rb.cap) * rb.E * per_row),
+        "bytes_per_row": float(per_row),
+        "memory_bytes_per_sequence": float(memory_length * rb.layer_inputs[0, 0].nbytes),
+    }
 
 
 # === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
