@@ -189,22 +189,20 @@ def train_state(seed: int) -> "r2d2.TrainState":
         )
     rb.update_priorities(np.arange(5), rng.random(5) + 2.0)
     vec_env = r2d2.make_next_step_vec_env("seqrl/TMaze-v0", {"corridor_length": 3}, 2)
-    return r2d2.TrainState(
+    obs = rng.random((2, 3))
+    flags = {"first": rng.random(2) < 0.5, "final": rng.random(2) < 0.5, "terminal": rng.random(2) < 0.5}
+    loop = flags | {"prev_action": rng.integers(2, size=2), "prev_reward": rng.random(2).astype(np.float32)}
+    h, c = torch.rand(2, 8), torch.rand(2, 8)
+    loop |= {"ep_return": rng.random(2), "ep_length": rng.integers(9, size=2)}
+    state = r2d2.TrainState(
         *nets,
         optimizer,
         rb,
         rng,
         vec_env,
-        obs=rng.random((2, 3)),
-        first=rng.random(2) < 0.5,
-        final=rng.random(2) < 0.5,
-        terminal=rng.random(2) < 0.5,
-        prev_action=rng.integers(2, size=2),
-        prev_reward=rng.random(2).astype(np.float32),
-        h=torch.rand(2, 8),
-        c=torch.rand(2, 8),
-        ep_return=rng.random(2),
-        ep_length=rng.integers(9, size=2),
+        obs,
+        h,
+        c,
         ep_returns=rng.random(3).tolist(),
         ep_lengths=[seed, 4],
         delta_q_log=[(rng.random(), rng.random(), float("nan"))],
@@ -214,6 +212,9 @@ def train_state(seed: int) -> "r2d2.TrainState":
         best_return=rng.random(),
         best_step=seed,
     )
+    for key, value in loop.items():  # the loop fields a new TrainState starts fresh
+        setattr(state, key, value)
+    return state
 
 
 def test_checkpoint_round_trip_is_exact_and_replaces_the_previous_one(tmp_path):
