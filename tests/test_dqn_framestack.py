@@ -156,16 +156,12 @@ def drive(env_id, env_kwargs, num_envs, k, steps, policy, capacity=64, num_actio
 
 def test_stacks_with_previous_actions_match_the_rolling_evaluation_stack():
     rng = np.random.default_rng(1)
-    rb, log = drive(
-        "seqrl/TMaze-v0",
-        {"corridor_length": 2},
-        3,
-        4,
-        80,
-        lambda t, n: rng.integers(0, 4, size=n),
-        capacity=40,
-        num_actions=4,
-    )  # fmt: skip  (the ring wraps twice)
+
+    def actions(t, n):
+        return rng.integers(0, 4, size=n)
+
+    # 80 steps into a ring of 40 slots: it wraps twice
+    rb, log = drive("seqrl/TMaze-v0", {"corridor_length": 2}, 3, 4, 80, actions, capacity=40, num_actions=4)
     assert any(entry[0].any() for entry in log)
     # by hand, env 0: the newest frame of the stack at slot s carries onehot(action of slot s - 1) within an episode
     stacks = rb.stacks(np.arange(40), np.zeros(40, dtype=np.int64)).reshape(40, 4, 3 + 4)
