@@ -67,9 +67,8 @@ DELTA_Q_EPS = 1e-6  # keeps the Delta-Q normalization finite when all true Q-val
 EVAL_SEED_STRIDE = 10_000  # final evaluation: episode i of training seed s gets env seed 10_000 (s + 1) + i
 MAX_EVAL_STEPS = 10_000  # guard for envs without a time limit: an evaluation episode stops after this many steps
 LOG_EVERY_UPDATES = 100  # write losses/SPS to tensorboard every 100 gradient updates
-# the scalar fields of a replay row and their dtypes (ep_step: the row's step within its episode)
 ROW_SCALARS = {"action": np.int64, "reward": np.float32, "prev_action": np.int64, "prev_reward": np.float32}
-ROW_SCALARS |= {"first": bool, "final": bool, "terminal": bool, "ep_step": np.int32}
+ROW_SCALARS |= {"first": bool, "final": bool, "terminal": bool, "ep_step": np.int32}  # a replay row's scalars, dtypes
 GATE_BIAS = 2.0  # b_g of the GTrXL gate: z starts near sigmoid(-2) = 0.12, so each block starts near the identity
 
 
@@ -330,8 +329,9 @@ class TransformerXLQNetwork(nn.Module):
         for layer, block in enumerate(self.blocks):
             inputs.append(x)
             x = block(x, torch.cat([memory[layer], x]), allowed, offset)
-        adv = self.advantage(self.norm_out(x))  # norm_out twice: once changes float rounding of the benchmarked runs
-        return self.value(self.norm_out(x)) + adv - adv.mean(-1, keepdim=True), torch.stack(inputs)
+        out = self.norm_out(x)  # (T, B, D)
+        adv = self.advantage(out)
+        return self.value(out) + adv - adv.mean(-1, keepdim=True), torch.stack(inputs)
 
 
 class MemoryReplay:  # r2d2_rnnstate.py's SequenceReplay stores LSTM states; this one layer inputs, `lead` rows back
