@@ -1,84 +1,46 @@
 """DQN with a frame stack: Q-learning on the last k observations of a POMDP (k = 1 is Q-learning on o).
 
 The lecture's claim: Q-learning on raw observations is invalid in a POMDP (the value of o depends on how you got
-there, and the greedy argmax is a deterministic policy, which can be arbitrarily bad where only stochastic
-memoryless policies are optimal). Concatenating a short window of k frames, DQN-style, is "not as terrible an idea
-as it seems": it recovers what can be read from the last k observations (velocities in MaskedCartPole), but fails
-as soon as the information needed lies further back than the window (the cue of a T-maze whose corridor is longer
-than k - 1 steps). This script measures all three statements.
+there, and the greedy argmax is a deterministic policy, which fails where only stochastic memoryless policies are
+optimal). A short window of k frames, DQN-style, is "not as terrible an idea as it seems": it recovers what the last
+k observations show (velocities in MaskedCartPole), but fails once the needed information lies further back than the
+window (the cue of a T-maze whose corridor is longer than k - 1 steps). This script measures all three statements.
 
-Key equations (s_t := (o_{t-k+1}, ..., o_t), frames before the episode start are zeros):
-    y_t = r_t + gamma * (1 - terminated_{t+1}) * max_a' Q_target(s_{t+1}, a')                      (DQN)
-    y_t = r_t + gamma * (1 - terminated_{t+1}) * Q_target(s_{t+1}, argmax_a' Q(s_{t+1}, a'))  (--double-q, default)
-    y_t = sum_{j<m} gamma^j r_{t+j} + gamma^m (1 - terminated_{t+m}) Q_target(s_{t+m}, a*)  (--n-step n, default 10:
-          m = n, or fewer steps where the episode ends first; a* as above)
-    loss = mean_batch (Q(s_t, a_t) - y_t)^2                                       (--loss mse, default; or huber)
-    epsilon(t) = max(end_e, start_e + (end_e - start_e) * t / (exploration_fraction * total_timesteps))
+Key equations (s_t := (o_{t-k+1}, ..., o_t), frames before the episode start are zeros; a* = argmax_a' Q(s', a')):
+    y_t = sum_{j<m} gamma^j r_{t+j} + gamma^m (1 - terminated_{t+m}) Q_target(s_{t+m}, a*)   (m = n, fewer where the
+          episode ends first; n = 1 with max_a' Q_target is plain DQN),   loss = mean_batch (Q(s_t, a_t) - y_t)^2
 
 Implementation details:
-1. The replay keeps one ring buffer per environment (`FrameStackReplay`, arrays shaped (capacity, num_envs, ...)):
-   every observation is stored exactly once, with its step index within its episode. Stacks are built by index
-   (`build_stacks`): slot i and the k - 1 slots before it, with frames older than the episode start zeroed, so a
-   stack never contains a frame of the previous episode. Memory is O(capacity * obs_dim), not k times that.
-2. gymnasium 1.x vector envs autoreset in NEXT_STEP mode (the default, used here): the step after a done returns
-   the reset observation and ignores the action. The final observation of an episode is therefore stored as an
-   ordinary slot, and the slot's "transition" into the reset observation is marked invalid and never sampled.
-   Nothing needs `infos["final_obs"]`.
-3. Termination vs truncation: the target multiplies by (1 - terminated) only. A time-limit truncation bootstraps
-   from the stack ending at the stored final observation, as the state did not really end there.
-4. Sampling: uniform over (slot, env) pairs whose whole k-frame window is still in the ring (the k - 1 oldest
-   slots are skipped, the ring wraps), rejecting invalid (autoreset) slots. The n-step target [6] sums the rewards
-   of the next slots of the same env and stops early at a terminated step (no bootstrap) or before a slot without
-   a transition: an episode's final observation (bootstrap from it, as at a truncation) or the newest slot. It is
-   not corrected for the epsilon-greedy actions inside the n steps (as Rainbow [6] and R2D2).
-5. Acting uses the same `build_stacks` on the newest slot of each env; evaluation uses an independent rolling
-   stack (`roll_stack`), which the tests check against the replay's stacks.
-6. Observations are flattened by gymnasium's FlattenObservation (Discrete and each MultiDiscrete component
-   one-hot, Box flattened, Tuple/Dict parts concatenated, so POPGym's MultiDiscrete tasks run), then divided by
-   their bounds (`--scale-obs`, a pure scale so zero padding stays zero): on MaskedCartPole x / 4.8 and
-   theta / 0.419; the 0/1 codes of TMaze and ThreeStateLine are unchanged.
-7. Per-env epsilon-greedy exploration (each env draws its own coin), target network copied every
-   `target_network_frequency` steps, `gradient_steps` gradient steps every `train_frequency` vector steps (CleanRL [2],
-   rl-baselines3-zoo [5]).
-8. `--eval-only` rebuilds the env and the network from the checkpoint's args.json (`ARCH_FIELDS`); evaluation
-   episodes use env seeds 10 000 (seed + 1) + i, a block per training seed, disjoint across seeds.
-9. A frame stack shows observations, not actions. In TMaze a wall bump (west at the start, north/south in the
-   corridor) leaves the observation unchanged, so "bump" and "step east" give the same k-frame stack: at the fixed
-   point Q(s, bump) = Q(s, east), the greedy tie is broken arbitrarily, and one wasted step pushes the cue out of
-   the window before the junction (corridor 3, k = 4, seed 101: greedy paths "WNEEEN" / "WWEEEN", success 0.5,
-   Q(s_0, .) = 1.45 / 1.44 / 1.45 / 1.45). `--stack-actions` appends onehot(a_{t-1}) to every frame, which tells
-   a bump from a step; the agent can then also write the cue into its own action history (extra bumps).
-10. `--select-frequency N --keep-best`: the greedy policy is evaluated on `--select-episodes` episodes every N env
-   steps (env seeds 1e9 + 1e7 seed + global_step + i, disjoint from the final evaluation), the best network is kept
-   (the later one on ties, as SB3's EvalCallback) and saved; the final evaluation runs both the kept and the last
-   network on the same fresh episodes (`eval/episodic_return` and `eval/last_network_episodic_return`).
-11. The Q-network also reads `--difference-scale` (50) times the differences of consecutive frames, zero where the
-   older frame is padding (all zeros): a linear function of the stack, no extra memory (k = 1 has none). On
-   MaskedCartPole they are velocities (50 = 1 / the 0.02 s step). Raw, a cart drifting at 0.3 m/s moves the scaled
-   x by 0.001 a step; failing seeds kept the pole up and let the cart drift off the track (README, issue 28). Use 0
-   for symbolic inputs.
-
-What was scaled down from the paper [1] and why: an MLP on the concatenated vector frames instead of a CNN on
-84x84 pixels; a 100k replay instead of 1M; a few hundred thousand steps instead of 50M frames; no reward clipping.
-The tasks are tiny POMDPs whose optimal values are known, so a run takes minutes on 2 CPU cores.
+1. The replay keeps one ring of single observations per env (`FrameStackReplay`) with each one's step in its episode;
+   `build_stacks` builds a stack by index, zeroing frames of an earlier episode: O(capacity * obs_dim) memory.
+2. gymnasium's NEXT_STEP autoreset: an episode's final observation is an ordinary slot whose "transition" into the
+   reset observation is marked invalid and never sampled; nothing needs `infos["final_obs"]`.
+3. The target multiplies by (1 - terminated) only: a time-limit truncation bootstraps from the final observation.
+4. Sampling is uniform over (slot, env) pairs whose k-frame window is still in the ring. The n-step target [6] stops
+   at a terminated step or before a slot without a transition; it is not corrected for exploratory actions.
+5. Acting builds stacks from the replay's newest slots; evaluation keeps its own rolling stack (`roll_stack`), which
+   the tests check against the replay's stacks.
+6. Observations are flattened (one-hot for discrete parts) and divided by their bounds (`--scale-obs`, a pure scale
+   so zero padding stays zero).
+7. Per-env epsilon-greedy, a hard target copy after every training phase, double Q, MSE, an annealed learning rate
+   and 10-step targets: a cart drifting off the track costs hundreds of steps later, and n-step targets carry that
+   cost back n steps per target copy (the other settings as rl-baselines3-zoo's CartPole entry [5]).
+8. The network also reads `--difference-scale` times the differences of consecutive frames: on MaskedCartPole these
+   are velocities, which the raw stack shows only as changes of 1e-3 that the failing networks ignored.
+9. A frame stack shows observations, not actions: in TMaze a wall bump and a step east give the same stack, and one
+   wasted step pushes the cue out of the window. `--stack-actions` appends onehot(a_{t-1}) to every frame.
+10. `--select-frequency N --keep-best` evaluates the greedy policy every N steps on disjoint env seeds and keeps the
+   best network (as SB3's EvalCallback); the final evaluation reports the kept and the last network.
+11. `--eval-only` rebuilds the env and the network from the checkpoint's args.json (`ARCH_FIELDS`).
 
 References:
 [1] V. Mnih et al., "Human-level control through deep reinforcement learning", Nature 2015 (DQN, 4-frame stack).
-[2] CleanRL `cleanrl/dqn.py` and `cleanrl/dqn_atari.py` (S. Huang et al., JMLR 2022): the script order, the linear
-    epsilon schedule, target network copies, `train_frequency`; dqn_atari's FrameStack(4) is done here by index.
+[2] CleanRL `dqn.py` / `dqn_atari.py` (S. Huang et al., JMLR 2022): the script order, schedule, target copies.
 [3] H. van Hasselt, A. Guez, D. Silver, "Deep Reinforcement Learning with Double Q-learning", AAAI 2016.
 [4] B. Bakker, "Reinforcement Learning with Long Short-Term Memory", NeurIPS 2001 (the T-maze).
-[5] rl-baselines3-zoo `hyperparams/dqn.yml` (CartPole-v1 entry), A. Raffin et al.: the defaults here (among them
-    a target copy after every training phase), except (all measured on MaskedCartPole, k = 4, 100k steps) double Q
-    with scaled inputs (seed 1: 315, zoo's settings 292), a learning rate of 5e-4 instead of 2.3e-3 (seed 1: 500)
-    annealed to 0, MSE instead of Huber (Huber: 104), gamma 0.995 and minibatches of 128, 10-step targets and the
-    frame differences (detail 11). The networks that fail MaskedCartPole keep the pole up and let the cart drift off
-    the track 150-440 steps ahead; a one-step target carries that cost back one step per target copy, a 10-step
-    target ten. The last network reached 475 on 2 of 5 tuning seeds with one-step targets, on 9 of 10 with 10-step
-    targets (report seeds 1-5: 4 of 5), and with the differences on 15 of 15 tuning and 5 of 5 report seeds, all
-    at 500 (README, issue 28).
-[6] M. Hessel et al., "Rainbow: Combining Improvements in Deep Reinforcement Learning", AAAI 2018 (n-step
-    targets, after R. Sutton, "Learning to predict by the methods of temporal differences", 1988).
+[5] rl-baselines3-zoo `hyperparams/dqn.yml` (CartPole-v1), A. Raffin et al.
+[6] M. Hessel et al., "Rainbow: Combining Improvements in Deep Reinforcement Learning", AAAI 2018 (n-step targets).
+Details, measurements and results: docs/dqn_framestack.md.
 Reproduce: python algos/dqn_framestack.py --seed 1   (MaskedCartPole, k = 4, the defaults)
 """
 
@@ -167,20 +129,20 @@ class Args:
     total_timesteps: int = 100_000
     """total environment steps (summed over the parallel envs)"""
     learning_rate: float = 5e-4
-    """Adam learning rate (zoo's 2.3e-3 plateaus near 300 on MaskedCartPole: the cart drifts off the track)"""
+    """Adam learning rate (zoo's 2.3e-3 plateaus on MaskedCartPole: the cart drifts off the track)"""
     anneal_lr: bool = True
     """linearly anneal the learning rate to 0 over training (stabilizes the final greedy policy)"""
     buffer_size: int = 100_000
     """replay capacity in transitions (summed over envs; each env gets buffer_size // num_envs slots)"""
     gamma: float = 0.995
-    """discount factor (0.995, a ~200-step horizon: at 0.99 a seed lets the cart drift off the track, see [5])"""
+    """discount factor (0.995, a ~200-step horizon: at 0.99 the cost of a cart drifting off the track is seen late)"""
     tau: float = 1.0
     """target network update rate (1 = hard copy)"""
     target_network_frequency: int = 256
     """environment steps between target network updates (256 = after every training phase of 128 gradient steps,
     zoo's effective CartPole setting [5])"""
     batch_size: int = 128
-    """minibatch size sampled from the replay (128 instead of zoo's 64: less noisy targets, see [5])"""
+    """minibatch size sampled from the replay (128 instead of zoo's 64: less noisy targets)"""
     start_e: float = 1.0
     """starting epsilon of the exploration schedule"""
     end_e: float = 0.04
@@ -195,16 +157,16 @@ class Args:
     """gradient steps per training phase (per env step: gradient_steps / (train_frequency * num_envs))"""
     n_step: int = 10
     """n of the n-step target r_t + ... + gamma^(n-1) r_{t+n-1} + gamma^n Q_target(s_{t+n}, a*), cut at the episode
-    end (1 = the DQN target; 10 carries the cost of a cart drifting off the track back ten steps a copy, see [5])"""
+    end (1 = the DQN target; 10 carries the cost of a cart drifting off the track back ten steps a copy, detail 7)"""
     double_q: bool = True
     """use the double-Q target: the online network picks a', the target network evaluates it"""
     loss: Literal["huber", "mse"] = "mse"
     """TD loss: squared error, or Huber (smooth L1, delta 1, the Nature DQN's error clipping [1]); Huber caps the
-    gradient of the rare, large terminal errors that MaskedCartPole learns from (104 vs 315 return, seed 1)"""
+    gradient of the rare, large terminal errors that MaskedCartPole learns from (it did markedly worse there)"""
     hidden_size: int = 256
     """width of the two hidden layers of the Q-network MLP"""
     difference_scale: float = 50.0
-    """scale of the consecutive-frame differences the network also reads (0 = the raw stack), see detail 11"""
+    """scale of the consecutive-frame differences the network also reads (0 = the raw stack), see detail 8"""
 
     # filled in at runtime
     obs_dim: int = 0
@@ -410,7 +372,7 @@ def td_loss(q_taken: torch.Tensor, y: torch.Tensor, kind: str) -> torch.Tensor:
 
 class QNetwork(nn.Module):
     """MLP from the flattened k-frame stack (B, k * D), and the scaled differences of its consecutive frames
-    (detail 11), to Q-values (B, A)."""
+    (detail 8), to Q-values (B, A)."""
 
     def __init__(self, frame_dim: int, frame_stack: int, num_actions: int, hidden_size: int, difference_scale: float):
         super().__init__()
@@ -468,9 +430,12 @@ def main():
     target_network = target_network.to(device)
     target_network.load_state_dict(q_network.state_dict())
     rb = FrameStackReplay(
-        args.buffer_size // args.num_envs, args.num_envs, args.obs_dim, args.frame_stack,
+        args.buffer_size // args.num_envs,
+        args.num_envs,
+        args.obs_dim,
+        args.frame_stack,
         num_actions if args.stack_actions else 0,
-    )  # fmt: skip
+    )
     num_iterations = 0 if args.eval_only else args.total_timesteps // args.num_envs  # `--eval-only`: no training
 
     global_step = 0
@@ -531,10 +496,15 @@ def main():
                 num_updates += 1
                 if num_updates % LOG_EVERY_UPDATES == 0:
                     sps = int(global_step / (time.time() - run.start_time))
-                    run.log(global_step, {
-                        "losses/td_loss": loss.item(), "losses/q_values": q_taken.mean().item(),
-                        "charts/learning_rate": optimizer.param_groups[0]["lr"], "charts/SPS": sps,
-                    })  # fmt: skip
+                    run.log(
+                        global_step,
+                        {
+                            "losses/td_loss": loss.item(),
+                            "losses/q_values": q_taken.mean().item(),
+                            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                            "charts/SPS": sps,
+                        },
+                    )
                     print(f"global_step={global_step} epsilon={epsilon:.3f} td_loss={loss.item():.4f} SPS={sps}")
 
         # 6. target network: hard copy (tau = 1) or Polyak average every target_network_frequency env steps

@@ -1,86 +1,47 @@
 """R2D2: recurrent Q-learning from replayed sequences that resume from a *stored* LSTM state.
 
-Q-learning on o_t is invalid in a POMDP (the value of o depends on how you got there); Q-learning on the history
-is valid, and an LSTM summarizes the history in h_t. Replaying whole histories costs O(T^2) memory (each of T
-steps carries up to T observations). The lecture's trick, from R2D2 [1]: store each step once (O(T)) together
-with the actor's recurrent state, cut the stream into fixed-length sequences, and start each replayed sequence
-from the state stored at its start, an *approximate* state that goes stale as the network trains. A burn-in
-prefix unrolled without gradients reduces the staleness. Shown here: TMaze with a 20-step corridor is
-solved (a 4-frame window is at chance, dqn_framestack.py), MaskedCartPole, and the paper's ablation
-(`--state-init zero|stored`, `--burn-in`) with its Q-value discrepancy Delta-Q.
+Q-learning on o_t is invalid in a POMDP; Q-learning on the history is valid, and an LSTM summarizes the history in
+h_t. Replaying whole histories costs O(T^2) memory. The lecture's trick, from R2D2 [1]: store each step once (O(T))
+with the actor's recurrent state, cut the stream into fixed-length sequences, and start each replayed sequence from
+the state stored at its start: an *approximate* state that goes stale as the network trains, which a burn-in prefix
+(unrolled without gradient) refreshes. Shown here: TMaze with a 20-step corridor is solved (a 4-frame window is at
+chance), MaskedCartPole, and the paper's ablation (`--state-init zero|stored`, `--burn-in`) with its Delta-Q.
 
-Key equations (sequence of rows t = t0 .. t0+m-1 after a burn-in of l rows, n-step, double Q, target net Q^-):
-    h(x) = sign(x) (sqrt(|x| + 1) - 1) + eps x
-    h^-1(x) = sign(x) (((sqrt(1 + 4 eps (|x| + 1 + eps)) - 1) / (2 eps))^2 - 1)
-    y_t = h( sum_{k<n'} gamma^k r_{t+k} + gamma^n' (1 - terminal) h^-1(Q^-(t+n', argmax_a Q(t+n', a))) ),
-          n' = n, or fewer steps if the episode ends first (no bootstrap if it terminated, bootstrap on truncation)
-    loss = mean_i w_i * sum_t mask_t (y_t - Q(t, a_t))^2 / (2 sum_t mask_t),   w_i = (N P(i))^-beta / max_j w_j
-    priority p_i = eta max_t |delta_t| + (1 - eta) mean_t |delta_t|   (eta = 0.9),   P(i) = p_i^alpha / sum_j p_j^alpha
-    eps_i = eps^(1 + alpha_eps i / (N - 1))   (per-environment exploration, Ape-X [2])
-    Delta-Q = ||q(h_stored-or-zero; theta) - q(h_true; theta)||_2 / max_a |q(h_true; theta)_a|,  h_true recomputed
-              from the episode's first step with the current network (paper Sec. 3), at the first and the last
-              trained step of each sequence.
+Key equations (rows t = t0 .. t0+m-1 after a burn-in of l rows; n-step double Q, target network Q^-):
+    h(x) = sign(x) (sqrt(|x| + 1) - 1) + eps x   (value rescaling, inverted exactly by h^-1)
+    y_t = h( sum_{k<n'} gamma^k r_{t+k} + gamma^n' (1 - terminal) h^-1(Q^-(t+n', argmax_a Q(t+n', a))) ),  n' <= n
+    loss = mean_i w_i sum_t mask_t (y_t - Q(t, a_t))^2 / (2 sum_t mask_t),   w_i = (N P(i))^-beta / max_j w_j
+    p_i = eta max_t |delta_t| + (1 - eta) mean_t |delta_t|,   P(i) ~ p_i^alpha,   eps_i = eps^(1 + alpha_eps i / (N-1))
+    Delta-Q = ||q(h_stored-or-zero) - q(h_true)||_2 / max_a |q(h_true)_a|, h_true recomputed from the episode start
 Implementation details:
- 1. Storage is a ring buffer of *rows* (num_envs columns, all steps at once): obs, action, reward, the flags first
-    (reset obs) / final (an episode's last obs) / terminal, the previous action and reward, and the LSTM state (h, c)
-    the actor had *before* reading that row, so memory is O(T) in the steps stored.
- 2. Vector envs use gymnasium's default `AutoresetMode.NEXT_STEP`: the step that ends an episode returns the true final
-    obs (stored as a `final` row, used to bootstrap on truncation) and the *next* step() is the reset step whose action
-    is ignored and whose reward is dropped: a `final` row is never a training position, its reward never in a return.
- 3. Sequences: their trained part starts ("anchor" t0) at each episode's first step and every m - overlap steps after
-    it; the stored window is [t0 - l, t0 + m + n): burn-in, m trained steps, n more rows for the targets. Burn-in is
-    clipped at the episode start (the LSTM state is reset to zero at a `first` row, which is the exact state there).
-    Rows after the episode's final row are masked (never mixed in); an episode shorter than the window gives a padded
-    sequence. A sequence enters replay once its rows are written.
- 4. Prioritized sequence replay: new sequences get the largest priority seen; the sum over priorities uses a numpy
-    cumsum (a sum-tree gives O(log N) sampling; at these buffer sizes the vectorized scan is as fast). Sequences whose
-    first needed row was overwritten by the ring are given probability 0.
- 5. The burn-in runs in a step loop (it resets at episode starts) under no_grad for both networks; the trained part runs
-    through one nn.LSTM call (no episode start can lie inside it: t0 is at or after the start).
- 6. The LSTM input is [o_t, onehot(a_{t-1}), r_{t-1}] as in the paper (zeros at an episode's first step). Dueling head.
-    Adam, gradient clipping, target network copied every `--target-network-frequency` updates.
- 7. Delta-Q (`model/delta_q_first`, `model/delta_q_last`) is measured every `--delta-q-frequency` updates on the
-    sampled sequences whose episode start is still stored, *before* the optimizer step, so that the learner's Q and
-    the Q from the state recomputed from the episode start come from the same parameters (`measure_delta_q`; on the
-    network outputs, the rescaled value space). At an episode start the zero and the stored state are both exact, so
-    `model/delta_q_first_episode_start` is 0 in every mode: a check of the measurement itself. These values come from
-    three runs that each train their own network; `final_delta_q` repeats the ablation at the end on ONE network, the
-    last (`model/final_delta_q_*`). On the benchmark's TMaze-20 lines (`--buffer-size 30000 --total-timesteps 250000`)
-    its last row orders zero > stored > stored + burn-in (tuning seeds: means 1.10 / 0.09 / 0.05).
- 8. Memory (`replay/bytes`, `replay/bytes_full_histories`, `replay_bytes`): the rows as stored (each step once, with
-    the 2 x 64 floats of (h, c)) against the same rows storing each step's full history of inputs instead of a state
-    (T(T + 1)/2 inputs per episode of T steps). TMaze's inputs take 24 bytes a row, the state 512: full histories cost
-    more only for episodes longer than about 2 x 536 / 24 ~ 45 steps (TMaze-20: 22 rows; MaskedCartPole: up to 500).
- 9. Observations: gymnasium's FlattenObservation (Discrete and each MultiDiscrete component one-hot, Box flattened,
-    Tuple/Dict parts concatenated). Final evaluation episode i of seed s runs on env seed 10 000 (s + 1) + i, the
-    evaluations during training on 1e9 + 1e7 s + global_step + i: disjoint blocks.
-10. Long runs: a checkpoint every `--save-every` env steps and on Ctrl-C / SIGTERM (then the run exits); `--resume
-    RUN_DIR` continues it bit for bit on CPU (the class `Run`, below RUN MANAGEMENT, says what is saved and how).
-What was scaled down from the paper and why: one process instead of 256 actors + a learner (the vector env is the
-actors, the ring buffer the replay), 64 LSTM units on vector observations instead of a CNN + 512-unit LSTM; m = 30
-trained steps with overlap 15 and burn-in 10 instead of 80 / 40 / 40 (the paper's burn-in is part of the 80 steps;
-here it is an extra prefix so the ablation compares the same trained steps). The trained length must cover the
-memory span the network has to *learn*: backpropagation never reaches a cue that lies in the burn-in or before the
-stored state, and in TMaze the cue (step 0) and the turn (step L) must share a trained window: with m = 20 < L + 1 =
-21 TMaze-20 stayed at chance; with m = 30 it is solved. n = 5 and eps = 1e-3 as in the paper, gamma = 0.99 (paper
-0.997: episodes here are 20-500 steps). Replay 100k steps, target copy every 200 updates (paper 2500), learning rate
-1e-3 (paper 1e-4), one update per 32 env steps, so a run takes minutes.
+ 1. A ring buffer of rows (obs, action, reward, flags first / final / terminal, previous action and reward) that also
+    stores the actor's (h, c) *before* each row: O(T) memory (`SequenceReplay`).
+ 2. NEXT_STEP autoreset: an episode's true final obs is a `final` row (bootstrapped from on truncation); the next
+    step() is the reset step, whose action is ignored and whose reward is dropped.
+ 3. Sequences start at each episode's first step and every m - overlap steps after it; a window is [t0 - l, t0 + m
+    + n), its burn-in clipped at the episode start (the zero state there is exact), rows after the final row masked.
+ 4. Prioritized sequence replay; new sequences get the largest priority seen; sequences whose first needed row was
+    overwritten get probability 0. A numpy cumsum replaces the sum-tree (as fast at these sizes).
+ 5. The burn-in runs step by step under no_grad (it resets at episode starts); the trained part is one nn.LSTM call.
+ 6. Input [o_t, onehot(a_{t-1}), r_{t-1}] as in the paper; dueling head; Adam, gradient clipping, target copies.
+ 7. Delta-Q is measured on the sampled batch *before* the optimizer step (same parameters for both Q's). Runs with
+    different `--state-init` / `--burn-in` train different networks, so `final_delta_q` repeats the ablation at the
+    end on ONE network, the last (`model/final_delta_q_*`).
+ 8. `replay/bytes` against `replay/bytes_full_histories`: the stored rows against rows that each hold their whole
+    input history (T(T + 1)/2 inputs per episode); full histories cost more once episodes outgrow the stored state.
+ 9. The trained length m must cover the span the network has to *learn*: gradient never reaches a cue in the burn-in
+    or before the stored state, so TMaze-20's cue and turn (21 steps apart) need m = 30 (m = 20 stays at chance).
+10. MaskedCartPole's recipe (benchmark.sh): scaled inputs, gamma 0.995 with 10-step returns, 2e-3 annealed to 0, 64
+    sequences every 3 vector steps, a 128-unit LSTM; the TMaze settings let the cart drift off the track.
+11. Long runs: checkpoints every `--save-every` steps and on Ctrl-C / SIGTERM; `--resume RUN_DIR` continues bit for
+    bit on CPU (class `Run`, below RUN MANAGEMENT).
+Scaled down from the paper: one process, not 256 actors; 64 LSTM units; m / overlap / burn-in 30 / 15 / 10 (80/40/40).
 References: [1] S. Kapturowski et al., "Recurrent Experience Replay in Distributed Reinforcement Learning", ICLR
 2019. [2] D. Horgan et al., "Distributed Prioritized Experience Replay" (Ape-X), ICLR 2018. [3] T. Schaul et al.,
 "Prioritized Experience Replay", ICLR 2016. [4] T. Pohlen et al., "Observe and Look Further", 2018 (h(x)).
-[5] CleanRL dqn.py and ppo_atari_lstm.py (github.com/vwxyzjn/cleanrl): the loop layout, done-masked LSTM state.
-MaskedCartPole: with the TMaze settings the cart drifts off the track 150-440 steps ahead and the last network ends
-anywhere in 185-500 (seed-sensitive). Its recipe: inputs scaled to their bounds, gamma 0.995 with 10-step returns
-(they carry the drift's cost back ten steps a target copy), twice the rate (2e-3) annealed to 0, 64 sequences an
-update every 3 vector steps, and a 128-unit LSTM (the last network at >= 475 on 15 of 15 tuning seeds 101-115;
-64 units: 14 of 15, at 24-28 instead of 58-64 ms a learner update; README, issue 28).
-Reproduce (TMaze-20: success 1.00 on tuning seeds 111-130 at 150k; the run also reports the one-network ablation,
-`model/final_delta_q_*`; training-time ablation runs: add `--state-init zero --burn-in 0` or `--burn-in 0`):
-    python algos/r2d2_rnnstate.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}' --buffer-size 30000
-        --total-timesteps 250000
-    python algos/r2d2_rnnstate.py --env-id seqrl/MaskedCartPole-v0 --total-timesteps 150000 --eval-episodes 20
-        --scale-obs --gamma 0.995 --n-step 10 --learning-rate 2e-3 --anneal-lr --batch-size 64 --train-frequency 3
-        --hidden-size 128 (the benchmark adds --select-frequency 5000)
+[5] CleanRL dqn.py and ppo_atari_lstm.py: the loop layout, done-masked LSTM state. Details: docs/r2d2_rnnstate.md.
+Reproduce: python algos/r2d2_rnnstate.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}'
+    --buffer-size 30000 --total-timesteps 250000
 """
 
 import dataclasses
@@ -117,6 +78,7 @@ SELECT_SEED_BASE = 10**9  # evaluations during training: env seeds 1e9 + 1e7 s +
 SELECT_SEED_STRIDE = 10**7  # the final evaluation's and across training seeds (global_step + i < 1e7)
 LATE_TRAINING_FRACTION = 0.1  # `select/late_episodic_return`: mean of the evaluations in the last 10% of the steps
 MAX_EVAL_STEPS = 10_000  # guard for envs without a time limit: an evaluation episode stops after this many steps
+LOG_EVERY_UPDATES = 100  # write losses/SPS to tensorboard every 100 gradient updates
 
 
 @dataclass
@@ -155,12 +117,12 @@ class Args:
     """the number of parallel environments (the actors; each gets its own exploration epsilon)"""
     scale_obs: bool = False
     """divide each flat observation dimension by its finite bound max(|low|, |high|), as dqn_framestack.py does
-    (MaskedCartPole: x / 4.8, theta / 0.419; their per-step changes, ~1e-3 raw, carry the velocities; on tuning seed
-    101 it learned about twice as fast); a no-op on the 0/1 codes of TMaze"""
+    (MaskedCartPole: x / 4.8, theta / 0.419; their per-step changes, ~1e-3 raw, carry the velocities, and scaled
+    inputs learned faster); a no-op on the 0/1 codes of TMaze"""
 
     # Model
     hidden_size: int = 64
-    """width of the encoder layer and of the LSTM state (MaskedCartPole's recipe: 128, see the docstring)"""
+    """width of the encoder layer and of the LSTM state (MaskedCartPole's recipe: 128, detail 10)"""
 
     # R2D2
     total_timesteps: int = 100_000
@@ -169,7 +131,7 @@ class Args:
     """the Adam learning rate"""
     anneal_lr: bool = False
     """linearly anneal the learning rate to 0 over training, as dqn_framestack.py does (MaskedCartPole: at 2e-3 the
-    return swung between ~200 and 500 late in training without it)"""
+    return swung widely late in training without it)"""
     adam_eps: float = 1e-3
     """Adam epsilon (R2D2 uses 1e-3)"""
     buffer_size: int = 100_000
@@ -321,9 +283,19 @@ class SequenceReplay:
         """Write one row per env (all (E, ...) arrays) and register the sequences whose windows are complete."""
         r = self.t % self.cap
         self.ep_start[first] = self.t
-        for name, value in (("obs", obs), ("first", first), ("final", final), ("terminal", terminal),
-                            ("prev_action", prev_action), ("prev_reward", prev_reward), ("h", h), ("c", c),
-                            ("action", action), ("reward", reward), ("ep_step", self.t - self.ep_start)):  # fmt: skip
+        for name, value in (
+            ("obs", obs),
+            ("first", first),
+            ("final", final),
+            ("terminal", terminal),
+            ("prev_action", prev_action),
+            ("prev_reward", prev_reward),
+            ("h", h),
+            ("c", c),
+            ("action", action),
+            ("reward", reward),
+            ("ep_step", self.t - self.ep_start),
+        ):
             getattr(self, name)[r] = value
         # a window is complete when its last row (t0 + m + n - 1) is written ...
         span = self.m + self.n - 1
@@ -473,9 +445,7 @@ def to_torch(win: dict, device) -> dict:
     return {key: torch.as_tensor(value, device=device) for key, value in win.items()}
 
 
-def make_next_step_vec_env(
-    env_id: str, env_kwargs: dict, num_envs: int, scale_obs: bool = False
-) -> gym.vector.SyncVectorEnv:
+def make_next_step_vec_env(env_id: str, env_kwargs: dict, num_envs: int, scale_obs: bool = False):
     """`num_envs` copies of the flattened env with gymnasium's default NEXT_STEP autoreset (ppo_recurrent.py's
     make_vec_env autoresets in the SAME step)."""
     return gym.vector.SyncVectorEnv(
@@ -510,15 +480,15 @@ class TrainState:
     rng: np.random.Generator  # exploration and replay sampling
     vec_env: gym.vector.SyncVectorEnv  # not saved: --resume replays each env's episode
     obs: np.ndarray  # (E, obs_dim) the observation of the current row
-    first: np.ndarray  # (E,) the row holds a reset observation
-    final: np.ndarray  # (E,) the row holds an episode's final observation (its action is ignored)
-    terminal: np.ndarray  # (E,) that final observation is terminal (no bootstrap)
-    prev_action: np.ndarray  # (E,) a_{t-1} (NO_ACTION at an episode's first step)
-    prev_reward: np.ndarray  # (E,) r_{t-1}
     h: torch.Tensor  # (E, H) the actor's LSTM state
     c: torch.Tensor  # (E, H)
-    ep_return: np.ndarray  # (E,) return and length of each env's episode so far
-    ep_length: np.ndarray  # (E,)
+    first: np.ndarray = field(init=False)  # (E,) the row holds a reset observation
+    final: np.ndarray = field(init=False)  # (E,) the row holds an episode's final observation (action ignored)
+    terminal: np.ndarray = field(init=False)  # (E,) that final observation is terminal (no bootstrap)
+    prev_action: np.ndarray = field(init=False)  # (E,) a_{t-1} (NO_ACTION at an episode's first step)
+    prev_reward: np.ndarray = field(init=False)  # (E,) r_{t-1}
+    ep_return: np.ndarray = field(init=False)  # (E,) return and length of each env's episode so far
+    ep_length: np.ndarray = field(init=False)  # (E,)
     ep_returns: list = field(default_factory=list)  # returns and lengths of the finished episodes
     ep_lengths: list = field(default_factory=list)
     delta_q_log: list = field(default_factory=list)  # (first, last, first at episode starts) per measurement (step 5)
@@ -528,6 +498,16 @@ class TrainState:
     best_return: float = -np.inf  # --keep-best: the best evaluation during training, its step and its network
     best_step: int = 0
     best_model: dict | None = None
+
+    def __post_init__(self):  # a new run: every env at the first row of an episode
+        E = len(self.obs)
+        self.first, self.final, self.terminal = np.ones(E, dtype=bool), np.zeros(E, dtype=bool), np.zeros(E, dtype=bool)
+        self.prev_action, self.prev_reward = np.full(E, NO_ACTION, dtype=np.int64), np.zeros(E, dtype=np.float32)
+        self.ep_return, self.ep_length = np.zeros(E), np.zeros(E, dtype=int)
+
+    def row(self) -> dict:
+        """The current row's fields that the replay stores with the action taken there."""
+        return {key: getattr(self, key) for key in ("obs", "first", "final", "terminal", "prev_action", "prev_reward")}
 
 
 def main():
@@ -556,19 +536,16 @@ def main():
     epsilons = ape_x_epsilons(E, args.exploration_eps, args.exploration_alpha)  # (E,)
     eps_v = args.value_rescaling_eps
 
-    state = TrainState(
-        q_network, target_network, optimizer, rb, rng, vec_env, obs=vec_env.reset(seed=args.seed)[0],
-        first=np.ones(E, dtype=bool), final=np.zeros(E, dtype=bool), terminal=np.zeros(E, dtype=bool),
-        prev_action=np.full(E, NO_ACTION, dtype=np.int64), prev_reward=np.zeros(E, dtype=np.float32),
-        h=torch.zeros(E, H, device=device), c=torch.zeros(E, H, device=device), ep_return=np.zeros(E),
-        ep_length=np.zeros(E, dtype=int))  # fmt: skip
+    obs, zeros = vec_env.reset(seed=args.seed)[0], torch.zeros(E, H, device=device)
+    state = TrainState(q_network, target_network, optimizer, rb, rng, vec_env, obs, h=zeros, c=zeros.clone())
     global_step = run.restore(state)  # 0, or --resume's step (networks, Adam, replay, rng, envs and loop restored)
     num_vector_steps = 0 if args.eval_only else args.total_timesteps // E
     for step in range(global_step // E, num_vector_steps):
         # 1. act: zero the state at episode starts, epsilon-greedy per env on Q(h_t, .)
         state.prev_action[state.first], state.prev_reward[state.first] = NO_ACTION, 0.0
         q, (state.h, state.c), (h_before, c_before) = actor_step(
-            q_network, state.obs, state.prev_action, state.prev_reward, state.first, (state.h, state.c))  # fmt: skip
+            q_network, state.obs, state.prev_action, state.prev_reward, state.first, (state.h, state.c)
+        )
         greedy = q.argmax(-1).cpu().numpy()  # (E,)
         explore = rng.random(E) < epsilons
         action = np.where(explore, rng.integers(num_actions, size=E), greedy)
@@ -576,16 +553,15 @@ def main():
         # 2. step the envs (NEXT_STEP autoreset: after a final row, this step is the reset step)
         next_obs, reward, term, trunc, infos = vec_env.step(action)
         reward = np.where(state.final, 0.0, reward).astype(np.float32)  # the reset step's reward is not a reward
-        rb.add(state.obs, state.first, state.final, state.terminal, state.prev_action, state.prev_reward, h_before,
-               c_before, action, reward)  # fmt: skip
+        rb.add(**state.row(), h=h_before, c=c_before, action=action, reward=reward)
         global_step += E
         state.ep_return += reward
         state.ep_length += ~state.final
         for e in np.nonzero(state.final)[0]:  # the previous step ended these episodes; log them
-            state.ep_returns.append(state.ep_return[e])
-            state.ep_lengths.append(state.ep_length[e])
-            run.log(global_step, {"charts/episodic_return": state.ep_return[e],
-                                  "charts/episodic_length": state.ep_length[e]})  # fmt: skip
+            ep_return, ep_length = state.ep_return[e], state.ep_length[e]
+            state.ep_returns.append(ep_return)
+            state.ep_lengths.append(ep_length)
+            run.log(global_step, {"charts/episodic_return": ep_return, "charts/episodic_length": ep_length})
             state.ep_return[e], state.ep_length[e] = 0.0, 0
         state.first, state.final, state.terminal = next_row_flags(state.final, term, trunc)
         state.obs, state.prev_action, state.prev_reward = next_obs, action, reward
@@ -650,14 +626,12 @@ def main():
                 target_network.load_state_dict(q_network.state_dict())
             state.learner_seconds += time.perf_counter() - learn_start  # (with step 5's Delta-Q when it runs)
 
-            if state.num_updates_done % 100 == 0:
+            if state.num_updates_done % LOG_EVERY_UPDATES == 0:
                 sps = int(global_step / (time.time() - run.start_time))
-                run.log(global_step, {"losses/td_loss": loss.item(), "losses/q_values": q_taken.mean().item(),
-                                      "charts/SPS": sps,
-                                      "charts/learning_rate": optimizer.param_groups[0]["lr"]})  # fmt: skip
+                losses = {"losses/td_loss": loss.item(), "losses/q_values": q_taken.mean().item(), "charts/SPS": sps}
+                run.log(global_step, losses | {"charts/learning_rate": optimizer.param_groups[0]["lr"]})
                 recent = np.mean(state.ep_returns[-50:]) if state.ep_returns else float("nan")
-                print(f"global_step={global_step} updates={state.num_updates_done} return(last 50)={recent:.2f} "
-                      f"loss={loss.item():.4f} dq={state.delta_q_log[-1:]} SPS={sps}")  # fmt: skip
+                print(f"global_step={global_step} return(last 50)={recent:.2f} td_loss={loss.item():.4f} SPS={sps}")
         run.end_step(global_step, state)  # env replay info; a checkpoint every --save-every env steps; Ctrl-C: exit
     run.end_training()  # Ctrl-C / SIGTERM stop at once again (a resume would redo what follows)
     vec_env.close()
@@ -667,12 +641,18 @@ def main():
     metrics = {"model/final_delta_q_" + key: value for key, value in final_dq.items() if key != "count"}
     if args.keep_best and state.best_model is not None:  # evaluate the last network too, then switch to the kept one
         last = evaluate(q_network, eval_env, args.eval_episodes, eval_env_seed(args.seed), device)
-        metrics |= {"eval/last_network_episodic_return": last["ret"].mean(), "select/best_global_step": state.best_step,
-                    "select/best_episodic_return": state.best_return}  # fmt: skip
+        metrics |= {
+            "eval/last_network_episodic_return": last["ret"].mean(),
+            "select/best_global_step": state.best_step,
+            "select/best_episodic_return": state.best_return,
+        }
         q_network.load_state_dict(state.best_model)
     result = evaluate(q_network, eval_env, args.eval_episodes, eval_env_seed(args.seed), device)
-    metrics |= {"eval/episodic_return": result["ret"].mean(), "eval/episodic_return_std": result["ret"].std(),
-                "eval/episodic_length": result["length"].mean()}  # fmt: skip
+    metrics |= {
+        "eval/episodic_return": result["ret"].mean(),
+        "eval/episodic_return_std": result["ret"].std(),
+        "eval/episodic_length": result["length"].mean(),
+    }
     if not np.isnan(result["success"]).all():  # the env reports info["success"] (TMaze, Tiger)
         metrics["eval/success_rate"] = np.nanmean(result["success"])
     if state.late_selects:  # the end of the training curve, next to the final evaluation
@@ -700,9 +680,11 @@ def evaluate(net, make_env, episodes: int, seed: int, device) -> dict:
         state = (torch.zeros(1, net.hidden_size, device=device), torch.zeros(1, net.hidden_size, device=device))
         prev_action, prev_reward, total, success = NO_ACTION, 0.0, 0.0, np.nan
         for length in range(1, MAX_EVAL_STEPS + 1):  # noqa: B007  (read after the loop)
-            z = net.encode(torch.as_tensor(obs, dtype=torch.float32, device=device)[None, None],
-                           torch.tensor([[prev_action]], device=device),
-                           torch.tensor([[prev_reward]], dtype=torch.float32, device=device))  # (1, 1, H)  # fmt: skip
+            z = net.encode(
+                torch.as_tensor(obs, dtype=torch.float32, device=device)[None, None],
+                torch.tensor([[prev_action]], device=device),
+                torch.tensor([[prev_reward]], dtype=torch.float32, device=device),
+            )  # (1, 1, H)
             out, state = net.core(z, state)
             action = int(net.head(out)[0, 0].argmax())
             obs, reward, terminated, truncated, info = env.step(action)
@@ -767,8 +749,10 @@ def final_delta_q(net, rb, rng: np.random.Generator, num_sequences: int, device)
     win = to_torch(rb.gather(ids), device)  # rows t0 - L .. t0 + m + n
     trained = {key: value[L:] for key, value in win.items() if key not in ("h0", "c0")}  # rows t0 ..
     anchor_rows, cols = rb.seq_anchor[ids] % rb.cap, rb.seq_env[ids]
-    stored_t0 = (torch.as_tensor(rb.h[anchor_rows, cols], device=device),
-                 torch.as_tensor(rb.c[anchor_rows, cols], device=device))  # fmt: skip
+    stored_t0 = (
+        torch.as_tensor(rb.h[anchor_rows, cols], device=device),
+        torch.as_tensor(rb.c[anchor_rows, cols], device=device),
+    )
     variants = {"zero": unroll(net, trained, zeros, 0)[0], "stored": unroll(net, trained, stored_t0, 0)[0]}
     if L > 0:
         variants["stored_burn_in"] = unroll(net, win, (win["h0"], win["c0"]), L)[0]

@@ -1,72 +1,39 @@
-"""R2D2 with a gated Transformer-XL: the transformer's memory stored in replay like R2D2's LSTM state, refreshed by a
-burn-in.
+"""R2D2 with a gated Transformer-XL: the transformer's memory stored in replay like R2D2's LSTM state.
 
-R2D2 [1] (r2d2_rnnstate.py) stores the actor's recurrent state with the replayed steps and starts each replayed sequence
-from it; the lecture says no one has found the analogous trick for transformers. Here it is built and measured. A
-Transformer-XL [2] carries a *memory* while acting: the inputs of each layer at the last M steps, which the next step's
-queries attend to (no gradient flows into it). A memory entry is a per-step quantity, so the replay stores with every
-step the actor's layer inputs there (O(T), like the LSTM state), and the memory at a sequence's first trained step t0 is
-the stored rows t0 - M .. t0 - 1. A replayed sequence starts from (a) `--memory zero`: an empty memory (what it is at an
-episode start), (b) `--memory stored --burn-in 0`: the stored memory, written by an older network (stale), (c) `--memory
-stored` (default): the memory stored at t0 - burn_in, then a burn-in of burn_in steps that recomputes the burn_in newest
-entries with the current network; (d) `--memory window`: DTQN [4], no memory, the agent acts on its last k = `--window`
-steps and trains on windows of m + n <= k steps; (e) `--memory episode`: every replayed sequence re-encoded from its
-episode's first step (AMAGO [6]-style full-episode replay: exact, no stored state, a cost that grows with the episode).
-On TMaze with a 20-step corridor, longer than every replayed window and than the DTQN window, only the stored memory
-brings the cue into training: (c) solves it, (a) and (d) stay at chance.
+R2D2 [1] (r2d2_rnnstate.py) stores the actor's recurrent state with the replayed steps; the lecture says no one has
+found the analogous trick for transformers. Here it is built and measured. A Transformer-XL [2] acts with a *memory*,
+each layer's inputs at the last M steps. A memory entry belongs to one step, so the replay stores the actor's layer
+inputs with every step (O(T)); the memory at a sequence's first trained step t0 is the stored rows t0 - M .. t0 - 1.
+`--memory`: (a) `zero`, an empty memory; (b) `stored --burn-in 0`, the stored memory, written by an older network;
+(c) `stored` (default), the stored memory and a burn-in that recomputes its burn_in newest entries; (d) `window`,
+DTQN [4]: no memory, acting on the last k steps; (e) `episode`, each sequence re-encoded from its episode start
+(AMAGO [6]: exact, no stored state). On TMaze-20 every replayed window is shorter than the distance from the cue to
+the junction, so only a stored memory brings the cue into training.
 
-Key equations (gated Transformer-XL block, GTrXL [3], pre-norm, for layer l with input x_t^l at step t):
-    context of step t: c_t^l = [x_{t-M}^l .. x_{t-1}^l (the memory, no gradient), x_t^l], same episode only
-    y = ReLU(MultiHeadAttention(q = LN(x_t^l), k = v = LN(c_t^l)) + relative-position bias b_{head, offset}),
-    x' = g(x_t^l, y),   x_t^{l+1} = g(x', ReLU(MLP(LN(x'))))
-    g(x, y) = (1 - z) x + z h,  r = s(W_r y + U_r x),  z = s(W_z y + U_z x - b_g),  h = tanh(W_g y + U_g (r x))
-    Q(h_t, .) = dueling head on LN(x_t^L); the memory's reach is M x layers steps.
-    Targets, priorities, loss: as r2d2_rnnstate.py (n-step double Q on h-rescaled values, prioritized sequences):
-    y_t = h( sum_{k<n'} gamma^k r_{t+k} + gamma^n' (1 - terminal) h^-1(Q^-(t+n', argmax_a Q(t+n', a))) )
-    Delta-Q = ||q(memory; theta) - q(memory recomputed from the episode start; theta)||_2 / max_a |q_true_a|
+Key equations (GTrXL [3] block, pre-norm, layer l, input x_t^l; the memory gets no gradient):
+    y = ReLU(MultiHeadAttention(q = LN(x_t^l), k = v = LN([x_{t-M}^l .. x_t^l])) + bias b_{head, offset})
+    x' = g(x_t^l, y),  x_t^{l+1} = g(x', ReLU(MLP(LN(x')))),  g(x, y) = (1 - z) x + z tanh(W_g y + U_g (r x)),
+    r = s(W_r y + U_r x),  z = s(W_z y + U_z x - b_g);  Q = dueling head on LN(x^L);  the rest as r2d2_rnnstate.py
 Implementation details:
- 1. Attention is a band: step t attends to itself and to the M steps before it in its own episode. Acting one step
-    at a time with the memory of the last M layer inputs therefore gives exactly the Q-values of running the network
-    over the whole episode from its first step (tested in float64): the "true" memory is a recomputation from the
-    episode start, as the true LSTM state is for R2D2.
- 2. Storage: a ring buffer of rows (obs, action, reward, previous action and reward, flags first / final /
-    terminal, the step within the episode) and, in modes (a)-(c), the actor's layer inputs of the row: L x width
-    floats (2 x 64 here), the size of the LSTM's (h, c). Overlapping sequences share their memory rows.
- 3. Sequences, autoreset handling, prioritized sampling, n-step double-Q targets, value rescaling, Ape-X epsilons:
-    as r2d2_rnnstate.py (the same functions). A window is the rows [t0 - lead, t0 + m + n): lead = burn_in + M in
-    (a)-(c), 0 in (d), back to the episode's first row in (e). Rows before the episode's first row are never attended
-    to (`key_valid`); a row attends only to itself and earlier rows, so rows after the episode's final row (masked out
-    of the loss) cannot change the trained ones.
- 4. Burn-in (`anchor_memory`): without gradient, the burn_in rows before t0 run through the network from the memory at
-    t0 - burn_in, in segments of at most M rows (Transformer-XL's recurrence); their new layer inputs replace the
-    burn_in newest entries. Unlike an LSTM state, the M - burn_in older entries stay as stored: a burn-in refreshes only
-    what it recomputes. The target network does the same with its own weights. Mode (e) is a burn-in of the whole
-    prefix.
- 5. The trained rows t0 .. t0 + m + n - 1 run in one forward pass with the memory at t0 as keys and values
-    (detached). Gradient reaches how the memory is *read* (queries, keys, values, position bias), never how it was
-    written: the cue's layer-0 entry is the actor's embedding of it, from when it acted.
- 6. `final_delta_q_memory` is the ablation on ONE network, the last: on replayed sequences that start mid-episode,
-    Q at the first and last trained row from the empty memory, the stored memory, and the stored memory + burn-in,
-    against Q from the memory recomputed from the episode start.
- 7. Cost (`perf/learner_ms_per_update`: sampling to target copy; `replay/bytes_per_row`): (c) encodes burn_in + M +
-    m + n rows per sequence whatever the episode length, (e) up to the whole episode; the README's cost table.
- 8. Observations are flattened as in r2d2_rnnstate.py; evaluation seeds are disjoint blocks (10 000 (s + 1) + i).
- 9. Long runs: a checkpoint every `--save-every` env steps and on Ctrl-C / SIGTERM; `--resume RUN_DIR` continues it
-    bit for bit on CPU (the class `Run`, below RUN MANAGEMENT).
-What was scaled down from GTrXL and why: 2 layers of width 64 with 4 heads and a learned bias per relative offset
-(GTrXL: 12 layers, sinusoidal relative encodings); M = 32 (reach 64, more than a TMaze-20 episode); m = 10 trained
-rows, overlap 5, burn-in 4, n = 5, so that burn-in + trained + target rows (19) are fewer than the 21 steps from the
-cue to the junction; learning rate 3e-4 (r2d2_rnnstate.py: 1e-3); the rest as r2d2_rnnstate.py.
-References: [1] S. Kapturowski et al., "Recurrent Experience Replay in Distributed Reinforcement Learning", ICLR 2019.
-[2] Z. Dai et al., "Transformer-XL", ACL 2019. [3] E. Parisotto et al., "Stabilizing Transformers for Reinforcement
-Learning" (GTrXL), ICML 2020. [4] K. Esslinger et al., "Deep Transformer Q-Networks for Partially Observable
-Reinforcement Learning" (DTQN), 2022. [5] CleanRL ppo_trxl.py (github.com/vwxyzjn/cleanrl): a Transformer-XL memory
-kept per step in an on-policy rollout; here it is kept in an off-policy replay. [6] J. Grigsby et al., "AMAGO:
-Scalable In-Context Reinforcement Learning for Adaptive Agents", 2023. [7] T. Pohlen et al., 2018 (h(x)).
-Reproduce (TMaze-20; ablation runs: add `--memory zero` or `--memory window`; the cost study: `--memory episode`):
-    python algos/r2d2_trxl_memory.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}'
-    TMaze-50 (the cue 51 steps back: one hop with M = 64): add --env-kwargs '{"corridor_length": 50}'
-        --memory-length 64 --buffer-size 60000 --total-timesteps 400000
+1. Attention is a band (a step attends to itself and the M steps before it in its episode), so acting step by step
+   with the memory gives exactly the Q-values of one pass over the episode (tested in float64); reach M x layers.
+2. The replay stores per row the actor's layer inputs: L x width floats (2 x 64), the size of the LSTM's (h, c).
+3. Sequences, autoreset handling, prioritized sampling, targets and exploration as r2d2_rnnstate.py (the same
+   functions). A window is [t0 - lead, t0 + m + n), lead = burn_in + M, 0 (window mode) or back to the episode start.
+4. Burn-in (`anchor_memory`): without gradient, in segments of at most M rows; the M - burn_in older entries stay as
+   stored, unlike an LSTM state, which a burn-in refreshes entirely.
+5. The trained rows run in one pass with the memory as (detached) keys and values: gradient trains how the memory is
+   read, never how it was written.
+6. `final_delta_q_memory`: the ablation on ONE network, the last: Q from the empty, the stored and the stored +
+   burned-in memory against the memory recomputed from the episode start.
+7. Cost: (c) encodes burn_in + M + m + n rows per sequence whatever the episode length, (e) up to the whole episode.
+8. Long runs: `--save-every`, Ctrl-C / SIGTERM checkpoints and `--resume RUN_DIR`, bit for bit on CPU (class `Run`).
+Scaled down from GTrXL: 2 layers of width 64, 4 heads, a learned bias per offset; M = 32; m = 10, overlap 5, burn-in 4,
+n = 5: burn-in + trained + target rows (19) are fewer than TMaze-20's 21 steps from the cue to the junction.
+References: [1] S. Kapturowski et al., R2D2, ICLR 2019. [2] Z. Dai et al., "Transformer-XL", ACL 2019. [3] E. Parisotto
+et al., "Stabilizing Transformers for RL" (GTrXL), ICML 2020. [4] K. Esslinger et al., DTQN, 2022. [5] CleanRL
+ppo_trxl.py. [6] J. Grigsby et al., "AMAGO", 2023. [7] T. Pohlen et al., 2018 (h(x)). Docs: docs/r2d2_trxl_memory.md.
+Reproduce: python algos/r2d2_trxl_memory.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}'
 """
 
 import dataclasses
@@ -99,6 +66,9 @@ NO_ACTION = -1  # "previous action" at an episode's first step: encoded as an al
 DELTA_Q_EPS = 1e-6  # keeps the Delta-Q normalization finite when all true Q-values are 0
 EVAL_SEED_STRIDE = 10_000  # final evaluation: episode i of training seed s gets env seed 10_000 (s + 1) + i
 MAX_EVAL_STEPS = 10_000  # guard for envs without a time limit: an evaluation episode stops after this many steps
+LOG_EVERY_UPDATES = 100  # write losses/SPS to tensorboard every 100 gradient updates
+ROW_SCALARS = {"action": np.int64, "reward": np.float32, "prev_action": np.int64, "prev_reward": np.float32}
+ROW_SCALARS |= {"first": bool, "final": bool, "terminal": bool, "ep_step": np.int32}  # a replay row's scalars, dtypes
 GATE_BIAS = 2.0  # b_g of the GTrXL gate: z starts near sigmoid(-2) = 0.12, so each block starts near the identity
 
 
@@ -123,15 +93,13 @@ class Args:
     checkpoint: str | None = None
     """run dir or model.safetensors to load with `--eval-only` (env and architecture come from its args.json)"""
     save_every: int = 25_000
-    """environment steps between checkpoints (all that `--resume` needs) in RUN_DIR/checkpoints, deleted when the run
-    ends (0 = none; Ctrl-C / SIGTERM always write one)"""
+    """env steps between checkpoints for `--resume` (RUN_DIR/checkpoints, deleted at the end; 0 = none but Ctrl-C's)"""
     resume: str | None = None
     """a run dir of this script with a checkpoint: continue that run there, with its own arguments"""
 
     # Environment
     env_id: str = "seqrl/TMaze-v0"
-    """any gymnasium id (also `module:EnvId`) with a Discrete action space; observations Box, Discrete, MultiBinary,
-    MultiDiscrete, or Tuple/Dict of these (flattened: one-hot per discrete component, concatenated)"""
+    """any gymnasium id (or `module:EnvId`) with Discrete actions; observations flattened as in r2d2_rnnstate.py"""
     env_kwargs: str = '{"corridor_length": 20}'
     """keyword arguments for gym.make as a JSON object"""
     num_envs: int = 8
@@ -147,9 +115,8 @@ class Args:
     ff_size: int = 128
     """hidden width of each block's MLP"""
     memory: Literal["stored", "zero", "window", "episode"] = "stored"
-    """what a replayed sequence's first trained step sees before it: the memory the actor stored (refreshed by
-    --burn-in), an empty memory, nothing (DTQN: no memory; the agent acts on its last --window steps), or the memory
-    recomputed from the episode's first step for every replayed sequence (AMAGO-style full-episode replay)"""
+    """what a replayed sequence starts from: the actor's stored memory (+ --burn-in), an empty memory, no memory
+    (DTQN: acting on the last --window steps), or the memory recomputed from the episode start (AMAGO-style)"""
     memory_length: int = 32
     """M: the steps of layer inputs each step attends to (memory modes)"""
     window: int = 16
@@ -197,8 +164,7 @@ class Args:
     max_grad_norm: float = 10.0
     """global gradient-norm clipping"""
     final_delta_q_sequences: int = 512
-    """replayed sequences for the last network's Delta-Q from zero / stored / stored + burn-in
-    (`final_delta_q_memory`)"""
+    """replayed sequences for the last network's Delta-Q ablation (`final_delta_q_memory`)"""
 
 
 @dataclass(frozen=True)
@@ -363,8 +329,9 @@ class TransformerXLQNetwork(nn.Module):
         for layer, block in enumerate(self.blocks):
             inputs.append(x)
             x = block(x, torch.cat([memory[layer], x]), allowed, offset)
-        adv = self.advantage(self.norm_out(x))  # norm_out twice: once changes float rounding of the benchmarked runs
-        return self.value(self.norm_out(x)) + adv - adv.mean(-1, keepdim=True), torch.stack(inputs)
+        out = self.norm_out(x)  # (T, B, D)
+        adv = self.advantage(out)
+        return self.value(out) + adv - adv.mean(-1, keepdim=True), torch.stack(inputs)
 
 
 class MemoryReplay:  # r2d2_rnnstate.py's SequenceReplay stores LSTM states; this one layer inputs, `lead` rows back
@@ -379,10 +346,8 @@ class MemoryReplay:  # r2d2_rnnstate.py's SequenceReplay stores LSTM states; thi
     def __init__(self, capacity, num_envs, obs_dim, stored_layers, d_model, seq_len, overlap, lead, n_step):
         self.cap, self.E = capacity, num_envs
         self.m, self.stride, self.lead, self.n = seq_len, seq_len - overlap, lead, n_step
-        row_layout = {"obs": ((obs_dim,), np.float32), "action": ((), np.int64), "reward": ((), np.float32),
-                      "prev_action": ((), np.int64), "prev_reward": ((), np.float32), "first": ((), bool),
-                      "final": ((), bool), "terminal": ((), bool), "ep_step": ((), np.int32),  # step in the episode
-                      "layer_inputs": ((stored_layers, d_model), np.float32)}  # the actor's memory entry  # fmt: skip
+        row_layout = {"obs": ((obs_dim,), np.float32)} | {name: ((), dtype) for name, dtype in ROW_SCALARS.items()}
+        row_layout["layer_inputs"] = ((stored_layers, d_model), np.float32)  # the actor's memory entry
         for name, (shape, dtype) in row_layout.items():  # (capacity, num_envs, *shape) arrays
             setattr(self, name, np.zeros((capacity, num_envs, *shape), dtype=dtype))
         self.row_fields = tuple(row_layout)  # what the replay stores per row
@@ -533,13 +498,15 @@ def initial_context(net, memory: str, window: int, num_envs: int, device) -> dic
     """What the actor carries between steps, empty: the memory of the last M rows' layer inputs (memory modes), or
     the last window - 1 rows' inputs to re-encode (window mode); `valid` marks entries of the current episode."""
     if not MEMORY_MODES[memory].acts_on_window:
-        return {"memory": torch.zeros(len(net.blocks), net.span, num_envs, net.d_model, device=device),
-                "valid": torch.zeros(net.span, num_envs, dtype=torch.bool, device=device)}  # fmt: skip
+        entries = torch.zeros(len(net.blocks), net.span, num_envs, net.d_model, device=device)  # (L, M, E, D)
+        return {"memory": entries, "valid": torch.zeros(net.span, num_envs, dtype=torch.bool, device=device)}
     k = window - 1
-    return {"obs": torch.zeros(k, num_envs, net.obs_dim, device=device),
-            "prev_action": torch.full((k, num_envs), NO_ACTION, device=device),
-            "prev_reward": torch.zeros(k, num_envs, device=device),
-            "valid": torch.zeros(k, num_envs, dtype=torch.bool, device=device)}  # fmt: skip
+    return {
+        "obs": torch.zeros(k, num_envs, net.obs_dim, device=device),
+        "prev_action": torch.full((k, num_envs), NO_ACTION, device=device),
+        "prev_reward": torch.zeros(k, num_envs, device=device),
+        "valid": torch.zeros(k, num_envs, dtype=torch.bool, device=device),
+    }
 
 
 @torch.no_grad()  # r2d2_rnnstate.py's actor_step carries an LSTM state, this one a memory (or window) of rows
@@ -549,9 +516,11 @@ def memory_actor_step(net, context: dict, obs, prev_action, prev_reward, first):
     memory entry, stored in replay; L' = 0 in the window mode)."""
     device, dtype, E = context["valid"].device, net.embed.weight.dtype, len(obs)
     valid = context["valid"] & ~torch.as_tensor(first, device=device)[None]  # (K, E)
-    row = {"obs": torch.as_tensor(obs, dtype=dtype, device=device)[None],
-           "prev_action": torch.as_tensor(prev_action, device=device)[None],
-           "prev_reward": torch.as_tensor(prev_reward, dtype=dtype, device=device)[None]}  # fmt: skip
+    row = {
+        "obs": torch.as_tensor(obs, dtype=dtype, device=device)[None],
+        "prev_action": torch.as_tensor(prev_action, device=device)[None],
+        "prev_reward": torch.as_tensor(prev_reward, dtype=dtype, device=device)[None],
+    }
     key_valid = torch.cat([valid, torch.ones(1, E, dtype=torch.bool, device=device)])
     if "memory" in context:  # Transformer-XL: the new row attends to the memory of the last M rows
         q, inputs = net(net.encode(**row), context["memory"], key_valid)  # (1, E, A), (L, 1, E, D)
@@ -563,9 +532,7 @@ def memory_actor_step(net, context: dict, obs, prev_action, prev_reward, first):
     return q[-1], new, np.zeros((E, 0, net.d_model), dtype=np.float32)
 
 
-def make_next_step_vec_env(
-    env_id: str, env_kwargs: dict, num_envs: int, scale_obs: bool = False
-) -> gym.vector.SyncVectorEnv:
+def make_next_step_vec_env(env_id: str, env_kwargs: dict, num_envs: int, scale_obs: bool = False):
     """`num_envs` copies of the flattened env with gymnasium's default NEXT_STEP autoreset (ppo_recurrent.py's
     make_vec_env autoresets in the SAME step)."""
     return gym.vector.SyncVectorEnv(
@@ -613,18 +580,28 @@ class TrainState:
     rng: np.random.Generator  # exploration and replay sampling
     vec_env: gym.vector.SyncVectorEnv  # not saved: --resume replays each env's episode
     obs: np.ndarray  # (E, obs_dim) the observation of the current row
-    first: np.ndarray  # (E,) the row holds a reset observation
-    final: np.ndarray  # (E,) the row holds an episode's final observation (its action is ignored)
-    terminal: np.ndarray  # (E,) that final observation is terminal (no bootstrap)
-    prev_action: np.ndarray  # (E,) a_{t-1} (NO_ACTION at an episode's first step)
-    prev_reward: np.ndarray  # (E,) r_{t-1}
     context: dict  # the actor's memory (or window of rows), `initial_context`
-    ep_return: np.ndarray  # (E,) return and length of each env's episode so far
-    ep_length: np.ndarray  # (E,)
+    first: np.ndarray = field(init=False)  # (E,) the row holds a reset observation
+    final: np.ndarray = field(init=False)  # (E,) the row holds an episode's final observation (action ignored)
+    terminal: np.ndarray = field(init=False)  # (E,) that final observation is terminal (no bootstrap)
+    prev_action: np.ndarray = field(init=False)  # (E,) a_{t-1} (NO_ACTION at an episode's first step)
+    prev_reward: np.ndarray = field(init=False)  # (E,) r_{t-1}
+    ep_return: np.ndarray = field(init=False)  # (E,) return and length of each env's episode so far
+    ep_length: np.ndarray = field(init=False)  # (E,)
     ep_returns: list = field(default_factory=list)  # returns and lengths of the finished episodes
     ep_lengths: list = field(default_factory=list)
     num_updates_done: int = 0
     learner_seconds: float = 0.0  # wall time of the learning steps (sampling to priorities), for the cost study
+
+    def __post_init__(self):  # a new run: every env at the first row of an episode
+        E = len(self.obs)
+        self.first, self.final, self.terminal = np.ones(E, dtype=bool), np.zeros(E, dtype=bool), np.zeros(E, dtype=bool)
+        self.prev_action, self.prev_reward = np.full(E, NO_ACTION, dtype=np.int64), np.zeros(E, dtype=np.float32)
+        self.ep_return, self.ep_length = np.zeros(E), np.zeros(E, dtype=int)
+
+    def row(self) -> dict:
+        """The current row's fields that the replay stores with the action taken there."""
+        return {key: getattr(self, key) for key in ("obs", "first", "final", "terminal", "prev_action", "prev_reward")}
 
 
 def main():
@@ -647,26 +624,22 @@ def main():
     target_network = build_network(args, obs_dim, num_actions).to(device)
     target_network.load_state_dict(q_network.state_dict())
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, eps=args.adam_eps)
-    E, m, n = args.num_envs, args.seq_len, args.n_step
-    stored_layers = args.num_layers if MEMORY_MODES[args.memory].stores_memory else 0
-    rb = MemoryReplay(args.buffer_size // E, E, obs_dim, stored_layers, args.d_model, m, args.seq_overlap,
-                        replay_lead(args), n)  # fmt: skip
+    E, m, n, D = args.num_envs, args.seq_len, args.n_step, args.d_model
+    layers = args.num_layers if MEMORY_MODES[args.memory].stores_memory else 0  # stored layer inputs per row
+    rb = MemoryReplay(args.buffer_size // E, E, obs_dim, layers, D, m, args.seq_overlap, replay_lead(args), n)
     epsilons = ape_x_epsilons(E, args.exploration_eps, args.exploration_alpha)  # (E,)
     eps_v = args.value_rescaling_eps
 
-    state = TrainState(
-        q_network, target_network, optimizer, rb, rng, vec_env, obs=vec_env.reset(seed=args.seed)[0],
-        first=np.ones(E, dtype=bool), final=np.zeros(E, dtype=bool), terminal=np.zeros(E, dtype=bool),
-        prev_action=np.full(E, NO_ACTION, dtype=np.int64), prev_reward=np.zeros(E, dtype=np.float32),
-        ep_return=np.zeros(E), ep_length=np.zeros(E, dtype=int),
-        context=initial_context(q_network, args.memory, args.window, E, device))  # fmt: skip
+    obs, context = vec_env.reset(seed=args.seed)[0], initial_context(q_network, args.memory, args.window, E, device)
+    state = TrainState(q_network, target_network, optimizer, rb, rng, vec_env, obs, context)
     global_step = run.restore(state)  # 0, or --resume's step (networks, Adam, replay, rng, envs and loop restored)
     num_vector_steps = 0 if args.eval_only else args.total_timesteps // E
     for step in range(global_step // E, num_vector_steps):
         # 1. act: forget the memory at episode starts, epsilon-greedy per env on Q(h_t, .) from the carried memory
         state.prev_action[state.first], state.prev_reward[state.first] = NO_ACTION, 0.0
         q, state.context, layer_inputs = memory_actor_step(
-            q_network, state.context, state.obs, state.prev_action, state.prev_reward, state.first)  # fmt: skip
+            q_network, state.context, state.obs, state.prev_action, state.prev_reward, state.first
+        )
         greedy = q.argmax(-1).cpu().numpy()  # (E,)
         explore = rng.random(E) < epsilons
         action = np.where(explore, rng.integers(num_actions, size=E), greedy)
@@ -674,17 +647,15 @@ def main():
         # 2. step the envs (NEXT_STEP autoreset: after a final row, this step is the reset step)
         next_obs, reward, term, trunc, infos = vec_env.step(action)
         reward = np.where(state.final, 0.0, reward).astype(np.float32)  # the reset step's reward is not a reward
-        rb.add(obs=state.obs, first=state.first, final=state.final, terminal=state.terminal,
-               prev_action=state.prev_action, prev_reward=state.prev_reward, layer_inputs=layer_inputs, action=action,
-               reward=reward)  # fmt: skip
+        rb.add(**state.row(), layer_inputs=layer_inputs, action=action, reward=reward)
         global_step += E
         state.ep_return += reward
         state.ep_length += ~state.final
         for e in np.nonzero(state.final)[0]:  # the previous step ended these episodes; log them
-            state.ep_returns.append(state.ep_return[e])
-            state.ep_lengths.append(state.ep_length[e])
-            run.log(global_step, {"charts/episodic_return": state.ep_return[e],
-                                  "charts/episodic_length": state.ep_length[e]})  # fmt: skip
+            ep_return, ep_length = state.ep_return[e], state.ep_length[e]
+            state.ep_returns.append(ep_return)
+            state.ep_lengths.append(ep_length)
+            run.log(global_step, {"charts/episodic_return": ep_return, "charts/episodic_length": ep_length})
             state.ep_return[e], state.ep_length[e] = 0.0, 0
         state.first, state.final, state.terminal = next_row_flags(state.final, term, trunc)
         state.obs, state.prev_action, state.prev_reward = next_obs, action, reward
@@ -724,13 +695,12 @@ def main():
                 target_network.load_state_dict(q_network.state_dict())
             state.learner_seconds += time.perf_counter() - learn_start
 
-            if state.num_updates_done % 100 == 0:
+            if state.num_updates_done % LOG_EVERY_UPDATES == 0:
                 sps = int(global_step / (time.time() - run.start_time))
-                run.log(global_step, {"losses/td_loss": loss.item(), "losses/q_values": q_taken.mean().item(),
-                                      "charts/SPS": sps, "charts/learning_rate": args.learning_rate})  # fmt: skip
+                losses = {"losses/td_loss": loss.item(), "losses/q_values": q_taken.mean().item(), "charts/SPS": sps}
+                run.log(global_step, losses | {"charts/learning_rate": args.learning_rate})
                 recent = np.mean(state.ep_returns[-50:]) if state.ep_returns else float("nan")
-                print(f"global_step={global_step} updates={state.num_updates_done} return(last 50)={recent:.2f} "
-                      f"loss={loss.item():.4f} SPS={sps}")  # fmt: skip
+                print(f"global_step={global_step} return(last 50)={recent:.2f} td_loss={loss.item():.4f} SPS={sps}")
         run.end_step(global_step, state)  # env replay info; a checkpoint every --save-every env steps; Ctrl-C: exit
     run.end_training()  # Ctrl-C / SIGTERM stop at once again (a resume would redo what follows)
     vec_env.close()
@@ -738,14 +708,10 @@ def main():
     # after training: the one-network Delta-Q ablation (memory modes), then the greedy evaluation
     final_dq = {}
     if not args.eval_only and MEMORY_MODES[args.memory].stores_memory:
-        final_dq = final_delta_q_memory(q_network, rb, rng, args.final_delta_q_sequences, device, args.burn_in,
-                                 args.memory_length)  # fmt: skip
+        sizes = (args.final_delta_q_sequences, device, args.burn_in, args.memory_length)
+        final_dq = final_delta_q_memory(q_network, rb, rng, *sizes)
     metrics = {"model/final_delta_q_" + key: value for key, value in final_dq.items() if key != "count"}
-    result = evaluate(q_network, args, env_kwargs, eval_env_seed(args.seed), device)
-    metrics |= {"eval/episodic_return": result["ret"].mean(), "eval/episodic_return_std": result["ret"].std(),
-                "eval/episodic_length": result["length"].mean()}  # fmt: skip
-    if not np.isnan(result["success"]).all():  # the env reports info["success"] (TMaze, Tiger)
-        metrics["eval/success_rate"] = np.nanmean(result["success"])
+    metrics |= evaluate(q_network, args, env_kwargs, eval_env_seed(args.seed), device)
     if not args.eval_only:  # the O(T) replay: each step once, with its memory entry; the learner's time per update
         metrics.update({f"replay/{key}": value for key, value in replay_bytes_memory(rb, args.memory_length).items()})
         metrics["perf/learner_ms_per_update"] = 1000.0 * state.learner_seconds / max(state.num_updates_done, 1)
@@ -756,7 +722,7 @@ def main():
 
 @torch.no_grad()
 def evaluate(net, args: Args, env_kwargs: dict, seed: int, device) -> dict:
-    """Greedy episodes, one after the other in a single env: returns, lengths, success (NaN where undefined)."""
+    """Greedy episodes, one after the other in a single env: the eval/ metrics (success where the env reports it)."""
     env = make_flat_env(args.env_id, env_kwargs)
     returns, lengths, successes = [], [], []
     for ep in range(args.eval_episodes):
@@ -775,7 +741,11 @@ def evaluate(net, args: Args, env_kwargs: dict, seed: int, device) -> dict:
         lengths.append(length)
         successes.append(success)
     env.close()
-    return dict(ret=np.array(returns), length=np.array(lengths), success=np.array(successes))
+    metrics = {"eval/episodic_return": np.mean(returns), "eval/episodic_return_std": np.std(returns)}
+    metrics["eval/episodic_length"] = np.mean(lengths)
+    if not np.isnan(successes).all():  # the env reports info["success"] (TMaze, Tiger)
+        metrics["eval/success_rate"] = np.nanmean(successes)
+    return metrics
 
 
 # === ANALYSIS (measurements for the docs; not needed to train) ===
@@ -813,8 +783,11 @@ def replay_bytes_memory(rb, memory_length: int) -> dict:
     """Bytes of the replay's filled rows as stored (each step once, with its layer inputs), a row's bytes, and what
     the memory at one sequence start takes (M x L x D floats; the LSTM's state is 2 x width)."""
     per_row = sum(getattr(rb, name)[0, 0].nbytes for name in rb.row_fields)
-    return {"bytes": float(min(rb.t, rb.cap) * rb.E * per_row), "bytes_per_row": float(per_row),
-            "memory_bytes_per_sequence": float(memory_length * rb.layer_inputs[0, 0].nbytes)}  # fmt: skip
+    return {
+        "bytes": float(min(rb.t, rb.cap) * rb.E * per_row),
+        "bytes_per_row": float(per_row),
+        "memory_bytes_per_sequence": float(memory_length * rb.layer_inputs[0, 0].nbytes),
+    }
 
 
 # === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===

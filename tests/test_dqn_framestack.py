@@ -156,16 +156,12 @@ def drive(env_id, env_kwargs, num_envs, k, steps, policy, capacity=64, num_actio
 
 def test_stacks_with_previous_actions_match_the_rolling_evaluation_stack():
     rng = np.random.default_rng(1)
-    rb, log = drive(
-        "seqrl/TMaze-v0",
-        {"corridor_length": 2},
-        3,
-        4,
-        80,
-        lambda t, n: rng.integers(0, 4, size=n),
-        capacity=40,
-        num_actions=4,
-    )  # fmt: skip  (the ring wraps twice)
+
+    def actions(t, n):
+        return rng.integers(0, 4, size=n)
+
+    # 80 steps into a ring of 40 slots: it wraps twice
+    rb, log = drive("seqrl/TMaze-v0", {"corridor_length": 2}, 3, 4, 80, actions, capacity=40, num_actions=4)
     assert any(entry[0].any() for entry in log)
     # by hand, env 0: the newest frame of the stack at slot s carries onehot(action of slot s - 1) within an episode
     stacks = rb.stacks(np.arange(40), np.zeros(40, dtype=np.int64)).reshape(40, 4, 3 + 4)
@@ -182,8 +178,15 @@ def test_tmaze_bump_and_step_east_give_the_same_stack_without_actions():
     for num_actions in (0, 4):
         stacks = {}
         for first in (west, east):
-            rb, _ = drive("seqrl/TMaze-v0", {"corridor_length": 3}, 1, 4, 1, lambda t, n, a=first: np.full(n, a),
-                          num_actions=num_actions)  # fmt: skip
+            rb, _ = drive(
+                "seqrl/TMaze-v0",
+                {"corridor_length": 3},
+                1,
+                4,
+                1,
+                lambda t, n, a=first: np.full(n, a),
+                num_actions=num_actions,
+            )
             stacks[first] = rb.current_stacks()[0]
         assert np.array_equal(stacks[west], stacks[east]) == (num_actions == 0)
 
@@ -244,9 +247,28 @@ def test_linear_schedule():
 
 
 # CleanRL-like settings for the small discrete POMDPs (the script defaults are tuned for MaskedCartPole)
-TMAZE_CLEANRL_LIKE = ["--learning-rate", "5e-4", "--train-frequency", "1", "--gradient-steps", "1", "--batch-size",
-                      "128", "--exploration-fraction", "0.5", "--end-e", "0.05", "--hidden-size", "128",
-                      "--gamma", "0.99", "--target-network-frequency", "256", "--difference-scale", "0"]  # fmt: skip
+TMAZE_CLEANRL_LIKE = [
+    "--learning-rate",
+    "5e-4",
+    "--train-frequency",
+    "1",
+    "--gradient-steps",
+    "1",
+    "--batch-size",
+    "128",
+    "--exploration-fraction",
+    "0.5",
+    "--end-e",
+    "0.05",
+    "--hidden-size",
+    "128",
+    "--gamma",
+    "0.99",
+    "--target-network-frequency",
+    "256",
+    "--difference-scale",
+    "0",
+]
 TINY = ["--total-timesteps", "400", "--learning-starts", "128", "--batch-size", "32", "--num-envs", "2"]
 
 
@@ -266,11 +288,28 @@ def test_smoke_tmaze_and_eval_only_roundtrip(runs_dir):
 
 def test_eval_only_restores_the_architecture_from_args_json(runs_dir):
     """A --no-scale-obs, 2-frame, 32-unit model is evaluated as trained, without repeating those flags."""
-    arch = ["--no-scale-obs", "--frame-stack", "2", "--hidden-size", "32", "--difference-scale", "10",
-            "--eval-episodes", "4"]  # fmt: skip
+    arch = [
+        "--no-scale-obs",
+        "--frame-stack",
+        "2",
+        "--hidden-size",
+        "32",
+        "--difference-scale",
+        "10",
+        "--eval-episodes",
+        "4",
+    ]
     summary = run_script("dqn_framestack", *arch, *TINY, runs_dir=runs_dir, timeout=120)
-    again = run_script("dqn_framestack", "--eval-only", "--checkpoint", summary["run_dir"], "--eval-episodes", "4",
-                       runs_dir=runs_dir, timeout=120)  # fmt: skip
+    again = run_script(
+        "dqn_framestack",
+        "--eval-only",
+        "--checkpoint",
+        summary["run_dir"],
+        "--eval-episodes",
+        "4",
+        runs_dir=runs_dir,
+        timeout=120,
+    )
     restored = again["args"]
     assert (restored["scale_obs"], restored["frame_stack"], restored["hidden_size"]) == (False, 2, 32)
     assert restored["difference_scale"] == 10.0
@@ -279,14 +318,23 @@ def test_eval_only_restores_the_architecture_from_args_json(runs_dir):
 
 def test_eval_only_of_a_run_saved_before_difference_scale_reads_the_raw_stack(runs_dir):
     """args.json without `difference_scale` (runs saved before the field existed): the raw stack, not the default."""
-    summary = run_script("dqn_framestack", "--difference-scale", "0", "--eval-episodes", "4", *TINY,
-                         runs_dir=runs_dir, timeout=120)  # fmt: skip
+    summary = run_script(
+        "dqn_framestack", "--difference-scale", "0", "--eval-episodes", "4", *TINY, runs_dir=runs_dir, timeout=120
+    )
     args_file = Path(summary["run_dir"]) / "args.json"
     saved = json.loads(args_file.read_text())
     del saved["difference_scale"]
     args_file.write_text(json.dumps(saved))
-    again = run_script("dqn_framestack", "--eval-only", "--checkpoint", summary["run_dir"], "--eval-episodes", "4",
-                       runs_dir=runs_dir, timeout=120)  # fmt: skip
+    again = run_script(
+        "dqn_framestack",
+        "--eval-only",
+        "--checkpoint",
+        summary["run_dir"],
+        "--eval-episodes",
+        "4",
+        runs_dir=runs_dir,
+        timeout=120,
+    )
     assert again["args"]["difference_scale"] == 0.0
     assert again["metrics"] == summary["metrics"]
 
@@ -307,13 +355,22 @@ def test_network_inputs_are_the_stack_and_its_scaled_differences_without_padding
 
 def test_keep_best_saves_and_reports_the_kept_network(runs_dir):
     tmaze = ["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 2}', "--eval-episodes", "8"]
-    summary = run_script("dqn_framestack", *tmaze, *TINY, "--select-frequency", "200", "--keep-best",
-                         runs_dir=runs_dir, timeout=120)  # fmt: skip
+    summary = run_script(
+        "dqn_framestack", *tmaze, *TINY, "--select-frequency", "200", "--keep-best", runs_dir=runs_dir, timeout=120
+    )
     metrics = summary["metrics"]
     assert metrics["select/best_global_step"] in (200.0, 400.0)  # evaluations at 200 and 400 env steps
     assert {"eval/last_network_episodic_return", "eval/last_network_success_rate"} <= set(metrics)
-    again = run_script("dqn_framestack", "--eval-only", "--checkpoint", summary["run_dir"], "--eval-episodes", "8",
-                       runs_dir=runs_dir, timeout=120)  # fmt: skip
+    again = run_script(
+        "dqn_framestack",
+        "--eval-only",
+        "--checkpoint",
+        summary["run_dir"],
+        "--eval-episodes",
+        "8",
+        runs_dir=runs_dir,
+        timeout=120,
+    )
     assert again["metrics"]["eval/episodic_return"] == metrics["eval/episodic_return"]  # the kept one is saved
     if metrics["select/best_global_step"] == 400.0:  # the kept network is the last one: same evaluation
         assert metrics["eval/last_network_episodic_return"] == metrics["eval/episodic_return"]
@@ -353,9 +410,16 @@ def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
 
 def test_smoke_three_state_line_reports_failure_rate(runs_dir):
     summary = run_script(
-        "dqn_framestack", "--env-id", "seqrl/ThreeStateLine-v0", "--frame-stack", "1", *TINY, "--double-q",
-        runs_dir=runs_dir, timeout=120,
-    )  # fmt: skip
+        "dqn_framestack",
+        "--env-id",
+        "seqrl/ThreeStateLine-v0",
+        "--frame-stack",
+        "1",
+        *TINY,
+        "--double-q",
+        runs_dir=runs_dir,
+        timeout=120,
+    )
     metrics = summary["metrics"]
     assert metrics["eval/failure_rate"] == metrics["eval/timeout_rate"]
     assert -20.0 <= metrics["eval/episodic_return"] <= -1.0
@@ -387,22 +451,43 @@ def test_clear_errors(runs_dir, args, message):
 
 
 def test_clear_error_on_mismatched_checkpoint(runs_dir, tmp_path):
-    summary = run_script("dqn_framestack", "--env-id", "seqrl/TMaze-v0", *TINY, "--eval-episodes", "2",
-                         runs_dir=runs_dir, timeout=120)  # fmt: skip
+    summary = run_script(
+        "dqn_framestack", "--env-id", "seqrl/TMaze-v0", *TINY, "--eval-episodes", "2", runs_dir=runs_dir, timeout=120
+    )
     bare = tmp_path / "model.safetensors"  # the weights alone, without the run's args.json: the flags decide
     bare.write_bytes((Path(summary["run_dir"]) / "model.safetensors").read_bytes())
     proc = run_script(
-        "dqn_framestack", "--env-id", "seqrl/TMaze-v0", "--frame-stack", "2", "--eval-only",
-        "--checkpoint", str(bare), runs_dir=runs_dir, expect_fail=True, timeout=60,
-    )  # fmt: skip
+        "dqn_framestack",
+        "--env-id",
+        "seqrl/TMaze-v0",
+        "--frame-stack",
+        "2",
+        "--eval-only",
+        "--checkpoint",
+        str(bare),
+        runs_dir=runs_dir,
+        expect_fail=True,
+        timeout=60,
+    )
     assert "does not fit this architecture" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
 def test_tmaze_short_corridor_solved_with_a_stack_and_at_chance_without(runs_dir):
     """TMaze corridor 2: k = 4 still sees the cue at the junction (success ~1); k = 1 cannot (success ~1/2)."""
-    common = ["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 2}', "--total-timesteps", "20000",
-              "--learning-starts", "1000", "--eval-episodes", "200", *TMAZE_CLEANRL_LIKE]  # fmt: skip
+    common = [
+        "--env-id",
+        "seqrl/TMaze-v0",
+        "--env-kwargs",
+        '{"corridor_length": 2}',
+        "--total-timesteps",
+        "20000",
+        "--learning-starts",
+        "1000",
+        "--eval-episodes",
+        "200",
+        *TMAZE_CLEANRL_LIKE,
+    ]
     with_stack = run_script("dqn_framestack", *common, "--frame-stack", "4", runs_dir=runs_dir, timeout=300)
     assert with_stack["metrics"]["eval/success_rate"] >= 0.9
     memoryless = run_script("dqn_framestack", *common, "--frame-stack", "1", runs_dir=runs_dir, timeout=300)

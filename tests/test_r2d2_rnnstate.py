@@ -48,9 +48,15 @@ def test_nstep_rescaled_targets_match_plain_loop():
     rewards, boot = rng.normal(size=(T, B)) * 3, rng.normal(size=(T, B)) * 10
     positions = T - n
     got = r2d2.nstep_rescaled_targets(
-        torch.tensor(rewards), torch.tensor(final).double(), torch.tensor(terminal).double(),
-        torch.tensor(boot), gamma, n, positions, eps,
-    )  # fmt: skip
+        torch.tensor(rewards),
+        torch.tensor(final).double(),
+        torch.tensor(terminal).double(),
+        torch.tensor(boot),
+        gamma,
+        n,
+        positions,
+        eps,
+    )
     np.testing.assert_allclose(got.numpy(), reference_targets(rewards, final, terminal, boot, gamma, n, positions, eps))
     # one hand case: rewards 1, 2 then a terminal final row: y_0 = h(1 + 0.5 * 2), no bootstrap
     r = torch.tensor([[1.0], [2.0], [9.0], [9.0]])
@@ -145,9 +151,15 @@ def test_sequences_never_cross_episode_boundaries_and_targets_match_env_truth():
     # the n-step targets see only the anchor's episode: compare with returns built from the env's own records
     boot = torch.tensor(1000.0 * episode + t).double()  # a recognizable bootstrap value per row
     y = r2d2.nstep_rescaled_targets(
-        torch.tensor(win["reward"][burn_in:]).double(), final, torch.tensor(win["terminal"][burn_in:]).double(),
-        boot, gamma, n, m, 0.0,
-    )  # fmt: skip
+        torch.tensor(win["reward"][burn_in:]).double(),
+        final,
+        torch.tensor(win["terminal"][burn_in:]).double(),
+        boot,
+        gamma,
+        n,
+        m,
+        0.0,
+    )
     returns = r2d2.inverse_value_rescale(y, 0.0).numpy()
     checked = 0
     for s in range(len(ids)):
@@ -226,8 +238,18 @@ def test_episode_steps_and_replay_bytes_by_hand():
     # O(T) vs O(T^2): one column holding a single 100-step episode
     one = r2d2.SequenceReplay(200, 1, 2, 8, 6, 2, 3, 3)
     for t in range(100):
-        one.add(np.zeros((1, 2)), np.array([t == 0]), np.array([False]), np.array([False]), np.array([-1]),
-                np.zeros(1), np.zeros((1, 8)), np.zeros((1, 8)), np.zeros(1, dtype=np.int64), np.zeros(1))  # fmt: skip
+        one.add(
+            np.zeros((1, 2)),
+            np.array([t == 0]),
+            np.array([False]),
+            np.array([False]),
+            np.array([-1]),
+            np.zeros(1),
+            np.zeros((1, 8)),
+            np.zeros((1, 8)),
+            np.zeros(1, dtype=np.int64),
+            np.zeros(1),
+        )
     sizes = r2d2.replay_bytes(one)
     assert sizes["bytes"] == 100 * (inputs + other + state)
     assert sizes["bytes_full_histories"] == 100 * 101 // 2 * inputs + 100 * other
@@ -245,9 +267,24 @@ def test_prioritized_sampling_follows_priorities():
 
 
 # ---------------------------------------------------------------- subprocess runs
-TINY = ["--total-timesteps", "2400", "--learning-starts", "800", "--num-envs", "4", "--buffer-size", "2000",
-        "--batch-size", "8", "--eval-episodes", "4", "--delta-q-frequency", "5", "--env-kwargs",
-        '{"corridor_length": 3}']  # fmt: skip
+TINY = [
+    "--total-timesteps",
+    "2400",
+    "--learning-starts",
+    "800",
+    "--num-envs",
+    "4",
+    "--buffer-size",
+    "2000",
+    "--batch-size",
+    "8",
+    "--eval-episodes",
+    "4",
+    "--delta-q-frequency",
+    "5",
+    "--env-kwargs",
+    '{"corridor_length": 3}',
+]
 
 
 def test_smoke_run_and_eval_only_round_trip(runs_dir):
@@ -263,8 +300,9 @@ def test_smoke_run_and_eval_only_round_trip(runs_dir):
     assert 0 < metrics["replay/bytes_full_histories"] < metrics["replay/bytes"]  # short episodes: T * 24 B < 512 B
     assert summary["sps"] > 0
     run = summary["run_dir"]
-    again = run_script("r2d2_rnnstate", "--eval-only", "--checkpoint", run, "--eval-episodes", "4",
-                       runs_dir=runs_dir, timeout=120)  # fmt: skip
+    again = run_script(
+        "r2d2_rnnstate", "--eval-only", "--checkpoint", run, "--eval-episodes", "4", runs_dir=runs_dir, timeout=120
+    )
     assert again["run_dir"] != run
     assert again["args"]["env_kwargs"] == '{"corridor_length": 3}'  # the env comes from the checkpoint
     assert again["metrics"]["eval/episodic_return"] == pytest.approx(metrics["eval/episodic_return"])
@@ -278,8 +316,9 @@ def test_anneal_lr_decays_the_learning_rate_linearly_to_zero(runs_dir, anneal):
 
     assert r2d2.Args().anneal_lr is False
     flags = ["--anneal-lr"] if anneal else []
-    summary = run_script("r2d2_rnnstate", *TINY, "--train-frequency", "1", "--learning-rate", "1e-3", *flags,
-                         runs_dir=runs_dir)  # fmt: skip
+    summary = run_script(
+        "r2d2_rnnstate", *TINY, "--train-frequency", "1", "--learning-rate", "1e-3", *flags, runs_dir=runs_dir
+    )
     acc = EventAccumulator(summary["run_dir"])
     acc.Reload()
     logged = [(event.step, event.value) for event in acc.Scalars("charts/learning_rate")]
@@ -292,8 +331,19 @@ def test_anneal_lr_decays_the_learning_rate_linearly_to_zero(runs_dir, anneal):
 def test_main_loop_delta_q_without_learning(runs_dir, state_init):
     """With a learning rate of 0 the network never changes, so stored states are exact: Delta-Q is 0 with the stored
     state (with or without burn-in) and positive with the zero state (sequences that start mid-episode)."""
-    summary = run_script("r2d2_rnnstate", *TINY, "--learning-rate", "0", "--state-init", state_init, "--burn-in", "0",
-                         "--env-kwargs", '{"corridor_length": 3, "max_steps": 60}', runs_dir=runs_dir)  # fmt: skip
+    summary = run_script(
+        "r2d2_rnnstate",
+        *TINY,
+        "--learning-rate",
+        "0",
+        "--state-init",
+        state_init,
+        "--burn-in",
+        "0",
+        "--env-kwargs",
+        '{"corridor_length": 3, "max_steps": 60}',
+        runs_dir=runs_dir,
+    )
     metrics = summary["metrics"]
     assert metrics["model/delta_q_first_episode_start"] < 1e-5
     if state_init == "stored":
@@ -333,9 +383,26 @@ def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
         np.testing.assert_array_equal(obs, spaces_env.expected_flat(raw_obs))
         obs, *_ = env.step(1)
         raw_obs, *_ = raw.step(1)
-    tiny = ["--total-timesteps", "600", "--learning-starts", "200", "--num-envs", "2", "--buffer-size", "600",
-            "--batch-size", "4", "--eval-episodes", "2", "--seq-len", "4", "--seq-overlap", "2",
-            "--burn-in", "2"]  # fmt: skip
+    tiny = [
+        "--total-timesteps",
+        "600",
+        "--learning-starts",
+        "200",
+        "--num-envs",
+        "2",
+        "--buffer-size",
+        "600",
+        "--batch-size",
+        "4",
+        "--eval-episodes",
+        "2",
+        "--seq-len",
+        "4",
+        "--seq-overlap",
+        "2",
+        "--burn-in",
+        "2",
+    ]
     summary = run_script("r2d2_rnnstate", "--env-id", env_id, *tiny, runs_dir=runs_dir, timeout=120)
     assert 0.0 <= summary["metrics"]["eval/episodic_return"] <= spaces_env.EPISODE_LENGTH
 
@@ -346,11 +413,22 @@ def test_keep_best_saves_and_reports_the_kept_network(runs_dir):
     assert metrics["select/best_global_step"] in (800.0, 1600.0, 2400.0)  # evaluations at 800, 1600, 2400 steps
     assert np.isfinite(metrics["select/best_episodic_return"])
     late = metrics["select/late_episodic_return"]  # the evaluation at 2400 steps, the only one in the last 10%
-    assert late == metrics["select/best_episodic_return"] if metrics["select/best_global_step"] == 2400.0 else (
-        late <= metrics["select/best_episodic_return"])  # fmt: skip
+    assert (
+        late == metrics["select/best_episodic_return"]
+        if metrics["select/best_global_step"] == 2400.0
+        else (late <= metrics["select/best_episodic_return"])
+    )
     assert np.isfinite(metrics["eval/last_network_episodic_return"]) and np.isfinite(metrics["eval/episodic_return"])
-    again = run_script("r2d2_rnnstate", "--eval-only", "--checkpoint", summary["run_dir"], "--eval-episodes", "4",
-                       runs_dir=runs_dir, timeout=120)  # fmt: skip
+    again = run_script(
+        "r2d2_rnnstate",
+        "--eval-only",
+        "--checkpoint",
+        summary["run_dir"],
+        "--eval-episodes",
+        "4",
+        runs_dir=runs_dir,
+        timeout=120,
+    )
     assert again["metrics"]["eval/episodic_return"] == pytest.approx(metrics["eval/episodic_return"])  # kept = saved
 
 
@@ -393,7 +471,16 @@ def test_corrupt_or_mismatched_checkpoint(runs_dir, tmp_path):
 @pytest.mark.slow
 def test_learns_tmaze_corridor_5(runs_dir):
     summary = run_script(
-        "r2d2_rnnstate", "--env-kwargs", '{"corridor_length": 5}', "--total-timesteps", "30000",
-        "--learning-starts", "2000", "--eval-episodes", "100", runs_dir=runs_dir, timeout=400,
-    )  # fmt: skip
+        "r2d2_rnnstate",
+        "--env-kwargs",
+        '{"corridor_length": 5}',
+        "--total-timesteps",
+        "30000",
+        "--learning-starts",
+        "2000",
+        "--eval-episodes",
+        "100",
+        runs_dir=runs_dir,
+        timeout=400,
+    )
     assert summary["metrics"]["eval/success_rate"] >= 0.9

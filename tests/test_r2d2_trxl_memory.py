@@ -42,8 +42,9 @@ def test_targets_priorities_and_rescaling_are_r2d2_rnnstate_s():
     final = torch.tensor(rng.random((T, B)) < 0.2).double()
     terminal = final * torch.tensor(rng.random((T, B)) < 0.5).double()
     rewards, boot = torch.tensor(rng.normal(size=(T, B))), torch.tensor(rng.normal(size=(T, B)) * 5)
-    targets = [module.nstep_rescaled_targets(rewards, final, terminal, boot, 0.97, n, T - n, 1e-3)
-               for module in (trxl, rnn)]  # fmt: skip
+    targets = [
+        module.nstep_rescaled_targets(rewards, final, terminal, boot, 0.97, n, T - n, 1e-3) for module in (trxl, rnn)
+    ]
     torch.testing.assert_close(targets[0], targets[1], rtol=0, atol=0)
     td, mask = torch.rand(T, B), (torch.rand(T, B) > 0.3).float()
     torch.testing.assert_close(trxl.sequence_priority(td, mask, 0.9), rnn.sequence_priority(td, mask, 0.9))
@@ -81,8 +82,9 @@ def act(net, memory, window, obs, prev_action, prev_reward, first):
     context = {key: value.to(torch.float64) if value.is_floating_point() else value for key, value in context.items()}
     qs, stored = [], []
     for t in range(obs.shape[0]):
-        q, context, inputs = trxl.memory_actor_step(net, context, obs[t].numpy(), prev_action[t].numpy(),
-                                             prev_reward[t].numpy(), first[t])  # fmt: skip
+        q, context, inputs = trxl.memory_actor_step(
+            net, context, obs[t].numpy(), prev_action[t].numpy(), prev_reward[t].numpy(), first[t]
+        )
         qs.append(q)
         stored.append(torch.as_tensor(inputs))
     return torch.stack(qs), torch.stack(stored)
@@ -111,8 +113,11 @@ def test_memory_carried_while_acting_equals_recomputing_from_the_episode_start_f
     with torch.no_grad():
         for e, start in ((0, 0), (1, 7), (2, 0)):
             rows = slice(start, 15)  # the episode running at the end
-            q_full, inputs = net(x[rows, e : e + 1], trxl.no_memory(net, 1, "cpu").double(),
-                                 torch.ones(rows.stop - rows.start, 1, dtype=torch.bool))  # fmt: skip
+            q_full, inputs = net(
+                x[rows, e : e + 1],
+                trxl.no_memory(net, 1, "cpu").double(),
+                torch.ones(rows.stop - rows.start, 1, dtype=torch.bool),
+            )
             torch.testing.assert_close(q_act[rows, e], q_full[:, 0], rtol=0, atol=1e-12)
             torch.testing.assert_close(stored[rows, e], inputs[:, :, 0].permute(1, 0, 2), rtol=0, atol=1e-12)
         # env 1 before its reset: the first episode, rows 0..6
@@ -136,10 +141,16 @@ def test_the_memory_reaches_exactly_memory_length_times_layers_steps_back():
     changed = obs.clone()
     changed[0] += 1.0
     with torch.no_grad():
-        q, _ = net(net.encode(obs, prev_action, prev_reward), trxl.no_memory(net, 1, "cpu").double(),
-                   torch.ones(T, 1, dtype=torch.bool))  # fmt: skip
-        q_changed, _ = net(net.encode(changed, prev_action, prev_reward), trxl.no_memory(net, 1, "cpu").double(),
-                           torch.ones(T, 1, dtype=torch.bool))  # fmt: skip
+        q, _ = net(
+            net.encode(obs, prev_action, prev_reward),
+            trxl.no_memory(net, 1, "cpu").double(),
+            torch.ones(T, 1, dtype=torch.bool),
+        )
+        q_changed, _ = net(
+            net.encode(changed, prev_action, prev_reward),
+            trxl.no_memory(net, 1, "cpu").double(),
+            torch.ones(T, 1, dtype=torch.bool),
+        )
     moved = (q - q_changed).abs().amax(dim=(1, 2))  # (T,)
     assert (moved[: M * layers + 1] > 1e-6).all() and (moved[M * layers + 1 :] == 0).all()
 
@@ -158,8 +169,12 @@ def test_window_mode_acts_on_the_last_k_rows_and_trains_on_windows_from_their_fi
             lo = max(0, t - k + 1)
             q, _ = net(x[lo : t + 1, :1], trxl.no_memory(net, 1, "cpu").double(), torch.ones(t + 1 - lo, 1).bool())
             torch.testing.assert_close(q_act[t, 0], q[-1, 0], rtol=0, atol=1e-12)
-        win = {"obs": obs[3:7], "prev_action": prev_action[3:7], "prev_reward": prev_reward[3:7],
-               "key_valid": torch.ones(4, 3, dtype=torch.bool)}  # fmt: skip
+        win = {
+            "obs": obs[3:7],
+            "prev_action": prev_action[3:7],
+            "prev_reward": prev_reward[3:7],
+            "key_valid": torch.ones(4, 3, dtype=torch.bool),
+        }
         q_train = trxl.replay_q(net, win, 0, trxl.Args(memory="window", window=k, memory_length=k - 1))
         q_first_row_on, _ = net(x[3:7], trxl.no_memory(net, 3, "cpu").double(), torch.ones(4, 3).bool())
         torch.testing.assert_close(q_train, q_first_row_on, rtol=0, atol=1e-12)
@@ -312,9 +327,28 @@ def test_window_mode_stores_no_memory_and_replay_bytes_by_hand():
 
 
 # ---------------------------------------------------------------- subprocess runs
-TINY = ["--total-timesteps", "2400", "--learning-starts", "800", "--num-envs", "4", "--buffer-size", "2000",
-        "--batch-size", "8", "--eval-episodes", "4", "--env-kwargs", '{"corridor_length": 3}', "--d-model", "16",
-        "--memory-length", "6", "--window", "15"]  # fmt: skip
+TINY = [
+    "--total-timesteps",
+    "2400",
+    "--learning-starts",
+    "800",
+    "--num-envs",
+    "4",
+    "--buffer-size",
+    "2000",
+    "--batch-size",
+    "8",
+    "--eval-episodes",
+    "4",
+    "--env-kwargs",
+    '{"corridor_length": 3}',
+    "--d-model",
+    "16",
+    "--memory-length",
+    "6",
+    "--window",
+    "15",
+]
 
 
 @pytest.mark.parametrize("memory", ["stored", "zero", "window", "episode"])
@@ -326,8 +360,16 @@ def test_smoke_run_and_eval_only_round_trip(runs_dir, memory):
     assert ("model/final_delta_q_last_stored" in metrics) == (memory in ("stored", "zero"))
     per_row = metrics["replay/bytes_per_row"]
     assert per_row == 3 * 4 + 8 + 4 + 8 + 4 + 3 + 4 + (2 * 16 * 4 if memory in ("stored", "zero") else 0)
-    again = run_script("r2d2_trxl_memory", "--eval-only", "--checkpoint", summary["run_dir"], "--eval-episodes", "4",
-                       runs_dir=runs_dir, timeout=120)  # fmt: skip
+    again = run_script(
+        "r2d2_trxl_memory",
+        "--eval-only",
+        "--checkpoint",
+        summary["run_dir"],
+        "--eval-episodes",
+        "4",
+        runs_dir=runs_dir,
+        timeout=120,
+    )
     assert again["args"]["memory"] == memory and again["args"]["d_model"] == 16  # from the checkpoint
     assert again["metrics"]["eval/episodic_return"] == pytest.approx(metrics["eval/episodic_return"])
 
@@ -340,9 +382,32 @@ def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
     raw_obs, _ = raw.reset(seed=0)
     assert obs.dtype == np.float32
     np.testing.assert_array_equal(obs, spaces_env.expected_flat(raw_obs))
-    tiny = ["--total-timesteps", "600", "--learning-starts", "200", "--num-envs", "2", "--buffer-size", "1200",
-            "--batch-size", "4", "--eval-episodes", "2", "--seq-len", "4", "--seq-overlap", "2", "--burn-in", "2",
-            "--memory-length", "4", "--d-model", "16", "--env-kwargs", "{}"]  # fmt: skip
+    tiny = [
+        "--total-timesteps",
+        "600",
+        "--learning-starts",
+        "200",
+        "--num-envs",
+        "2",
+        "--buffer-size",
+        "1200",
+        "--batch-size",
+        "4",
+        "--eval-episodes",
+        "2",
+        "--seq-len",
+        "4",
+        "--seq-overlap",
+        "2",
+        "--burn-in",
+        "2",
+        "--memory-length",
+        "4",
+        "--d-model",
+        "16",
+        "--env-kwargs",
+        "{}",
+    ]
     summary = run_script("r2d2_trxl_memory", "--env-id", env_id, *tiny, runs_dir=runs_dir, timeout=120)
     assert 0.0 <= summary["metrics"]["eval/episodic_return"] <= spaces_env.EPISODE_LENGTH
 

@@ -21,10 +21,33 @@ r2d2 = load_script("r2d2_rnnstate")
 
 # 2400 env steps, 125 updates from step 400, target copies every 20 updates, evaluations at 800 / 1600 / 2400 with
 # the kept network (--keep-best): every part of the checkpoint changes between its saves at 1000 and 2000 steps
-TINY = ["--total-timesteps", "2400", "--learning-starts", "400", "--num-envs", "4", "--buffer-size", "2000",
-        "--batch-size", "8", "--eval-episodes", "4", "--delta-q-frequency", "5", "--target-network-frequency", "20",
-        "--select-frequency", "800", "--select-episodes", "2", "--keep-best", "--final-delta-q-sequences", "64",
-        "--env-kwargs", '{"corridor_length": 3}']  # fmt: skip
+TINY = [
+    "--total-timesteps",
+    "2400",
+    "--learning-starts",
+    "400",
+    "--num-envs",
+    "4",
+    "--buffer-size",
+    "2000",
+    "--batch-size",
+    "8",
+    "--eval-episodes",
+    "4",
+    "--delta-q-frequency",
+    "5",
+    "--target-network-frequency",
+    "20",
+    "--select-frequency",
+    "800",
+    "--select-episodes",
+    "2",
+    "--keep-best",
+    "--final-delta-q-sequences",
+    "64",
+    "--env-kwargs",
+    '{"corridor_length": 3}',
+]
 SAVE_EVERY = ["--save-every", "1000"]
 TIMEOUT = 180  # seconds for one subprocess run (a tiny run takes seconds)
 
@@ -152,18 +175,46 @@ def train_state(seed: int) -> "r2d2.TrainState":
     optimizer.step()  # Adam's moments and step counter are not empty
     rb = r2d2.SequenceReplay(64, 2, 3, 8, 6, 2, 3, 3)
     for t in range(40 + seed):
-        rb.add(rng.random((2, 3)), np.array([t % 9 == 0] * 2), np.array([t % 9 == 8] * 2), np.zeros(2, bool),
-               rng.integers(2, size=2), rng.random(2), rng.random((2, 8)), rng.random((2, 8)),
-               rng.integers(2, size=2), rng.random(2))  # fmt: skip
+        rb.add(
+            rng.random((2, 3)),
+            np.array([t % 9 == 0] * 2),
+            np.array([t % 9 == 8] * 2),
+            np.zeros(2, bool),
+            rng.integers(2, size=2),
+            rng.random(2),
+            rng.random((2, 8)),
+            rng.random((2, 8)),
+            rng.integers(2, size=2),
+            rng.random(2),
+        )
     rb.update_priorities(np.arange(5), rng.random(5) + 2.0)
     vec_env = r2d2.make_next_step_vec_env("seqrl/TMaze-v0", {"corridor_length": 3}, 2)
-    return r2d2.TrainState(
-        *nets, optimizer, rb, rng, vec_env, obs=rng.random((2, 3)), first=rng.random(2) < 0.5,
-        final=rng.random(2) < 0.5, terminal=rng.random(2) < 0.5, prev_action=rng.integers(2, size=2),
-        prev_reward=rng.random(2).astype(np.float32), h=torch.rand(2, 8), c=torch.rand(2, 8), ep_return=rng.random(2),
-        ep_length=rng.integers(9, size=2), ep_returns=rng.random(3).tolist(), ep_lengths=[seed, 4],
-        delta_q_log=[(rng.random(), rng.random(), float("nan"))], num_updates_done=seed, learner_seconds=rng.random(),
-        late_selects=[rng.random()], best_return=rng.random(), best_step=seed)  # fmt: skip
+    obs = rng.random((2, 3))
+    flags = {"first": rng.random(2) < 0.5, "final": rng.random(2) < 0.5, "terminal": rng.random(2) < 0.5}
+    loop = flags | {"prev_action": rng.integers(2, size=2), "prev_reward": rng.random(2).astype(np.float32)}
+    h, c = torch.rand(2, 8), torch.rand(2, 8)
+    loop |= {"ep_return": rng.random(2), "ep_length": rng.integers(9, size=2)}
+    state = r2d2.TrainState(
+        *nets,
+        optimizer,
+        rb,
+        rng,
+        vec_env,
+        obs,
+        h,
+        c,
+        ep_returns=rng.random(3).tolist(),
+        ep_lengths=[seed, 4],
+        delta_q_log=[(rng.random(), rng.random(), float("nan"))],
+        num_updates_done=seed,
+        learner_seconds=rng.random(),
+        late_selects=[rng.random()],
+        best_return=rng.random(),
+        best_step=seed,
+    )
+    for key, value in loop.items():  # the loop fields a new TrainState starts fresh
+        setattr(state, key, value)
+    return state
 
 
 def test_checkpoint_round_trip_is_exact_and_replaces_the_previous_one(tmp_path):
@@ -246,9 +297,13 @@ def no_episodes(num_envs: int) -> dict:
 
 @pytest.mark.parametrize(
     "env_id, env_kwargs",
-    [("seqrl/TMaze-v0", {"corridor_length": 3}), ("seqrl/Tiger-v0", {}), ("seqrl/TwoDoors-v0", {}),
-     ("seqrl/MaskedCartPole-v0", {})],
-)  # fmt: skip
+    [
+        ("seqrl/TMaze-v0", {"corridor_length": 3}),
+        ("seqrl/Tiger-v0", {}),
+        ("seqrl/TwoDoors-v0", {}),
+        ("seqrl/MaskedCartPole-v0", {}),
+    ],
+)
 def test_restored_envs_continue_exactly(env_id, env_kwargs):
     """Envs restored from a JSON round trip of the recorded episodes (mid-episode, just ended, still in the first
     episode) give the same observations, rewards and flags as the originals under the same future actions."""

@@ -10,10 +10,32 @@ import time
 import pytest
 from conftest import ROOT, run_script, script_command, start_script, subprocess_env
 
-TINY = ["--total-timesteps", "2400", "--learning-starts", "400", "--num-envs", "4", "--buffer-size", "2000",
-        "--batch-size", "8", "--eval-episodes", "4", "--target-network-frequency", "20", "--d-model", "16",
-        "--memory-length", "6", "--window", "15", "--final-delta-q-sequences", "64",
-        "--env-kwargs", '{"corridor_length": 3}']  # fmt: skip
+TINY = [
+    "--total-timesteps",
+    "2400",
+    "--learning-starts",
+    "400",
+    "--num-envs",
+    "4",
+    "--buffer-size",
+    "2000",
+    "--batch-size",
+    "8",
+    "--eval-episodes",
+    "4",
+    "--target-network-frequency",
+    "20",
+    "--d-model",
+    "16",
+    "--memory-length",
+    "6",
+    "--window",
+    "15",
+    "--final-delta-q-sequences",
+    "64",
+    "--env-kwargs",
+    '{"corridor_length": 3}',
+]
 TIMEOUT = 180  # seconds for one subprocess run (a tiny run takes seconds)
 
 
@@ -22,8 +44,9 @@ def test_sigkill_after_first_checkpoint_then_resume_matches_uninterrupted(tmp_pa
     args = [*TINY, "--memory", memory]
     plain = run_script("r2d2_trxl_memory", *args, "--save-every", "0", runs_dir=tmp_path / "plain", timeout=TIMEOUT)
     runs_dir = tmp_path / "runs"
-    proc = start_script("r2d2_trxl_memory", tmp_path / "log.txt", "--runs-dir", str(runs_dir), *args,
-                        "--save-every", "1000")  # fmt: skip
+    proc = start_script(
+        "r2d2_trxl_memory", tmp_path / "log.txt", "--runs-dir", str(runs_dir), *args, "--save-every", "1000"
+    )
     deadline = time.time() + TIMEOUT
     while not list(runs_dir.glob("*/checkpoints/latest.json")):
         assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
