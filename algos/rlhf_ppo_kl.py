@@ -351,9 +351,11 @@ def clipped_surrogate_loss(new_logprobs, old_logprobs, advantages, mask, clipran
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     loss = masked_mean(torch.max(pg_losses, pg_losses2), mask)
     with torch.no_grad():
-        stats = {"clipfrac": masked_mean((pg_losses2 > pg_losses).float(), mask).item(),
-                 "approxkl": 0.5 * masked_mean(logratio**2, mask).item(),
-                 "ratio": masked_mean(ratio, mask).item()}  # fmt: skip
+        stats = {
+            "clipfrac": masked_mean((pg_losses2 > pg_losses).float(), mask).item(),
+            "approxkl": 0.5 * masked_mean(logratio**2, mask).item(),
+            "ratio": masked_mean(ratio, mask).item(),
+        }
     return loss, stats
 
 
@@ -449,8 +451,13 @@ def lm_forward(lm, query_ids, response_ids, pad_id, not_text, hidden=False):
     (B, T, H))."""
     input_ids = torch.cat([query_ids, response_ids], dim=1)  # (B, Lq + T)
     attention_mask = input_ids != pad_id  # pad is never sampled, so it marks exactly the padding
-    out = lm(input_ids=input_ids, attention_mask=attention_mask.long(), output_hidden_states=hidden, use_cache=False,
-             position_ids=position_ids_from_mask(attention_mask))  # fmt: skip
+    out = lm(
+        input_ids=input_ids,
+        attention_mask=attention_mask.long(),
+        output_hidden_states=hidden,
+        use_cache=False,
+        position_ids=position_ids_from_mask(attention_mask),
+    )
     Lq, T = query_ids.shape[1], response_ids.shape[1]
     logits = text_only(out.logits[:, Lq - 1 : Lq + T - 1], not_text)  # (B, T, V): position i predicts token i + 1
     if hidden:
@@ -483,8 +490,13 @@ def generate(lm, query_ids, pad_id, eos_id, not_text, max_new_tokens, temperatur
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
         last_pos = last_pos + 1
-        out = lm(input_ids=token[:, None], attention_mask=attention_mask, position_ids=last_pos, use_cache=True,
-                 **{cache_kw: past})  # fmt: skip
+        out = lm(
+            input_ids=token[:, None],
+            attention_mask=attention_mask,
+            position_ids=last_pos,
+            use_cache=True,
+            **{cache_kw: past},
+        )
         past, next_logits = out[cache_kw], text_only(out.logits[:, -1], not_text)
     response = torch.stack(tokens, dim=1)  # (B, <= max_new_tokens)
     response = F.pad(response, (0, max_new_tokens - response.shape[1]), value=pad_id)
@@ -566,10 +578,18 @@ def tiny_gpt2_config(vocab_size, args, tokenizer):
     from transformers import GPT2Config
 
     return GPT2Config(
-        vocab_size=vocab_size, n_positions=args.n_positions, n_embd=args.n_embd, n_layer=args.n_layer,
-        n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # no dropout: ratio = 1 at start
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        n_positions=args.n_positions,
+        n_embd=args.n_embd,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,  # no dropout: ratio = 1 at start
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
 def not_text_mask(tokenizer, vocab_size: int, device) -> torch.Tensor:
@@ -755,8 +775,15 @@ def main():
     policy.requires_grad_(True)
     run.broadcast_params(policy)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-5)  # CleanRL's Adam eps
-    state = TrainState(policy, optimizer, sample_gen, np.random.default_rng(args.seed), norm, args.kl_coef,
-                       setup={"sft_model": (sft_lm, tokenizer), "reward_model": (rm, rm_tokenizer)})  # fmt: skip
+    state = TrainState(
+        policy,
+        optimizer,
+        sample_gen,
+        np.random.default_rng(args.seed),
+        norm,
+        args.kl_coef,
+        setup={"sft_model": (sft_lm, tokenizer), "reward_model": (rm, rm_tokenizer)},
+    )
     frozen = (sft_lm, rm, rm_tokenizer, tokenizer, not_text)  # what an evaluation reads besides the policy
     updates_done = run.restore(state)  # a resume: the checkpoint's state, weights, Adam and RNG states
     if not run.resuming:  # the SFT policy's evaluation is update 0 of the curve; the first checkpoint holds STEPS 1-3
@@ -811,9 +838,18 @@ def main():
                 mb = perm[start : start + local_minibatch_size]  # torchrun: the ranks' mb together = the global one
                 mb_mask = maskf[mb]
                 loss, mb_stats = ppo_minibatch_loss(
-                    policy, query_ids[mb], response_ids[mb], mb_mask, old_logprobs[mb], values[mb], advantages[mb],
-                    returns[mb], args, pad_id, not_text,
-                )  # fmt: skip
+                    policy,
+                    query_ids[mb],
+                    response_ids[mb],
+                    mb_mask,
+                    old_logprobs[mb],
+                    values[mb],
+                    advantages[mb],
+                    returns[mb],
+                    args,
+                    pad_id,
+                    not_text,
+                )
                 loss = loss * token_share(mb_mask, run.global_sum(mb_mask.sum()))  # x 1 in one process (details 10)
                 optimizer.zero_grad()
                 loss.backward()
@@ -824,7 +860,8 @@ def main():
                     stats[k].append(v)
         # 7. log the global batch's statistics (TRL's names; ranks' equal shards: their mean), then the adaptive KL
         log = {
-            "objective/kl": kl.sum(1).mean().item(), "objective/kl_coef": state.beta,
+            "objective/kl": kl.sum(1).mean().item(),
+            "objective/kl_coef": state.beta,
             "objective/entropy": (entropy * maskf).sum(1).mean().item(),
             "objective/non_score_reward": (-state.beta * kl.sum(1)).mean().item(),
             "objective/scores": scores.mean().item(),
@@ -833,10 +870,11 @@ def main():
             "policy/clipfrac_avg": float(np.mean(stats["clipfrac"])),
             "policy/entropy_avg": masked_mean(entropy, maskf).item(),
             "losses/policy_avg": float(np.mean(stats["pg_loss"])),
-            "val/ratio": float(np.mean(stats["ratio"])), "val/ratio_var": float(np.var(stats["ratio"])),
+            "val/ratio": float(np.mean(stats["ratio"])),
+            "val/ratio_var": float(np.var(stats["ratio"])),
             "val/num_eos_tokens": has_eos.float().sum().item(),
             "charts/episodic_length": mask.sum(1).float().mean().item(),
-        }  # fmt: skip
+        }
         if args.advantage == "gae":
             log["losses/value_avg"] = float(np.mean(stats["vf_loss"]))
             log["val/clipfrac_avg"] = float(np.mean(stats["vf_clipfrac"]))
@@ -846,35 +884,53 @@ def main():
         log["charts/SPS"] = update * args.batch_size / (time.time() - start_time)
         run.log(update, log)
         if args.adaptive_kl:
-            state.beta = adaptive_kl_update(state.beta, log["objective/kl"], args.target_kl, args.batch_size,
-                                            args.kl_horizon)  # fmt: skip
+            state.beta = adaptive_kl_update(
+                state.beta, log["objective/kl"], args.target_kl, args.batch_size, args.kl_horizon
+            )
         # 8. evaluate every --eval-every updates (details 9): gold, proxy and KL, a point of the curve
         if update % args.eval_every == 0 or update == num_updates:
             state.metrics = evaluate(update, policy, frozen, state, eval_prompts, args, run)
         elif update % max(1, args.eval_every // 2) == 0:
-            print(f"update {update}: scores {log['objective/scores']:.3f} kl {log['objective/kl']:.2f} "
-                  f"beta {state.beta:.3f} clipfrac {log['policy/clipfrac_avg']:.3f} "
-                  f"approxkl {log['policy/approxkl_avg']:.4f}")  # fmt: skip
+            print(
+                f"update {update}: scores {log['objective/scores']:.3f} kl {log['objective/kl']:.2f} "
+                f"beta {state.beta:.3f} clipfrac {log['policy/clipfrac_avg']:.3f} "
+                f"approxkl {log['policy/approxkl_avg']:.4f}"
+            )
         # 9. checkpoint every --save-every updates, and on Ctrl-C / SIGTERM (then exit with STOP_EXIT_CODE)
         run.end_step(update, state)
 
     # best-of-n from pi_SFT at the KL of the final policy (n capped at --bon-max-n), by the same objective
     bon_n = matched_bon_n(state.metrics["eval/kl"], args.bon_max_n)
     bon_gold = best_of_n(
-        sft_lm, rm, rm_tokenizer, state.norm, offsets, tokenizer, not_text, run.shard(eval_prompts), bon_n, args,
-        device, args.seed + 20_000 + SEED_STRIDE * run.rank, run.gather,
-    )  # fmt: skip
+        sft_lm,
+        rm,
+        rm_tokenizer,
+        state.norm,
+        offsets,
+        tokenizer,
+        not_text,
+        run.shard(eval_prompts),
+        bon_n,
+        args,
+        device,
+        args.seed + 20_000 + SEED_STRIDE * run.rank,
+        run.gather,
+    )
     run.end_training()  # after best-of-n (its samples are split over the ranks): under torchrun, rank 0 goes on alone
     print(f"[bon] n={bon_n} (KL {bon_kl(bon_n):.2f}) gold {bon_gold:.3f}")
     metrics, sft_metrics = state.metrics, state.sft_metrics
     summary_metrics = {
-        "eval/episodic_return": metrics["eval/gold_reward"], **metrics,
+        "eval/episodic_return": metrics["eval/gold_reward"],
+        **metrics,
         "eval/sft_gold_reward": sft_metrics["eval/gold_reward"],
-        "eval/sft_proxy_reward": sft_metrics["eval/proxy_reward"], "eval/sft_eos_rate": sft_metrics["eval/eos_rate"],
-        "eval/bon_gold_reward": bon_gold, "eval/bon_n": float(bon_n), "eval/bon_kl": bon_kl(bon_n),
+        "eval/sft_proxy_reward": sft_metrics["eval/proxy_reward"],
+        "eval/sft_eos_rate": sft_metrics["eval/eos_rate"],
+        "eval/bon_gold_reward": bon_gold,
+        "eval/bon_n": float(bon_n),
+        "eval/bon_kl": bon_kl(bon_n),
         "eval/max_gold_reward": max(point["gold_reward"] for point in state.curve),
         "model/final_kl_coef": float(state.beta),
-    }  # fmt: skip
+    }
     run.log(num_updates, {k: summary_metrics[k] for k in ("eval/bon_gold_reward", "eval/bon_n", "eval/bon_kl")})
     models = {"policy": (policy.lm, tokenizer), "value_head": policy.v_head, **state.setup}  # each with its tokenizer
     run.finish(summary_metrics, models, samples=num_updates * args.batch_size)
@@ -900,8 +956,16 @@ def evaluate(update, policy, frozen, state, prompts, args, run) -> dict:
     generator = torch.Generator(device=device).manual_seed(args.seed + 10_000 + SEED_STRIDE * run.rank)
     policy.eval()
     q = encode_prompts(tokenizer, prompts, device)
-    r = generate(policy.lm, q, tokenizer.pad_token_id, tokenizer.eos_token_id, not_text, args.max_new_tokens,
-                 args.temperature, generator)  # fmt: skip
+    r = generate(
+        policy.lm,
+        q,
+        tokenizer.pad_token_id,
+        tokenizer.eos_token_id,
+        not_text,
+        args.max_new_tokens,
+        args.temperature,
+        generator,
+    )
     mask, has_eos = completion_mask(r, tokenizer.eos_token_id)
     completions = decode_completions(tokenizer, r, mask, has_eos)
     proxy = (rm_scores(rm, rm_tokenizer, prompts, completions, device) - state.norm[0]) / state.norm[1]
@@ -913,11 +977,14 @@ def evaluate(update, policy, frozen, state, prompts, args, run) -> dict:
     proxy_np = proxy.cpu().numpy()
     corr = float(np.corrcoef(proxy_np, gold)[0, 1]) if proxy_np.std() > 0 and gold.std() > 0 else 0.0
     metrics = {
-        "eval/proxy_gold_corr": corr, "eval/gold_reward": float(np.mean(gold)),
-        "eval/gold_reward_std": float(np.std(gold)), "eval/proxy_reward": float(proxy.mean()),
-        "eval/kl": float(kl.mean()), "eval/eos_rate": float(has_eos.float().mean()),
+        "eval/proxy_gold_corr": corr,
+        "eval/gold_reward": float(np.mean(gold)),
+        "eval/gold_reward_std": float(np.std(gold)),
+        "eval/proxy_reward": float(proxy.mean()),
+        "eval/kl": float(kl.mean()),
+        "eval/eos_rate": float(has_eos.float().mean()),
         "eval/completion_length": float(lengths.float().mean()),
-    }  # fmt: skip
+    }
     run.log(update, metrics)
     point = {"step": update, "kl": metrics["eval/kl"], "proxy_reward": metrics["eval/proxy_reward"]}
     point["gold_reward"] = metrics["eval/gold_reward"]  # one point of the curve

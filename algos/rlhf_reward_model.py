@@ -372,8 +372,14 @@ def fold_normalization(model, mean: float, std: float) -> str:
             head.bias += c
             where = "score.bias"
         else:
-            norm = next((getattr(model.base_model, n) for n in ("ln_f", "norm", "final_layer_norm")
-                         if hasattr(model.base_model, n)), None)  # fmt: skip
+            norm = next(
+                (
+                    getattr(model.base_model, n)
+                    for n in ("ln_f", "norm", "final_layer_norm")
+                    if hasattr(model.base_model, n)
+                ),
+                None,
+            )
             if norm is not None and getattr(norm, "bias", None) is not None:
                 w = head.weight[0]  # (H,) the head direction
                 norm.bias += c * w / (w @ w)  # w·(h + δ) = w·h + c for every token
@@ -393,11 +399,18 @@ def build_lm(args, device):
     if args.model_name_or_path is None:
         tokenizer = build_tokenizer()
         config = GPT2Config(
-            vocab_size=len(tokenizer), n_positions=N_POSITIONS, n_embd=args.n_embd, n_layer=args.n_layer,
-            n_head=args.n_head, resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            vocab_size=len(tokenizer),
+            n_positions=N_POSITIONS,
+            n_embd=args.n_embd,
+            n_layer=args.n_layer,
+            n_head=args.n_head,
+            resid_pdrop=args.dropout,
+            embd_pdrop=args.dropout,
+            attn_pdrop=args.dropout,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-        )  # fmt: skip
+        )
         return AutoModelForCausalLM.from_config(config).to(device), tokenizer
     path = args.model_name_or_path
     if not Path(path).exists() and not HUB_ID.fullmatch(path):
@@ -595,9 +608,13 @@ def main():
         args.n_train_prompts, args.k, args.seed, args.temperature, args.flip_prob, split="train"
     )
     # validation comparisons (--val-prompts): more rankings of training prompts, another labeler seed, never trained on
-    val_data = preference.make_preference_dataset(
-        args.val_prompts, args.k, args.seed + 40_000, args.temperature, args.flip_prob, split="train"
-    ) if args.val_prompts > 0 else []  # fmt: skip
+    val_data = (
+        preference.make_preference_dataset(
+            args.val_prompts, args.k, args.seed + 40_000, args.temperature, args.flip_prob, split="train"
+        )
+        if args.val_prompts > 0
+        else []
+    )
     lm, tokenizer = build_lm(args, device)
     run.broadcast_params(lm)
     # 2. supervised fine-tuning on demonstrations; the reward model starts from the SFT model's backbone
@@ -634,8 +651,9 @@ def main():
             part = run.shard(mb)  # this rank's share of it
             head_only = state.global_step < args.head_only_fraction * num_updates  # LP-FT: the backbone frozen first
             model.base_model.requires_grad_(not head_only)  # frozen: no gradient, AdamW skips it
-            loss, rewards = reward_minibatch_loss(model, ids[part, :, :width].to(device),
-                                                  mask[part, :, :width].to(device), args)  # fmt: skip
+            loss, rewards = reward_minibatch_loss(
+                model, ids[part, :, :width].to(device), mask[part, :, :width].to(device), args
+            )
             loss = loss * (len(part) / len(mb))  # weighted by its share: summed over ranks, the global mean
             gradient_step(state, loss, run, args.max_grad_norm)
             # the global minibatch's loss and how often it scores the top-ranked completion above the second
@@ -646,8 +664,15 @@ def main():
             state.n_seen += len(mb) * group
             if step % LOG_EVERY == 0 or step == num_updates:
                 sps = state.n_seen / (time.time() - start_time)
-                run.log(step, {"losses/loss": loss_value, "losses/accuracy_top2": n_correct / len(mb),
-                               "charts/learning_rate": scheduler.get_last_lr()[0], "charts/SPS": sps})  # fmt: skip
+                run.log(
+                    step,
+                    {
+                        "losses/loss": loss_value,
+                        "losses/accuracy_top2": n_correct / len(mb),
+                        "charts/learning_rate": scheduler.get_last_lr()[0],
+                        "charts/SPS": sps,
+                    },
+                )
             run.end_step(sft_updates + step, state)  # a checkpoint when due or stopped
         if run.rank == 0:  # --val-prompts: the validation comparisons' loss and pair accuracy with this epoch's weights
             val = validation_metrics(model, val_ids, val_mask, args, device) if val_data else {}
@@ -669,7 +694,9 @@ def main():
     normed = normed + float(getattr(model.config, "seqrl_reward_offset", 0.0))
     print(f"normalized on {len(demos)} SFT demos (shift in {where}): mean {normed.mean():+.4f} std {normed.std():.4f}")
     metrics.update({"model/reward_mean_raw": float(raw.mean()), "model/reward_std_raw": float(raw.std())})
-    metrics.update({"model/reward_mean_normalized": float(normed.mean()), "model/reward_std_normalized": float(normed.std())})  # fmt: skip  # noqa: E501
+    metrics.update(
+        {"model/reward_mean_normalized": float(normed.mean()), "model/reward_std_normalized": float(normed.std())}
+    )  # noqa: E501
     score_metrics, score_report = lecture_scores(model, tokenizer, device)  # now on the normalized scale
     metrics.update(score_metrics)
     report = score_report + report[report.index("\n\ncalibration") :]
@@ -695,10 +722,12 @@ def evaluate(model, tokenizer, heldout, args, device, scale: float = 1.0) -> tup
         # accuracy on the sampled labels (ties count half)
         "eval/preference_accuracy": float(np.mean((delta > 0) + 0.5 * (delta == 0))),
         # the same accuracy in expectation over the labeler's coin flips (noise-free, same target)
-        "eval/expected_accuracy": float(np.mean(np.where(delta > 0, p_true, 1 - p_true) * (delta != 0) + 0.5 * (delta == 0))),  # noqa: E501
+        "eval/expected_accuracy": float(
+            np.mean(np.where(delta > 0, p_true, 1 - p_true) * (delta != 0) + 0.5 * (delta == 0))
+        ),  # noqa: E501
         "eval/bayes_accuracy": labeler.bayes_accuracy(prompts, chosen, rejected),
         "eval/n_pairs": float(len(delta)),
-    }  # fmt: skip
+    }
     rows, metrics["eval/calibration_error"] = calibration_table(1 / (1 + np.exp(-delta)), p_true)
     # Spearman ρ of r_psi with the gold utility over every held-out completion
     flat_p = [d["prompt"] for d in heldout for _ in d["completions"]]
