@@ -1,91 +1,47 @@
 """RLHF with PPO and a KL penalty: the InstructGPT recipe end to end on the seqrl preference task.
 
-The lecture casts RLHF as a one-step bandit: the prompt is the state s, the whole completion is the action a,
-and pi_theta(a|s) = prod_t p(x_t | x_<t). One batch of slow generations funds K epochs of importance-weighted
-(PPO-clipped) minibatch updates against a frozen snapshot pi_bar. The reward is a learned Bradley-Terry reward
-model r_psi, an imperfect stand-in for the hidden human (`envs.preference.gold_utility`, which the policy never
-sees). Optimizing hard against r_psi is offline model-based RL and inherits its disease, over-optimization: with
-beta = 0 the proxy reward keeps rising while the gold reward rises, peaks and falls (Gao et al. 2022). Folding a
-KL penalty toward the supervised policy into the reward keeps the policy where r_psi is trustworthy.
-
-One command runs the four steps of the recipe (each inline, short, marked STEP 1..4 below):
-  1. SFT: a tiny GPT-2 (built from a config, seqrl vocabulary) trained by next-token cross-entropy on completions.
-  2. Preference data: K completions per prompt sampled from the SFT policy, ranked by the task's noisy labeler.
-  3. Reward model: the SFT transformer (as in InstructGPT) with a new scalar head at the last non-pad token,
-     Bradley-Terry loss on all C(K,2) pairs of each ranking (labeler temperature 0.3, 1024 prompts x K=4).
-  4. PPO with a per-token KL penalty toward the frozen SFT policy.
-`--sft-model-path` / `--reward-model-path` skip steps 1 / 2-3 by loading `save_pretrained` dirs of other runs.
+Lecture part 2 casts RLHF as a one-step bandit: the prompt is the state s, the whole completion the action a, and
+pi_theta(a|s) = prod_t p(x_t | x_<t). One batch of slow generations funds K epochs of importance-weighted (PPO-clipped)
+updates. The reward is a learned Bradley-Terry model r_psi, an imperfect stand-in for the hidden human
+(`envs.preference.gold_utility`, never seen by the policy). Optimizing hard against r_psi is offline model-based RL and
+over-optimizes: with beta = 0 the proxy reward keeps rising while the gold reward peaks and falls (Gao et al. 2022).
+Claim: a KL penalty toward the SFT policy keeps the gold reward high; best-of-n at the same KL is about as good. The
+four steps of the recipe run inline: 1. SFT, 2. K SFT samples per prompt ranked by the noisy labeler, 3. a Bradley-Terry
+reward model from the SFT transformer, 4. PPO with a per-token KL penalty toward the frozen SFT policy.
 
 Key equations (per rollout of B prompts, completion tokens t = 1..T_i, EOS included):
   kl_t        = log pi_theta(x_t|x_<t) - log pi_SFT(x_t|x_<t)                 (k1; k3: (rho-1) - log rho, rho=pi_SFT/pi)
-  r~_t        = -beta * kl_t  + [t = T_i] * score(s, a)                       (score at the EOS / last token)
-  score(s, a) = r_psi(s, a) + c(s) - penalty * [no EOS]          (c(s) = 0 unless --reward-offset, Problem 21.3c)
-  i.e. sum_t r~_t = r_psi(s,a) + beta (log pi_SFT(a|s) - log pi_theta(a|s))   (the lecture's r~)
-  bandit:  A_t = R - mean_batch(R), R = sum_t r~_t                           (sequence-level, baseline = batch mean)
-  gae:     delta_t = r~_t + gamma V_{t+1} - V_t,  A_t = sum_l (gamma lam)^l delta_{t+l}   (gamma = 1 by default)
+  r~_t        = -beta * kl_t  + [t = T_i] * score(s, a),   score = r_psi + c(s) - penalty * [no EOS]
+  bandit:  A_t = R - mean_batch(R), R = sum_t r~_t;   gae: delta_t = r~_t + gamma V_{t+1} - V_t, A_t = GAE(gamma, lam)
   L_pg     = E_t max(-A_t rho_t, -A_t clip(rho_t, 1-eps, 1+eps)),  rho_t = pi_theta(x_t|.) / pi_bar(x_t|.)
   L_vf     = 0.5 E_t max((V - G)^2, (clip(V, V_old - eps_v, V_old + eps_v) - G)^2)
   adaptive beta (Ziegler et al.): beta <- beta (1 + clip(KL/KL_target - 1, -0.2, 0.2) * B / horizon)
-  best-of-n from SFT: the sample with the highest score(s, a) of n, KL_bon(n) = log n - (n-1)/n   (Stiennon et al.
-              2020), n matched to the PPO policy's KL: the same objective, optimized by selection instead of RL.
+  best-of-n from SFT: the best score(s, a) of n samples, KL_bon(n) = log n - (n-1)/n, n matched to PPO's KL
 
 Implementation details:
-  1. Logits are divided by the sampling temperature everywhere a log-prob is computed (rollout, pi_bar, pi_SFT,
-     update), so the ratio is exactly 1 at the first minibatch of every update (dropout is off for the same reason).
-  2. Prompts are left-padded so every completion starts at the same column; position ids come from the attention
-     mask (cumsum - 1), which is what makes left padding correct for GPT-2 and Llama alike.
-  3. Completions are cut after the first EOS; later positions are padding and masked out of every loss. The task
-     speaks words, the tokenizer tokens: a demonstration `Completion(text, ended)` is encoded as the ids of its text
-     as they follow the prompt, then the tokenizer's EOS id if it ended; a sample is decoded (`skip_special_tokens`)
-     into `Completion(text, ended = the model emitted its EOS)`. Tokens that are not text (pad, bos, unk, sep,
-     unused embedding rows) get probability 0 in sampling and in every log-prob (`lm_forward`): the sampled
-     distribution is exactly the one whose log-probs, ratios and KL are computed ("<pad>" is no exploit route).
-  4. The reward model scores the ids of `prompt + " " + completion.text` in its own tokenizer's convention (Llama:
-     <s> first), plus its EOS id if the completion ended, right-padded, read at the last non-pad token, i.e. at the
-     EOS token. A completion without EOS loses `missing_eos_penalty`.
-  5. Reward-model scores are normalized to mean 0, std 1 on SFT samples of the training prompts before PPO
-     (lm-human-preferences), so beta means the same thing for every reward model.
-  6. Advantages are whitened over the completion tokens of the batch; rewards optionally (`--whiten-rewards`).
-  7. GAE mode: a value head on the policy's last hidden state (shared backbone), with value clipping.
-  8. Approximate KL 0.5 E[(log rho)^2], the clip fraction and the ratio are logged with TRL's metric names.
-  9. Evaluation, one completion per held-out prompt with fixed sampling noise: gold reward (hidden utility), proxy
-     reward (normalized r_psi) and KL(pi || pi_SFT) (on the policy's own samples) to tensorboard and `curve.jsonl`.
- 10. torchrun (data-parallel; one process runs exactly the single-process code): the rollout batch of `--batch-size`
-     prompts is the global batch, drawn identically on every rank; each rank generates its contiguous shard with its
-     own sampling noise. A rank's loss is scaled by its share of the global minibatch's completion tokens
-     (`token_share`), so the SUM of the ranks' gradients (`run.sync_grads`) is the global masked mean's gradient;
-     every statistic is the global batch's (`run.global_sum`, `masked_mean_var`, ...). More in `Run`.
- 11. Checkpoints (`--save-every`, `--resume RUN_DIR`, Ctrl-C / SIGTERM): STEPS 1-3 once, then the policy, Adam,
-     `TrainState` and the RNG states; a resumed run ends bit-identical to an uninterrupted one on CPU (see `Run`).
-
-Problem 21.3(c), `--reward-offset 2`: an arbitrary per-prompt constant c(s) added to r_psi does not change what
-PPO optimizes. The objective E[r + c(s)] - beta KL has the same maximizer pi* ∝ pi_SFT exp(r / beta) (c(s) cancels in
-the normalizer), and the policy gradient's expectation is unchanged (E_a[c(s) grad log pi(a|s)] = 0). In the
-estimator the value baseline absorbs it: once V(prompt, prefix) has learned c(s), the GAE advantages are exactly those
-without it (unit-tested); the batch-wide whitening cannot. Until then c(s) is noise: same optimum, noisier estimator.
-
-Real models (`--model-name-or-path gpt2`, a Pythia or TinyLlama id, a `save_pretrained` dir): the same code path.
-
-Scaled down to a few CPU minutes: a 2-layer, 64-dim GPT-2 over a few hundred words, a synthetic hidden "human", a
-few thousand comparisons. The small reward model, fit on few on-distribution (SFT) comparisons, is what makes it
-exploitable off-distribution, like any RM under enough optimization pressure. Sampling: plain, with a KV cache.
+  1. Logits are divided by the sampling temperature wherever a log-prob is computed and dropout is off, so the ratio
+     is exactly 1 at the first minibatch of every update.
+  2. Prompts are left-padded so completions start at one column; position ids come from the attention mask.
+  3. Completions end at the first EOS (later tokens masked). Tokens that are not text (pad, bos, unk, sep, unused
+     rows) get probability 0 in sampling and in every log-prob, so "<pad>" is no exploit route.
+  4. The reward model scores `prompt + " " + text` (+ EOS if it ended) at the last non-pad token, as
+     `rlhf_reward_model.py` does; a completion without EOS loses `--missing-eos-penalty`.
+  5. Scores are normalized to mean 0, std 1 on SFT samples before PPO, so beta means the same for every reward model.
+  6. Advantages are whitened over the batch's completion tokens; rewards optionally (`--whiten-rewards`).
+  7. GAE mode: a zero-initialized value head on the policy's last hidden state (shared backbone), value clipping.
+  8. Approximate KL, clip fraction and ratio are logged with TRL's metric names.
+  9. Evaluation: one completion per held-out prompt with fixed noise: gold, proxy and KL(pi || pi_SFT), a curve point.
+ 10. torchrun: each rank generates its shard of the global batch; its loss is scaled by its share of the global
+     minibatch's tokens (`token_share`), so the ranks' summed gradients (`run.sync_grads`) are the global ones.
+ 11. Checkpoints and `--resume` continue a run exactly (RUN MANAGEMENT); STEPS 1-3 are saved once.
+Problem 21.3(c), --reward-offset: a constant c(s) per prompt keeps the optimum; the value head absorbs it once learned.
 
 References:
-  [1] Ouyang et al. 2022, Training language models to follow instructions with human feedback (InstructGPT).
-  [2] Ziegler et al. 2019, Fine-Tuning Language Models from Human Preferences (adaptive KL, reward normalization).
-  [3] Stiennon et al. 2020, Learning to summarize from human feedback (per-token KL, best-of-n KL formula).
-  [4] Gao et al. 2022, Scaling Laws for Reward Model Overoptimization (gold vs proxy reward against KL).
-  [5] Code: huggingface/trl `trl/trainer/ppo_trainer.py` (rollout, scores at EOS, missing-EOS penalty, k1/k3,
-      masked whitening, metric names); vwxyzjn/lm-human-preference-details `train_policy_accelerate.py`
-      (temperature-scaled logits, reward normalization, left padding + position ids, GAE, adaptive KL);
-      vwxyzjn/cleanrl `ppo.py` (clipped surrogate and clipped value loss, script layout).
-Reproduce (per-seed numbers: README part 2; the figure: the runs' curve.jsonl):
-  python algos/rlhf_ppo_kl.py --seed 1 --kl-coef 0.0 --num-updates 200
-      # no KL penalty: the proxy reward rises while the gold reward peaks and ends below SFT
-  python algos/rlhf_ppo_kl.py --seed 1 --kl-coef 0.1
-      # gold well above SFT at a KL below 3; best-of-n from SFT at the same KL about as good
-Scale out and resume (details 10-11): `torchrun --standalone --nproc_per_node 2 algos/rlhf_ppo_kl.py` (gloo on CPU,
-nccl with --cuda); `python algos/rlhf_ppo_kl.py --resume runs/<run_name>` after a kill or Ctrl-C.
+  [1] Ouyang et al. 2022, InstructGPT. [2] Ziegler et al. 2019, Fine-Tuning Language Models from Human Preferences.
+  [3] Stiennon et al. 2020, Learning to summarize from human feedback. [4] Gao et al. 2022, Scaling Laws for Reward
+  Model Overoptimization. [5] huggingface/trl `ppo_trainer.py`; vwxyzjn/lm-human-preference-details; cleanrl `ppo.py`.
+Details, measurements, usage (torchrun, --resume, real models): docs/rlhf_ppo_kl.md.
+Reproduce: python algos/rlhf_ppo_kl.py --seed 1 --kl-coef 0.1
 """
 
 import copy
@@ -111,7 +67,7 @@ import torch.distributed as dist
 
 # imported before init_process_group, not lazily after it (transformers does): its functions' default
 # `group=group.WORLD` would keep the group alive past destroy_process_group, and gloo's threads, still running at
-# interpreter exit, abort the process (SIGABRT in 3 of 20 two-rank runs without this import, 0 of 40 with it)
+# interpreter exit, abort the process (SIGABRT in some two-rank runs without this import)
 import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
@@ -156,7 +112,7 @@ class Args:
     """a run dir written by this script, for `--eval-only`"""
     save_every: int = 20
     """write a checkpoint every this many PPO updates (and when PPO starts, and on Ctrl-C), for `--resume`; 0 = off.
-    20 = five per default run; on a real model an update takes seconds to minutes"""
+    20 = five per default run"""
     resume: str | None = None
     """continue the run in this run dir from its newest checkpoint (its args are used; flags that change the run are
     refused)"""
@@ -248,8 +204,8 @@ class Args:
     """subtracted from the normalized score of a completion that never emits EOS"""
     reward_offset: float = 0.0
     """Problem 21.3(c): add a per-prompt constant c(s) ~ Uniform(-a, a) (fixed per run, seeded) to r_psi in the
-    objective PPO and best-of-n optimize; 0 = off. Same optimum; the value head absorbs c(s) once it has learned it
-    (see the module docstring for what that costs here)"""
+    objective PPO and best-of-n optimize; 0 = off. Same optimum; the value head absorbs c(s) once it has learned it,
+    and until then c(s) is noise in the advantages"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
     eval_every: int = 5
@@ -775,15 +731,8 @@ def main():
     policy.requires_grad_(True)
     run.broadcast_params(policy)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-5)  # CleanRL's Adam eps
-    state = TrainState(
-        policy,
-        optimizer,
-        sample_gen,
-        np.random.default_rng(args.seed),
-        norm,
-        args.kl_coef,
-        setup={"sft_model": (sft_lm, tokenizer), "reward_model": (rm, rm_tokenizer)},
-    )
+    setup = {"sft_model": (sft_lm, tokenizer), "reward_model": (rm, rm_tokenizer)}  # STEPS 1-3, saved once
+    state = TrainState(policy, optimizer, sample_gen, np.random.default_rng(args.seed), norm, args.kl_coef, setup)
     frozen = (sft_lm, rm, rm_tokenizer, tokenizer, not_text)  # what an evaluation reads besides the policy
     updates_done = run.restore(state)  # a resume: the checkpoint's state, weights, Adam and RNG states
     if not run.resuming:  # the SFT policy's evaluation is update 0 of the curve; the first checkpoint holds STEPS 1-3
@@ -829,6 +778,7 @@ def main():
                 baseline = sum_over_ranks(seq_rewards.sum()) / sum_over_ranks(n_seqs)  # the global batch's mean R
                 advantages, returns = bandit_advantages(rewards, maskf, baseline), torch.zeros_like(rewards)
             advantages = masked_whiten(advantages, maskf, mean_var=masked_mean_var(advantages, maskf, sum_over_ranks))
+        rollout = (query_ids, response_ids, maskf, old_logprobs, values, advantages, returns)  # (B, ...) each
         # 6. K epochs of minibatch updates with the clipped importance ratio pi_theta / pi_bar
         policy.train()
         stats = {k: [] for k in ("approxkl", "clipfrac", "ratio", "pg_loss", "vf_loss", "vf_clipfrac")}
@@ -837,19 +787,7 @@ def main():
             for start in range(0, local_batch_size, local_minibatch_size):
                 mb = perm[start : start + local_minibatch_size]  # torchrun: the ranks' mb together = the global one
                 mb_mask = maskf[mb]
-                loss, mb_stats = ppo_minibatch_loss(
-                    policy,
-                    query_ids[mb],
-                    response_ids[mb],
-                    mb_mask,
-                    old_logprobs[mb],
-                    values[mb],
-                    advantages[mb],
-                    returns[mb],
-                    args,
-                    pad_id,
-                    not_text,
-                )
+                loss, mb_stats = ppo_minibatch_loss(policy, *(x[mb] for x in rollout), args, pad_id, not_text)
                 loss = loss * token_share(mb_mask, run.global_sum(mb_mask.sum()))  # x 1 in one process (details 10)
                 optimizer.zero_grad()
                 loss.backward()
@@ -901,21 +839,9 @@ def main():
 
     # best-of-n from pi_SFT at the KL of the final policy (n capped at --bon-max-n), by the same objective
     bon_n = matched_bon_n(state.metrics["eval/kl"], args.bon_max_n)
-    bon_gold = best_of_n(
-        sft_lm,
-        rm,
-        rm_tokenizer,
-        state.norm,
-        offsets,
-        tokenizer,
-        not_text,
-        run.shard(eval_prompts),
-        bon_n,
-        args,
-        device,
-        args.seed + 20_000 + SEED_STRIDE * run.rank,
-        run.gather,
-    )
+    bon_seed = args.seed + 20_000 + SEED_STRIDE * run.rank  # this rank's sampling noise
+    bon_models = (sft_lm, rm, rm_tokenizer, state.norm, offsets, tokenizer, not_text)  # what best-of-n reads
+    bon_gold = best_of_n(*bon_models, run.shard(eval_prompts), bon_n, args, device, bon_seed, run.gather)
     run.end_training()  # after best-of-n (its samples are split over the ranks): under torchrun, rank 0 goes on alone
     print(f"[bon] n={bon_n} (KL {bon_kl(bon_n):.2f}) gold {bon_gold:.3f}")
     metrics, sft_metrics = state.metrics, state.sft_metrics
@@ -955,17 +881,8 @@ def evaluate(update, policy, frozen, state, prompts, args, run) -> dict:
     device, prompts = run.device, run.shard(prompts)
     generator = torch.Generator(device=device).manual_seed(args.seed + 10_000 + SEED_STRIDE * run.rank)
     policy.eval()
-    q = encode_prompts(tokenizer, prompts, device)
-    r = generate(
-        policy.lm,
-        q,
-        tokenizer.pad_token_id,
-        tokenizer.eos_token_id,
-        not_text,
-        args.max_new_tokens,
-        args.temperature,
-        generator,
-    )
+    q, pad_id, eos_id = encode_prompts(tokenizer, prompts, device), tokenizer.pad_token_id, tokenizer.eos_token_id
+    r = generate(policy.lm, q, pad_id, eos_id, not_text, args.max_new_tokens, args.temperature, generator)
     mask, has_eos = completion_mask(r, tokenizer.eos_token_id)
     completions = decode_completions(tokenizer, r, mask, has_eos)
     proxy = (rm_scores(rm, rm_tokenizer, prompts, completions, device) - state.norm[0]) / state.norm[1]
