@@ -1268,8 +1268,10 @@ def read_checkpoint_state(run_dir: Path) -> tuple[Path, dict]:
     for name, size in state["files"].items():
         found = (step_dir / name).stat().st_size if (step_dir / name).is_file() else 0
         if found != size:
-            raise SystemExit(f"error: checkpoint file {step_dir / name} is truncated or missing ({found} of {size} "
-                             "bytes); it cannot be resumed")  # fmt: skip
+            raise SystemExit(
+                f"error: checkpoint file {step_dir / name} is truncated or missing ({found} of {size} "
+                "bytes); it cannot be resumed"
+            )
     return step_dir, state
 
 
@@ -1292,8 +1294,10 @@ def resume_args(cli: Args) -> tuple[Args, Path, Path, dict]:
     given = {key: value for key, value in asdict(cli).items() if value != defaults[key]}  # set on the command line
     for key, value in given.items():
         if key not in RESUME_FREE_FIELDS and value != saved.get(key):
-            raise SystemExit(f"error: --{key.replace('_', '-')} {value} differs from the run's {saved.get(key)}; "
-                             "--resume continues a run with its own arguments")  # fmt: skip
+            raise SystemExit(
+                f"error: --{key.replace('_', '-')} {value} differs from the run's {saved.get(key)}; "
+                "--resume continues a run with its own arguments"
+            )
     free = {key: value for key, value in given.items() if key in RESUME_FREE_FIELDS}
     saved["act_temperatures"] = tuple(saved["act_temperatures"])  # (a JSON list)
     try:

@@ -969,8 +969,10 @@ def parse_args() -> Args:
         )
     args.minibatch_size = args.batch_size // args.num_minibatches
     if args.minibatch_size % world_size != 0:
-        raise SystemExit(f"error: the minibatch size {args.minibatch_size} (--batch-size / --num-minibatches) is not "
-                         f"divisible by the {world_size} torchrun processes")  # fmt: skip
+        raise SystemExit(
+            f"error: the minibatch size {args.minibatch_size} (--batch-size / --num-minibatches) is not "
+            f"divisible by the {world_size} torchrun processes"
+        )
     if args.save_every < 0:
         raise SystemExit("error: --save-every must be >= 0 (0 = no checkpoints)")
     for flag, path in (("--reward-model-path", args.reward_model_path), ("--sft-model-path", args.sft_model_path)):
@@ -1137,8 +1139,11 @@ class Run:
             self.writer.close()
             if self.rank == 0:
                 launcher = "python" if self.world_size == 1 else f"torchrun --nproc_per_node {self.world_size}"
-                print(f"interrupted after update {step}, checkpoint saved; continue with: "
-                      f"{launcher} {sys.argv[0]} --resume {self.run_dir}", file=sys.stderr)  # fmt: skip
+                print(
+                    f"interrupted after update {step}, checkpoint saved; continue with: "
+                    f"{launcher} {sys.argv[0]} --resume {self.run_dir}",
+                    file=sys.stderr,
+                )
             if self.world_size > 1:  # rank 0 has saved (save_checkpoint's barrier): every rank tears down, then exits
                 dist.destroy_process_group()
             raise SystemExit(STOP_EXIT_CODE)
@@ -1278,9 +1283,15 @@ def write_checkpoint(run_dir: Path, update: int, state: TrainState, rngs: list, 
         **{f"{step_dir.name}/{k}": v for k, v in file_sizes(tmp, tmp).items()},
     }
     saved = {
-        **plain, **extra, "script": SCRIPT, "update": update, "world_size": world, "python_random": random.getstate(),
-        "numpy_random": numpy_state, "files": files,
-    }  # fmt: skip
+        **plain,
+        **extra,
+        "script": SCRIPT,
+        "update": update,
+        "world_size": world,
+        "python_random": random.getstate(),
+        "numpy_random": numpy_state,
+        "files": files,
+    }
     (tmp / "state.json").write_text(json.dumps(saved))
     shutil.rmtree(step_dir, ignore_errors=True)  # left by a kill between the rename and latest.json: never named
     os.replace(tmp, step_dir)
@@ -1300,8 +1311,10 @@ def read_checkpoint_state(run_dir_str: str) -> tuple[dict, Path]:
     if (run_dir / "summary.json").exists():
         raise SystemExit(f"error: --resume {run_dir_str} is a finished run (summary.json present): nothing to resume")
     if not latest.is_file():
-        raise SystemExit(f"error: --resume {run_dir_str} has no checkpoints/latest.json (not a run of {SCRIPT} "
-                         "with --save-every, or stopped before its first checkpoint)")  # fmt: skip
+        raise SystemExit(
+            f"error: --resume {run_dir_str} has no checkpoints/latest.json (not a run of {SCRIPT} "
+            "with --save-every, or stopped before its first checkpoint)"
+        )
     try:
         info = json.loads(latest.read_text())
         if info.get("script") != SCRIPT:

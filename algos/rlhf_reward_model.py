@@ -763,11 +763,14 @@ def parse_args() -> Args:
         raise SystemExit("error: need --temperature > 0 and 0 <= --flip-prob <= 1")
     if args.loss == "kwise" and args.kwise_form == "softmax" and args.margin != 0:
         raise SystemExit("error: --margin is defined for pairwise / kwise-pairs losses, not --kwise-form softmax")
-    for flag, n, batch in (("--sft-batch-size", args.sft_examples, args.sft_batch_size),
-                           ("--batch-size", n_train_examples(args), args.batch_size)):  # fmt: skip
+    for flag, n, batch in (
+        ("--sft-batch-size", args.sft_examples, args.sft_batch_size),
+        ("--batch-size", n_train_examples(args), args.batch_size),
+    ):
         if world_size > 1 and (batch % world_size or 0 < n % batch < world_size):  # every rank gets a share
-            raise SystemExit(f"error: {flag} {batch} (and a last minibatch of {n % batch}) must split over "
-                             f"{world_size} ranks")  # fmt: skip
+            raise SystemExit(
+                f"error: {flag} {batch} (and a last minibatch of {n % batch}) must split over {world_size} ranks"
+            )
     return args
 
 
@@ -1118,8 +1121,15 @@ def save_checkpoint(run_dir: Path, step: int, state: "TrainState", extra: dict) 
     numpy_rng["state"]["key"] = numpy_rng["state"]["key"].tolist()
     python_rng = random.getstate()
     files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
-    saved = {**plain, **extra, "script": SCRIPT, "step": step, "files": files, "numpy_rng": numpy_rng,
-             "python_rng": [python_rng[0], list(python_rng[1]), python_rng[2]]}  # fmt: skip
+    saved = {
+        **plain,
+        **extra,
+        "script": SCRIPT,
+        "step": step,
+        "files": files,
+        "numpy_rng": numpy_rng,
+        "python_rng": [python_rng[0], list(python_rng[1]), python_rng[2]],
+    }
     (tmp / "state.json").write_text(json.dumps(saved))
     if final.exists():  # complete, but latest.json never named it (the run was killed right after the rename)
         shutil.rmtree(final)
