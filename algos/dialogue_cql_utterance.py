@@ -1,13 +1,12 @@
 """Per-utterance CQL for dialogue (CHAI-style): one RL time step = one agent utterance of GuessTheImage.
 
 Lecture part 3: a dialogue is a POMDP over histories with the reward at the end; offline value-based RL learns from
-logged conversations. Here the time step is an *utterance*: the horizon is short (<= 8 turns, gamma per utterance)
-but the action space is all token sequences, so max_a Q(s, a) cannot be enumerated. As in CHAI, a supervised
-utterance model (a BC language model) proposes N candidate utterances for a history, a critic Q(history, utterance)
-scores them, the Bellman target takes the max over the *sampled* next candidates, and a CQL penalty keeps Q low on
-candidates the data does not support. The policy samples N utterances from the BC LM and says the highest-Q one.
-The same offline dataset and online evaluation as `ilql_per_token.py` (per-token time step) make the two scripts
-the project's measured answer to "per token or per utterance?" on one task.
+logged conversations. Here the time step is an *utterance*: the horizon is short (<= 8 turns) but the action space is
+all token sequences, so max_a Q(s, a) cannot be enumerated. As in CHAI, a BC language model proposes N candidate
+utterances for a history, a critic Q(history, utterance) scores them, the Bellman target takes the max over the
+*sampled* next candidates, and a CQL penalty keeps Q low on candidates the data does not support; the policy says the
+highest-Q of N fresh samples. Claim: like per-token ILQL (`ilql_per_token.py`, the same data and evaluation), it
+beats BC and filtered BC: the two scripts measure "per token or per utterance?" (Problem 21.4) on one task.
 
 Key equations (s = history, a = utterance, C(s) = deduplicated set of N samples from pi_BC(.|s)):
   y          = r + gamma * (1 - done) * max_{a' in C(s')} min_{j=1,2} Q_target_j(s', a')      (0 at the dialogue end)
@@ -17,60 +16,29 @@ Key equations (s = history, a = utterance, C(s) = deduplicated set of N samples 
   policy     pi(s) = argmax_{b in C_N(s)} min_j Q_j(s, b)                                     (N fresh BC samples)
 
 Implementation details:
-  1. BC LM: a tiny GPT-2 (built from a GPT2Config over the seqrl word vocabulary, or `--model-name-or-path`, detail 8)
-     trained by next-token cross-entropy given the history <bos> a1 <sep> r1 <sep> ... (`G.tokenize_dialogue`
-     layout) on every token, the answerer's replies included (`--bc-all-tokens`, as ILQL's LM head: predicting the
-     replies is a world-model auxiliary that teaches the model to read the answers; it only ever samples agent
-     tokens; agent tokens only scored far lower). Identical dialogues are merged and weighted by their count
-     (20k -> ~11k distinct, the same loss); AdamW, warmup then cosine decay.
-  2. Candidates: for every distinct history of the dataset (20k dialogues have ~22k distinct non-final histories,
-     many repeat) N utterances are sampled ONCE after BC training, normalised (`G.normalize_utterance`) and
-     deduplicated. The dataset utterance is added to the set for the CQL logsumexp of its own state; the Bellman
-     target uses the sampled set only. Sampling (`sample_utterances`) encodes each left-padded prompt once into a
-     transformers `StaticCache` (K/V preallocated for the prompt + the utterance budget, any architecture), repeats
-     its rows N times (`reorder_cache`) and writes each new token's K/V in place: one forward pass per token for
-     all histories x N samples. It never samples a special token but the separator (pad, bos, eos, unk are not
-     text) and decodes with skip_special_tokens before normalising.
-  3. Critic: shared word embeddings; each history turn (utterance + reply, "is it red ? no , it is not red .") is
-     mean-pooled embeddings + a linear layer, each candidate a GRU over its words (a bag of words cannot tell the
-     malformed "is it is the big red circle ." from the guess); a GRU runs over the history's turn vectors (<= 8
-     steps); twin MLP heads on [h, u, h * u]. Reading a turn as a unit binds each question to its answer (a token
-     GRU over ~100 tokens was slower and learned it poorly). Distinct turns / candidates are encoded once per step.
-  4. Twin Q heads share the encoders (as in Snell's re-implementation, where both heads read the same GPT-2
-     features); min over the two target heads in the target, min over the online heads when acting.
-  5. Truncation after max_turns is treated as terminal (the history shows the turn count; nothing follows).
-  6. Evaluation: 500 online episodes against the scripted answerer, one batched call per turn; also the BC
-     proposer alone (1 sample, no critic). `dataset/mean_return` is the behavior mixture's return.
-  7. Acting temperature: the N candidates the critic chooses from at test time are sampled at each temperature of
-     `--act-temperatures`; the one with the best return on 180 validation episodes (another secret order) is the
-     headline, as `ilql_per_token.py` chooses beta. A cooler proposer puts fewer malformed or premature utterances
-     into the set and the critic picks among supported ones. Training candidates are sampled at `--temperature`
-     0.7: still a diverse set for the max and the CQL logsumexp, with fewer malformed ones than at 1.0. Choosing
-     the acting temperature on validation beat a fixed 0.5.
-  8. Real checkpoints (`--model-name-or-path`: a save_pretrained dir or a hub id, e.g. gpt2, EleutherAI/pythia-70m,
-     a TinyLlama): the task speaks words, the model's tokenizer speaks tokens. The proposer is the checkpoint with
-     its own tokenizer and pretrained weights; the dialogue is framed with its BOS / EOS, and "<sep>" (turn
-     separator) and "<pad>" are added as special tokens when it has none (GPT-2, Llama, GPT-NeoX ship with
-     neither), the embeddings grown by those rows (`add_dialogue_tokens`). The critic embeds the same token ids.
-     Lower `--bc-lr` for a pretrained model (e.g. 1e-4). With the built-in tiny model nothing changes.
-  9. Lecture Problem 21.4 (time-step design), measured: `timestep/rl_steps_per_dialogue` (the RL horizon),
-     `timestep/action_space_log10` (every token sequence the utterance budget allows), `timestep/distinct_data_
-     utterances` and `timestep/actions_per_step` (the deduplicated candidate set the Bellman max runs over).
- 10. Long runs: checkpoints at the BC and candidate phases' ends and every `--save-every` critic steps, Ctrl-C /
-     SIGTERM, `--resume RUN_DIR` (bit for bit on CPU; all in RUN MANAGEMENT, the algorithm does not depend on it).
-
-CHAI and Snell's re-implementation compared, what was scaled down, results: `docs/dialogue_cql_utterance.md`.
+  1. BC LM: a tiny GPT-2 trained by next-token cross-entropy on every token, the answerer's replies too (a
+     world-model auxiliary that teaches it to read the answers; agent tokens only scored far lower).
+  2. Candidates are sampled ONCE per distinct history after BC training, normalized and deduplicated, with a
+     `StaticCache` (one forward pass per token for all histories x N); special tokens other than <sep> never.
+  3. Critic: each history turn (utterance + reply) is mean-pooled embeddings + a linear layer, a GRU runs over the
+     turns, each candidate a GRU over its words; twin MLP heads on [h, u, h * u]. A turn as a unit binds each question
+     to its answer (a token GRU over the whole history learned it poorly).
+  4. Twin Q heads share the encoders (as in Snell's re-implementation); min over target heads, and when acting.
+  5. Truncation after max_turns is terminal (the history shows the turn count; nothing follows).
+  6. Evaluation: 500 online episodes, one batched call per turn; also the BC proposer alone (1 sample, no critic).
+  7. The acting temperature is chosen on validation episodes (as ILQL chooses beta), which beat a fixed 0.5;
+     training candidates are sampled at 0.7: still diverse for the max and the logsumexp, fewer malformed than at 1.
+  8. Real checkpoints (`--model-name-or-path`) keep their tokenizer; "<sep>" and "<pad>" are added when missing.
+  9. Problem 21.4: `timestep/*` logs the horizon, the action space and the candidate set the Bellman max runs over.
+ 10. Checkpoints at the phase ends and every `--save-every` critic steps; `--resume` continues exactly.
 
 References:
-  [1] Verma, Fu, Yang, Levine 2022, CHAI: A CHatbot AI for Task-Oriented Dialogue with Offline Reinforcement
-      Learning (NAACL).
+  [1] Verma, Fu, Yang, Levine 2022, CHAI: A CHatbot AI for Task-Oriented Dialogue with Offline RL (NAACL).
   [2] Kumar, Zhou, Tucker, Levine 2020, Conservative Q-Learning for Offline Reinforcement Learning (CQL(H)).
-  [3] Snell et al. 2022, Offline RL for Natural Language Generation with Implicit Language Q Learning; code
-      Sea-Snell/Implicit-Language-Q-Learning `src/models/chai_model.py` (the CHAI baseline re-implementation).
-  [4] vwxyzjn/cleanrl `dqn.py` (script layout, target networks, logging).
-Reproduce: python algos/dialogue_cql_utterance.py
-Long runs: checkpoints at the phase ends and every 500 critic steps (`--save-every`); Ctrl-C / SIGTERM writes one
-and prints the command that continues:  python algos/dialogue_cql_utterance.py --resume runs/<run_name>
+  [3] Snell et al. 2022, Implicit Language Q Learning; code Sea-Snell/Implicit-Language-Q-Learning
+      `src/models/chai_model.py` (the CHAI baseline re-implementation). [4] vwxyzjn/cleanrl `dqn.py` (layout).
+Details, measurements, usage (--resume, real models): docs/dialogue_cql_utterance.md.
+Reproduce: python algos/dialogue_cql_utterance.py --seed 1
 """
 
 import copy
@@ -172,15 +140,15 @@ class Args:
     belief_coef: float = 1.0
     """weight of the BC LM's belief auxiliary: a linear head on the last hidden state predicts the logged secret
     object from every prefix (cross-entropy; its minimizer is the posterior over the 18 objects, the belief state).
-    The secret is read from the offline logs during training only. With 10 BC epochs CQL reached 0.444 / 0.366
-    (seeds 1 / 2, acting at 1.0) vs 0.277 / 0.103 with 5 epochs and no auxiliary. 0 = off"""
+    The secret is read from the offline logs during training only. It teaches the proposer to read the answers, and
+    the critic's choice improves with it. 0 = off"""
 
     # STEP 2: candidates
     n_candidates: int = 16
     """N: utterances sampled from the BC LM per history (training targets, CQL set and acting), then deduplicated"""
     temperature: float = 0.7
-    """sampling temperature of the proposer for the training candidates (and the proposer-alone baseline); with 1.0
-    seed 3 scored 0.351 instead of 0.611 (fewer well-formed candidates to learn from)"""
+    """sampling temperature of the proposer for the training candidates (and the proposer-alone baseline); 1.0 gives
+    fewer well-formed candidates to learn from (details 7)"""
     act_temperatures: tuple[float, ...] = (1.0, 0.7, 0.5, 0.3)
     """proposer temperatures swept when acting (N samples, critic argmax); the best on validation is the headline"""
     gen_batch_size: int = 256
@@ -1300,8 +1268,10 @@ def read_checkpoint_state(run_dir: Path) -> tuple[Path, dict]:
     for name, size in state["files"].items():
         found = (step_dir / name).stat().st_size if (step_dir / name).is_file() else 0
         if found != size:
-            raise SystemExit(f"error: checkpoint file {step_dir / name} is truncated or missing ({found} of {size} "
-                             "bytes); it cannot be resumed")  # fmt: skip
+            raise SystemExit(
+                f"error: checkpoint file {step_dir / name} is truncated or missing ({found} of {size} "
+                "bytes); it cannot be resumed"
+            )
     return step_dir, state
 
 
@@ -1324,8 +1294,10 @@ def resume_args(cli: Args) -> tuple[Args, Path, Path, dict]:
     given = {key: value for key, value in asdict(cli).items() if value != defaults[key]}  # set on the command line
     for key, value in given.items():
         if key not in RESUME_FREE_FIELDS and value != saved.get(key):
-            raise SystemExit(f"error: --{key.replace('_', '-')} {value} differs from the run's {saved.get(key)}; "
-                             "--resume continues a run with its own arguments")  # fmt: skip
+            raise SystemExit(
+                f"error: --{key.replace('_', '-')} {value} differs from the run's {saved.get(key)}; "
+                "--resume continues a run with its own arguments"
+            )
     free = {key: value for key, value in given.items() if key in RESUME_FREE_FIELDS}
     saved["act_temperatures"] = tuple(saved["act_temperatures"])  # (a JSON list)
     try:

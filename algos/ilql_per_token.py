@@ -1,126 +1,46 @@
 """ILQL: Implicit Language Q-Learning (per-token offline RL for dialogue) on `seqrl/GuessTheImage-v0`.
 
 Lecture part 3: dialogue is a POMDP whose state is the history; value-based offline RL can learn from logged
-conversations. Here a time step is a TOKEN: a causal transformer reads the dialogue and, like a language model,
-outputs one number per vocabulary entry, but the numbers are Q-values Q(s, a) of writing token a next. Only the
-agent's tokens are actions; the answerer's tokens are the environment's transition, so the Bellman backup jumps
-over them. Offline, max_a Q would trust lucky, rarely seen tokens (the tabular proxy in the env notes collapses to
-3.7 normalized), so ILQL (Snell et al. 2022) never maximizes over actions during training: V is an *expectile*
-of Q over the data's own tokens (IQL), and a per-token CQL term - "conveniently the same as a cross-entropy loss"
-of Q-as-logits - pushes down tokens the data does not use. At test time the BC language model is steered by the
-advantage. Claim tested: on a dataset where no behavior is both efficient and reliable, ILQL should stitch hasty's
-questions with thorough's patience and beat BC (and filtered BC) towards the optimal questioner. Shown: 0.64 mean
-return over 3 seeds vs 0.27 for BC, 0.39 for filtered BC and 0.78 optimal (numbers below).
+conversations. Here a time step is a TOKEN: a causal transformer outputs, per vocabulary entry, the Q-value of writing
+that token next. The answerer's tokens are the environment's transition, so the backup jumps over them. Offline,
+max_a Q would trust lucky, rarely seen tokens, so ILQL never maximizes during training: V is an expectile of Q over
+the data's tokens (IQL), and a per-token CQL term (a cross-entropy of Q-as-logits) pushes down unused tokens. At test
+time the BC language model is steered by the advantage. Claim: on data where no behavior is both efficient and
+reliable, ILQL stitches hasty's questions with thorough's patience and beats BC and filtered BC.
 
 Key equations (s = a token prefix whose next token is the agent's, a = that token, s' = the next such prefix):
-  Q target:   y = r + γ (1 - done) V(s')            (s' skips reply tokens; no bootstrap after the final <sep>)
-  Q loss:     Σ_{i=1,2} (Q_i(s, a) - y)^2           (V(s') detached)
-  V loss:     L_τ(min_i Q̂_i(s, a) - V(s)),  L_τ(u) = |τ - 1(u < 0)| u^2        (Q̂: Polyak target heads)
-  CQL:        Σ_i logsumexp_a' Q_i(s, a') - Q_i(s, a)  =  Σ_i CrossEntropy(logits=Q_i(s, ·), label=a)
-  BC:         CrossEntropy(π_logits(s, ·), a)
-  belief:     CrossEntropy(W h(s), secret)  at every prefix s   (auxiliary; minimized by p(secret | history))
-  total:      L_Q + L_V + α_cql L_CQL + L_BC + λ_b L_belief;  target heads: θ̂ <- α θ + (1 - α) θ̂ every step
-  decoding:   π(a | s) ∝ top-k( exp(log π_BC(a | s) + β (min_i Q̂_i(s, a) - V(s))) ),  β = 0 is BC
+  Q loss:   Σ_{i=1,2} (Q_i(s, a) - y)^2,  y = r + γ (1 - done) V(s')   (s' skips reply tokens; V(s') detached)
+  V loss:   L_τ(min_i Q̂_i(s, a) - V(s)),  L_τ(u) = |τ - 1(u < 0)| u^2           (Q̂: Polyak target heads)
+  CQL:      Σ_i logsumexp_a' Q_i(s, a') - Q_i(s, a) = Σ_i CE(Q_i(s, ·), a)           (CE: cross-entropy)
+  total:    L_Q + L_V + α_cql L_CQL + CE(π_BC(s, ·), a) + λ_b CE(W h(s), secret);   θ̂ <- α θ + (1 - α) θ̂
+  decoding: π(a | s) ∝ top-k( exp(log π_BC(a | s) + β (min_i Q̂_i(s, a) - V(s))) ),  β = 0 is BC
 
 Implementation details:
-  1. Token layout from `G.tokenize_dialogue`: <bos> a1 <sep> r1 <sep> ... aT <sep> rT <eos>. Position i's action is
-     input_ids[i+1]; it is an action iff agent_mask[i+1]. The agent's closing <sep> carries the turn's reward and,
-     on the final turn, done. `next_state_indices` maps each action position to the next action position (the
-     backup's s'), skipping the reply: from the closing <sep> of turn k it jumps to turn_starts[k+1] - 1, the
-     reply-ending <sep> whose state has seen the reply. Truncated dialogues (8 turns) are terminal too (the turn
-     limit is fixed and visible in the history, so nothing follows).
-  2. One shared backbone (trlx's AutoModelForCausalLMWithILQLHeads), the LM head for π_BC, and MLP heads
-     (d -> 2d -> |V|, as in both references) for Q1, Q2, their Polyak targets, and V (d -> 2d -> 1). Target heads
-     read the current backbone's hidden states (trlx); Snell's visdial config also keeps a separate target and
-     policy transformer, which we skip for CPU time.
-  3. γ = 1 per token (Snell's per_token_iql default; the task is finite-horizon and its return is undiscounted;
-     trlx's 0.99 per token would discount a 40-token dialogue by 0.67 and double the price of a question).
-  4. Decoding runs all active dialogues in lockstep with a KV cache: one left-padded prefill per turn, then one
-     forward pass per generated token, until every dialogue has written <sep> (at most `utterance_budget` tokens:
-     13 with the built-in tokenizer). The agent never writes a special token other than <sep> (pad, bos, eos, unk
-     are masked to -inf before top-k: they are not text), and its tokens are decoded with skip_special_tokens
-     before the answerer reads them.
-  5. β is chosen on VALIDATION episodes (`--val-seed`, a different secret order than the test `--eval-seed`);
-     every β is also reported on the test episodes for the curve, but the headline metric is the val-chosen β.
-  6. The LM head is trained on EVERY next token, the answerer's too (trlx's awac loss runs over the whole
-     sequence; `--no-lm-all-tokens` = agent tokens only). The replies are a free world-model auxiliary: predicting
-     "it is big" after "yes ," trains the copy circuit and predicting the answer to a redundant question trains
-     belief tracking. Decoding only ever samples agent tokens. The BC metric logged is the agent-token loss.
-  7. Baselines from the same script: `--bc-only` trains only the LM head (BC on all data);
-     `--bc-only --filter-top-frac 0.2` is filtered BC; dataset behavior stats and the optimal questioner
-     (`G.OptimalPolicy`, evaluated on the same test episodes) are written into every summary.
-  8. Minibatches are drawn from dialogues of similar length (`--group-by-length`: shuffled blocks of 50 minibatches,
-     sorted by length inside a block): the padded width falls from ~110 to ~65 tokens per minibatch (-40%).
-     Losses stay means over each minibatch's own action tokens, which weighs the tokens of short dialogues more than
-     uniform sampling would (a reweighting of the offline state distribution, which Q regression tolerates).
-     The learning rate is constant after warmup and decays only over the last 20% of the steps.
-  9. Belief auxiliary (`--belief-coef`, not in ILQL): a linear head predicts the logged secret object from every
-     prefix. Its cross-entropy is minimized by the posterior over the 18 objects given the answers so far, the
-     belief state that makes the history Markov; it trains the backbone to read the answers (a content lookup:
-     question order varies in this data), which next-token losses alone learned only in some seeds. The secret is
-     logged offline data (as a GuessWhat?! target object is), used in training only, never when acting; cf.
-     Lample & Chaplot 2017's game-feature auxiliary for partially observed DRQN. BC head: 0.269 with it, -0.012 without.
-  10. Polyak α = 0.05, ten times Snell's: the backup chain is ~40 tokens long and each token waits ~1/α steps for
-     its target (with 0.005, V(<bos>) was 0.05 after 4000 steps; the data's mean return is 0.41).
-  11. Real checkpoints (`--model-name-or-path`: a save_pretrained dir or a hub id, e.g. gpt2, EleutherAI/pythia-70m,
-     a TinyLlama): the task speaks words, the model's tokenizer speaks tokens. The env's text has no tokenizer
-     markup; the dialogue is framed with the checkpoint's own BOS / EOS, and a turn separator "<sep>" and a pad
-     token "<pad>" are added as special tokens when the tokenizer has none (GPT-2, Llama, GPT-NeoX), the embeddings
-     grown by those rows (`add_dialogue_tokens`); the pretrained weights and tokenizer are kept. The Q heads are as
-     wide as the vocabulary (50k for GPT-2: 4 x 78M parameters in the four Q heads), so expect GPU-sized memory and
-     lower the learning rate (Snell fine-tunes GPT-2 small at 1e-5). With the built-in tiny model nothing changes.
-  12. Lecture Problem 21.4 (time-step design), measured: `timestep/rl_steps_per_dialogue` (agent tokens of a
-     training dialogue: the RL horizon the backup crosses, 28.5 on average here, at most 48) and
-     `timestep/actions_per_step` (the writable vocabulary: 111 of 115 tokens, one exact argmax over the Q head).
-  13. Top-k runs on the combined score log π_BC + β A, as in trlx's `generate` (`topk_mask(pi_beta + beta * adv)`),
-     not on π_BC alone as in Snell's `score` (top-k of the BC logits, then reweighted by exp(β A)). So β trades the
-     two off inside one ranking: at β = 0 the 20 kept tokens are BC's top 20; at large β they are the 20 tokens of
-     highest advantage, and β = 256 is close to the argmax of A over the whole writable vocabulary (log π_BC, at most
-     a few nats apart among plausible tokens, only breaks near-ties). What keeps that argmax on the data's support is
-     the CQL term, which pushes down the Q-values of tokens the data does not use, not a BC filter. Kept as trlx
-     does it: the measured numbers below were produced with it, and β is chosen on validation episodes anyway.
-  14. Data-parallel under torchrun (`torchrun --standalone --nproc_per_node N algos/ilql_per_token.py ...`; one process
-     runs exactly the single-process code): every rank builds the same data and model (then rank 0's weights are
-     broadcast) and draws the same global minibatch of `--batch-size` dialogues; each rank trains on its contiguous
-     shard. The losses are means over TOKENS of the global minibatch, so each rank divides its shard's token sums
-     by the global minibatch's counts (`make_minibatch`) and the gradients are SUMMED over ranks before clipping
-     (`run.sync_grads`; not DDP, whose averaging assumes per-rank means); every rank then clips the same gradient
-     and applies the same AdamW step and Polyak update, so weights and target heads stay equal. The logged losses
-     are sums over ranks (global minibatch values). Evaluation splits the β sweep over ranks (each β whole on one
-     rank, with the same seeds as in one process) and gathers the results. Only rank 0 writes. The 2-process run
-     differs from the 1-process one only by float summation order (gradients equal to 3e-6 of their largest entry).
-  15. Checkpoints (`--save-every N` gradient steps and at the end of training; `--resume RUN_DIR`; Ctrl-C / SIGTERM
-     write one at the end of the current step and exit): weights incl. the Polyak target heads, AdamW + scheduler,
-     the minibatch sampler, every RNG and the loss log, so a resumed run ends with the uninterrupted run's summary
-     metrics, bit for bit on CPU (tested). Torchrun, checkpoints and the run dir sit below `# === RUN MANAGEMENT`.
+  1. Layout <bos> a1 <sep> r1 <sep> ... aT <sep> rT <eos>; `next_state_indices` maps each action position to the
+     next action position, skipping the reply. Truncated dialogues are terminal (the turn limit is visible).
+  2. One shared backbone with the LM head (π_BC) and MLP heads for Q1, Q2, their Polyak targets and V (trlx).
+  3. γ = 1 per token: the task is finite-horizon and undiscounted; 0.99 per token would make questions costly.
+  4. Decoding runs all dialogues in lockstep with a KV cache; special tokens other than <sep> are never written.
+  5. β is chosen on validation episodes (another secret order); every β is also reported on the test episodes.
+  6. The LM head is trained on every token, the replies too: a free world-model auxiliary (trlx does the same).
+  7. Baselines from the same script: `--bc-only` (BC), `--bc-only --filter-top-frac 0.2` (filtered BC).
+  8. Minibatches of dialogues of similar length (`--group-by-length`) cut the padding by about 40%.
+  9. Belief auxiliary (`--belief-coef`, not in ILQL): a head predicts the logged secret from every prefix, which
+     trains the backbone to read the answers (next-token losses alone did so only on some seeds).
+ 10. Polyak α = 0.05, ten times Snell's: each token of the ~40-token backup chain waits ~1/α steps for its target,
+     and with 0.005 the start value had barely moved by the end of training.
+ 11. Real checkpoints (`--model-name-or-path`) keep their tokenizer; "<sep>" and "<pad>" are added when missing.
+ 12. Problem 21.4: `timestep/*` logs the RL horizon and the action space per step of the data.
+ 13. Top-k runs on log π_BC + β A (trlx's order), so at large β the kept tokens are the highest-advantage ones;
+     the CQL term, not a BC filter, keeps them on the data's support.
+ 14. torchrun: each rank trains on its shard of the global minibatch; token sums are divided by the global counts
+     and gradients summed (`run.sync_grads`). Checkpoints and `--resume` continue exactly (RUN MANAGEMENT).
 
-Defaults and where they come from (trlx = CarperAI/trlx default ILQL config; Snell = visdial train_iql.yaml):
-  τ = 0.7 (trlx; Snell 0.8), CQL weight α_cql = 0.1 (trlx cql_scale; Snell 1.0), BC weight 1 (both: awac_scale 1
-  with awac β = 0, i.e. plain BC), two Q heads with min (both), Polyak α = 0.05 every step (10x Snell's 0.005,
-  detail 10; trlx 0.001 every 5 steps), γ = 1.0 (Snell's per-token default), decoding top-k 20 and temperature 1
-  (trlx), belief auxiliary weight 1 (ours, detail 9), β swept over 0..256 (trlx sweeps [1, 4]; Snell decodes
-  visdial with exp-advantage weight 16; top-k of log π_BC + β A, so large β = the highest-advantage tokens over the
-  whole vocabulary, not among BC's top 20: detail 13).
-What was scaled down and why: a 2-layer, 64-wide decoder trained from scratch on the 115-token seqrl vocabulary
-(Snell: pretrained GPT-2 small, lr 1e-5), 20k synthetic dialogues, 4000 steps of 32 dialogues at lr 2e-3: it
-trains and evaluates (6 β values x 680 episodes) in ~6 minutes on one thread; evaluation takes ~20 s of that.
-The default backbone is a tiny Llama (rotary positions) built from LlamaConfig; `--arch gpt2` builds the tiny
-GPT-2 (learned absolute positions). Rotary positions learned the reply -> question binding a little faster (BC loss
-0.393 vs 0.406 after 800 steps, measured with the old short "yes ." replies).
-Measured results (ILQL against BC, filtered BC and the optimum, per seed): docs/ilql_per_token.md.
-
-References:
-  [1] Snell, Kostrikov, Su, Yang, Levine 2022, Offline RL for Natural Language Generation with Implicit Language
-      Q Learning (arXiv 2206.11871); code Sea-Snell/Implicit-Language-Q-Learning (src/models/iql_model.py,
-      config/vis_dial/train_iql.yaml): per-token Q/V heads, state/action indices, double Q, expectile, CQL.
-  [2] CarperAI/trlx, trlx/models/modeling_ilql.py (ILQLConfig.loss, ILQLHeads, generate with topk_mask):
-      loss layout, shared backbone, Polyak sync, decoding log π + β (Q - V).
-  [3] Kostrikov et al. 2021, IQL (expectile regression). [4] Kumar et al. 2020, CQL.
-  [5] Abdulhai et al. 2023, LMRL-Gym (normalized score anchored at random/optimal).
-  [6] Lample, Chaplot 2017, Playing FPS Games with Deep RL (auxiliary prediction of hidden game features).
+References: [1] Snell et al. 2022, Offline RL for Natural Language Generation with Implicit Language Q Learning
+  (code Sea-Snell/Implicit-Language-Q-Learning). [2] CarperAI/trlx, modeling_ilql.py. [3] Kostrikov et al. 2021, IQL.
+  [4] Kumar et al. 2020, CQL. [5] Abdulhai et al. 2023, LMRL-Gym. [6] Lample, Chaplot 2017 (auxiliary game features).
+Details, measurements, usage (torchrun, --resume, real models): docs/ilql_per_token.md.
 Reproduce: python algos/ilql_per_token.py --seed 1
-Scale out: torchrun --standalone --nproc_per_node 8 algos/ilql_per_token.py --cuda --model-name-or-path gpt2 ...
-Continue an interrupted run: python algos/ilql_per_token.py --resume runs/<run_name>
 """
 
 import json
@@ -141,7 +61,7 @@ import torch.distributed as dist
 
 # imported before init_process_group, not lazily after it (transformers does): its functions' default
 # `group=group.WORLD` would keep the group alive past destroy_process_group, and gloo's threads, still running at
-# interpreter exit, abort the process (SIGABRT in 3 of 20 two-rank runs without this import, 0 of 40 with it)
+# interpreter exit, abort the process (SIGABRT in some two-rank runs without this import)
 import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
@@ -189,7 +109,7 @@ class Args:
     checkpoint: str | None = None
     """a run dir of this script (or its model/ dir) to evaluate with `--eval-only`"""
     save_every: int = 500
-    """gradient steps between training checkpoints in RUN_DIR/checkpoints (~45 s of the default run; the newest one
+    """gradient steps between training checkpoints in RUN_DIR/checkpoints (the newest one
     is kept; training also ends with one); 0 = none. Ctrl-C (SIGINT) or SIGTERM always writes one and exits"""
     resume: str | None = None
     """a run dir of this script to continue from its newest checkpoint, with the run's own arguments (only
@@ -236,8 +156,7 @@ class Args:
     tokens are a world-model auxiliary that teaches the backbone to read the answers. False = agent tokens only"""
     polyak: float = 0.05
     """Polyak rate α of the target Q heads, applied every step (Snell 0.005, trlx 0.001 every 5 steps; larger here
-    because each token of the ~40-token backup chain waits ~1/α steps for its target: with 0.005 the start value
-    V(<bos>) was still 0.05 after 4000 steps, far below the data's 0.41)"""
+    because each token of the ~40-token backup chain waits ~1/α steps for its target; details 10)"""
     belief_coef: float = 1.0
     """weight of the belief auxiliary: a linear head on the last hidden state predicts the logged secret object
     from every prefix (cross-entropy; its minimizer is the posterior over the 18 objects, the belief state). The

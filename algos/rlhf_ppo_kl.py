@@ -1,91 +1,47 @@
 """RLHF with PPO and a KL penalty: the InstructGPT recipe end to end on the seqrl preference task.
 
-The lecture casts RLHF as a one-step bandit: the prompt is the state s, the whole completion is the action a,
-and pi_theta(a|s) = prod_t p(x_t | x_<t). One batch of slow generations funds K epochs of importance-weighted
-(PPO-clipped) minibatch updates against a frozen snapshot pi_bar. The reward is a learned Bradley-Terry reward
-model r_psi, an imperfect stand-in for the hidden human (`envs.preference.gold_utility`, which the policy never
-sees). Optimizing hard against r_psi is offline model-based RL and inherits its disease, over-optimization: with
-beta = 0 the proxy reward keeps rising while the gold reward rises, peaks and falls (Gao et al. 2022). Folding a
-KL penalty toward the supervised policy into the reward keeps the policy where r_psi is trustworthy.
-
-One command runs the four steps of the recipe (each inline, short, marked STEP 1..4 below):
-  1. SFT: a tiny GPT-2 (built from a config, seqrl vocabulary) trained by next-token cross-entropy on completions.
-  2. Preference data: K completions per prompt sampled from the SFT policy, ranked by the task's noisy labeler.
-  3. Reward model: the SFT transformer (as in InstructGPT) with a new scalar head at the last non-pad token,
-     Bradley-Terry loss on all C(K,2) pairs of each ranking (labeler temperature 0.3, 1024 prompts x K=4).
-  4. PPO with a per-token KL penalty toward the frozen SFT policy.
-`--sft-model-path` / `--reward-model-path` skip steps 1 / 2-3 by loading `save_pretrained` dirs of other runs.
+Lecture part 2 casts RLHF as a one-step bandit: the prompt is the state s, the whole completion the action a, and
+pi_theta(a|s) = prod_t p(x_t | x_<t). One batch of slow generations funds K epochs of importance-weighted (PPO-clipped)
+updates. The reward is a learned Bradley-Terry model r_psi, an imperfect stand-in for the hidden human
+(`envs.preference.gold_utility`, never seen by the policy). Optimizing hard against r_psi is offline model-based RL and
+over-optimizes: with beta = 0 the proxy reward keeps rising while the gold reward peaks and falls (Gao et al. 2022).
+Claim: a KL penalty toward the SFT policy keeps the gold reward high; best-of-n at the same KL is about as good. The
+four steps of the recipe run inline: 1. SFT, 2. K SFT samples per prompt ranked by the noisy labeler, 3. a Bradley-Terry
+reward model from the SFT transformer, 4. PPO with a per-token KL penalty toward the frozen SFT policy.
 
 Key equations (per rollout of B prompts, completion tokens t = 1..T_i, EOS included):
   kl_t        = log pi_theta(x_t|x_<t) - log pi_SFT(x_t|x_<t)                 (k1; k3: (rho-1) - log rho, rho=pi_SFT/pi)
-  r~_t        = -beta * kl_t  + [t = T_i] * score(s, a)                       (score at the EOS / last token)
-  score(s, a) = r_psi(s, a) + c(s) - penalty * [no EOS]          (c(s) = 0 unless --reward-offset, Problem 21.3c)
-  i.e. sum_t r~_t = r_psi(s,a) + beta (log pi_SFT(a|s) - log pi_theta(a|s))   (the lecture's r~)
-  bandit:  A_t = R - mean_batch(R), R = sum_t r~_t                           (sequence-level, baseline = batch mean)
-  gae:     delta_t = r~_t + gamma V_{t+1} - V_t,  A_t = sum_l (gamma lam)^l delta_{t+l}   (gamma = 1 by default)
+  r~_t        = -beta * kl_t  + [t = T_i] * score(s, a),   score = r_psi + c(s) - penalty * [no EOS]
+  bandit:  A_t = R - mean_batch(R), R = sum_t r~_t;   gae: delta_t = r~_t + gamma V_{t+1} - V_t, A_t = GAE(gamma, lam)
   L_pg     = E_t max(-A_t rho_t, -A_t clip(rho_t, 1-eps, 1+eps)),  rho_t = pi_theta(x_t|.) / pi_bar(x_t|.)
   L_vf     = 0.5 E_t max((V - G)^2, (clip(V, V_old - eps_v, V_old + eps_v) - G)^2)
   adaptive beta (Ziegler et al.): beta <- beta (1 + clip(KL/KL_target - 1, -0.2, 0.2) * B / horizon)
-  best-of-n from SFT: the sample with the highest score(s, a) of n, KL_bon(n) = log n - (n-1)/n   (Stiennon et al.
-              2020), n matched to the PPO policy's KL: the same objective, optimized by selection instead of RL.
+  best-of-n from SFT: the best score(s, a) of n samples, KL_bon(n) = log n - (n-1)/n, n matched to PPO's KL
 
 Implementation details:
-  1. Logits are divided by the sampling temperature everywhere a log-prob is computed (rollout, pi_bar, pi_SFT,
-     update), so the ratio is exactly 1 at the first minibatch of every update (dropout is off for the same reason).
-  2. Prompts are left-padded so every completion starts at the same column; position ids come from the attention
-     mask (cumsum - 1), which is what makes left padding correct for GPT-2 and Llama alike.
-  3. Completions are cut after the first EOS; later positions are padding and masked out of every loss. The task
-     speaks words, the tokenizer tokens: a demonstration `Completion(text, ended)` is encoded as the ids of its text
-     as they follow the prompt, then the tokenizer's EOS id if it ended; a sample is decoded (`skip_special_tokens`)
-     into `Completion(text, ended = the model emitted its EOS)`. Tokens that are not text (pad, bos, unk, sep,
-     unused embedding rows) get probability 0 in sampling and in every log-prob (`lm_forward`): the sampled
-     distribution is exactly the one whose log-probs, ratios and KL are computed ("<pad>" is no exploit route).
-  4. The reward model scores the ids of `prompt + " " + completion.text` in its own tokenizer's convention (Llama:
-     <s> first), plus its EOS id if the completion ended, right-padded, read at the last non-pad token, i.e. at the
-     EOS token. A completion without EOS loses `missing_eos_penalty`.
-  5. Reward-model scores are normalized to mean 0, std 1 on SFT samples of the training prompts before PPO
-     (lm-human-preferences), so beta means the same thing for every reward model.
-  6. Advantages are whitened over the completion tokens of the batch; rewards optionally (`--whiten-rewards`).
-  7. GAE mode: a value head on the policy's last hidden state (shared backbone), with value clipping.
-  8. Approximate KL 0.5 E[(log rho)^2], the clip fraction and the ratio are logged with TRL's metric names.
-  9. Evaluation, one completion per held-out prompt with fixed sampling noise: gold reward (hidden utility), proxy
-     reward (normalized r_psi) and KL(pi || pi_SFT) (on the policy's own samples) to tensorboard and `curve.jsonl`.
- 10. torchrun (data-parallel; one process runs exactly the single-process code): the rollout batch of `--batch-size`
-     prompts is the global batch, drawn identically on every rank; each rank generates its contiguous shard with its
-     own sampling noise. A rank's loss is scaled by its share of the global minibatch's completion tokens
-     (`token_share`), so the SUM of the ranks' gradients (`run.sync_grads`) is the global masked mean's gradient;
-     every statistic is the global batch's (`run.global_sum`, `masked_mean_var`, ...). More in `Run`.
- 11. Checkpoints (`--save-every`, `--resume RUN_DIR`, Ctrl-C / SIGTERM): STEPS 1-3 once, then the policy, Adam,
-     `TrainState` and the RNG states; a resumed run ends bit-identical to an uninterrupted one on CPU (see `Run`).
-
-Problem 21.3(c), `--reward-offset 2`: an arbitrary per-prompt constant c(s) added to r_psi does not change what
-PPO optimizes. The objective E[r + c(s)] - beta KL has the same maximizer pi* ∝ pi_SFT exp(r / beta) (c(s) cancels in
-the normalizer), and the policy gradient's expectation is unchanged (E_a[c(s) grad log pi(a|s)] = 0). In the
-estimator the value baseline absorbs it: once V(prompt, prefix) has learned c(s), the GAE advantages are exactly those
-without it (unit-tested); the batch-wide whitening cannot. Until then c(s) is noise: same optimum, noisier estimator.
-
-Real models (`--model-name-or-path gpt2`, a Pythia or TinyLlama id, a `save_pretrained` dir): the same code path.
-
-Scaled down to a few CPU minutes: a 2-layer, 64-dim GPT-2 over a few hundred words, a synthetic hidden "human", a
-few thousand comparisons. The small reward model, fit on few on-distribution (SFT) comparisons, is what makes it
-exploitable off-distribution, like any RM under enough optimization pressure. Sampling: plain, with a KV cache.
+  1. Logits are divided by the sampling temperature wherever a log-prob is computed and dropout is off, so the ratio
+     is exactly 1 at the first minibatch of every update.
+  2. Prompts are left-padded so completions start at one column; position ids come from the attention mask.
+  3. Completions end at the first EOS (later tokens masked). Tokens that are not text (pad, bos, unk, sep, unused
+     rows) get probability 0 in sampling and in every log-prob, so "<pad>" is no exploit route.
+  4. The reward model scores `prompt + " " + text` (+ EOS if it ended) at the last non-pad token, as
+     `rlhf_reward_model.py` does; a completion without EOS loses `--missing-eos-penalty`.
+  5. Scores are normalized to mean 0, std 1 on SFT samples before PPO, so beta means the same for every reward model.
+  6. Advantages are whitened over the batch's completion tokens; rewards optionally (`--whiten-rewards`).
+  7. GAE mode: a zero-initialized value head on the policy's last hidden state (shared backbone), value clipping.
+  8. Approximate KL, clip fraction and ratio are logged with TRL's metric names.
+  9. Evaluation: one completion per held-out prompt with fixed noise: gold, proxy and KL(pi || pi_SFT), a curve point.
+ 10. torchrun: each rank generates its shard of the global batch; its loss is scaled by its share of the global
+     minibatch's tokens (`token_share`), so the ranks' summed gradients (`run.sync_grads`) are the global ones.
+ 11. Checkpoints and `--resume` continue a run exactly (RUN MANAGEMENT); STEPS 1-3 are saved once.
+Problem 21.3(c), --reward-offset: a constant c(s) per prompt keeps the optimum; the value head absorbs it once learned.
 
 References:
-  [1] Ouyang et al. 2022, Training language models to follow instructions with human feedback (InstructGPT).
-  [2] Ziegler et al. 2019, Fine-Tuning Language Models from Human Preferences (adaptive KL, reward normalization).
-  [3] Stiennon et al. 2020, Learning to summarize from human feedback (per-token KL, best-of-n KL formula).
-  [4] Gao et al. 2022, Scaling Laws for Reward Model Overoptimization (gold vs proxy reward against KL).
-  [5] Code: huggingface/trl `trl/trainer/ppo_trainer.py` (rollout, scores at EOS, missing-EOS penalty, k1/k3,
-      masked whitening, metric names); vwxyzjn/lm-human-preference-details `train_policy_accelerate.py`
-      (temperature-scaled logits, reward normalization, left padding + position ids, GAE, adaptive KL);
-      vwxyzjn/cleanrl `ppo.py` (clipped surrogate and clipped value loss, script layout).
-Reproduce (per-seed numbers: README part 2; the figure: the runs' curve.jsonl):
-  python algos/rlhf_ppo_kl.py --seed 1 --kl-coef 0.0 --num-updates 200
-      # no KL penalty: the proxy reward rises while the gold reward peaks and ends below SFT
-  python algos/rlhf_ppo_kl.py --seed 1 --kl-coef 0.1
-      # gold well above SFT at a KL below 3; best-of-n from SFT at the same KL about as good
-Scale out and resume (details 10-11): `torchrun --standalone --nproc_per_node 2 algos/rlhf_ppo_kl.py` (gloo on CPU,
-nccl with --cuda); `python algos/rlhf_ppo_kl.py --resume runs/<run_name>` after a kill or Ctrl-C.
+  [1] Ouyang et al. 2022, InstructGPT. [2] Ziegler et al. 2019, Fine-Tuning Language Models from Human Preferences.
+  [3] Stiennon et al. 2020, Learning to summarize from human feedback. [4] Gao et al. 2022, Scaling Laws for Reward
+  Model Overoptimization. [5] huggingface/trl `ppo_trainer.py`; vwxyzjn/lm-human-preference-details; cleanrl `ppo.py`.
+Details, measurements, usage (torchrun, --resume, real models): docs/rlhf_ppo_kl.md.
+Reproduce: python algos/rlhf_ppo_kl.py --seed 1 --kl-coef 0.1
 """
 
 import copy
@@ -111,7 +67,7 @@ import torch.distributed as dist
 
 # imported before init_process_group, not lazily after it (transformers does): its functions' default
 # `group=group.WORLD` would keep the group alive past destroy_process_group, and gloo's threads, still running at
-# interpreter exit, abort the process (SIGABRT in 3 of 20 two-rank runs without this import, 0 of 40 with it)
+# interpreter exit, abort the process (SIGABRT in some two-rank runs without this import)
 import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
@@ -156,7 +112,7 @@ class Args:
     """a run dir written by this script, for `--eval-only`"""
     save_every: int = 20
     """write a checkpoint every this many PPO updates (and when PPO starts, and on Ctrl-C), for `--resume`; 0 = off.
-    20 = five per default run; on a real model an update takes seconds to minutes"""
+    20 = five per default run"""
     resume: str | None = None
     """continue the run in this run dir from its newest checkpoint (its args are used; flags that change the run are
     refused)"""
@@ -248,8 +204,8 @@ class Args:
     """subtracted from the normalized score of a completion that never emits EOS"""
     reward_offset: float = 0.0
     """Problem 21.3(c): add a per-prompt constant c(s) ~ Uniform(-a, a) (fixed per run, seeded) to r_psi in the
-    objective PPO and best-of-n optimize; 0 = off. Same optimum; the value head absorbs c(s) once it has learned it
-    (see the module docstring for what that costs here)"""
+    objective PPO and best-of-n optimize; 0 = off. Same optimum; the value head absorbs c(s) once it has learned it,
+    and until then c(s) is noise in the advantages"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
     eval_every: int = 5
@@ -351,9 +307,11 @@ def clipped_surrogate_loss(new_logprobs, old_logprobs, advantages, mask, clipran
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     loss = masked_mean(torch.max(pg_losses, pg_losses2), mask)
     with torch.no_grad():
-        stats = {"clipfrac": masked_mean((pg_losses2 > pg_losses).float(), mask).item(),
-                 "approxkl": 0.5 * masked_mean(logratio**2, mask).item(),
-                 "ratio": masked_mean(ratio, mask).item()}  # fmt: skip
+        stats = {
+            "clipfrac": masked_mean((pg_losses2 > pg_losses).float(), mask).item(),
+            "approxkl": 0.5 * masked_mean(logratio**2, mask).item(),
+            "ratio": masked_mean(ratio, mask).item(),
+        }
     return loss, stats
 
 
@@ -449,8 +407,13 @@ def lm_forward(lm, query_ids, response_ids, pad_id, not_text, hidden=False):
     (B, T, H))."""
     input_ids = torch.cat([query_ids, response_ids], dim=1)  # (B, Lq + T)
     attention_mask = input_ids != pad_id  # pad is never sampled, so it marks exactly the padding
-    out = lm(input_ids=input_ids, attention_mask=attention_mask.long(), output_hidden_states=hidden, use_cache=False,
-             position_ids=position_ids_from_mask(attention_mask))  # fmt: skip
+    out = lm(
+        input_ids=input_ids,
+        attention_mask=attention_mask.long(),
+        output_hidden_states=hidden,
+        use_cache=False,
+        position_ids=position_ids_from_mask(attention_mask),
+    )
     Lq, T = query_ids.shape[1], response_ids.shape[1]
     logits = text_only(out.logits[:, Lq - 1 : Lq + T - 1], not_text)  # (B, T, V): position i predicts token i + 1
     if hidden:
@@ -483,8 +446,13 @@ def generate(lm, query_ids, pad_id, eos_id, not_text, max_new_tokens, temperatur
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
         last_pos = last_pos + 1
-        out = lm(input_ids=token[:, None], attention_mask=attention_mask, position_ids=last_pos, use_cache=True,
-                 **{cache_kw: past})  # fmt: skip
+        out = lm(
+            input_ids=token[:, None],
+            attention_mask=attention_mask,
+            position_ids=last_pos,
+            use_cache=True,
+            **{cache_kw: past},
+        )
         past, next_logits = out[cache_kw], text_only(out.logits[:, -1], not_text)
     response = torch.stack(tokens, dim=1)  # (B, <= max_new_tokens)
     response = F.pad(response, (0, max_new_tokens - response.shape[1]), value=pad_id)
@@ -566,10 +534,18 @@ def tiny_gpt2_config(vocab_size, args, tokenizer):
     from transformers import GPT2Config
 
     return GPT2Config(
-        vocab_size=vocab_size, n_positions=args.n_positions, n_embd=args.n_embd, n_layer=args.n_layer,
-        n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # no dropout: ratio = 1 at start
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        n_positions=args.n_positions,
+        n_embd=args.n_embd,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,  # no dropout: ratio = 1 at start
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
 def not_text_mask(tokenizer, vocab_size: int, device) -> torch.Tensor:
@@ -755,8 +731,8 @@ def main():
     policy.requires_grad_(True)
     run.broadcast_params(policy)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-5)  # CleanRL's Adam eps
-    state = TrainState(policy, optimizer, sample_gen, np.random.default_rng(args.seed), norm, args.kl_coef,
-                       setup={"sft_model": (sft_lm, tokenizer), "reward_model": (rm, rm_tokenizer)})  # fmt: skip
+    setup = {"sft_model": (sft_lm, tokenizer), "reward_model": (rm, rm_tokenizer)}  # STEPS 1-3, saved once
+    state = TrainState(policy, optimizer, sample_gen, np.random.default_rng(args.seed), norm, args.kl_coef, setup)
     frozen = (sft_lm, rm, rm_tokenizer, tokenizer, not_text)  # what an evaluation reads besides the policy
     updates_done = run.restore(state)  # a resume: the checkpoint's state, weights, Adam and RNG states
     if not run.resuming:  # the SFT policy's evaluation is update 0 of the curve; the first checkpoint holds STEPS 1-3
@@ -802,6 +778,7 @@ def main():
                 baseline = sum_over_ranks(seq_rewards.sum()) / sum_over_ranks(n_seqs)  # the global batch's mean R
                 advantages, returns = bandit_advantages(rewards, maskf, baseline), torch.zeros_like(rewards)
             advantages = masked_whiten(advantages, maskf, mean_var=masked_mean_var(advantages, maskf, sum_over_ranks))
+        rollout = (query_ids, response_ids, maskf, old_logprobs, values, advantages, returns)  # (B, ...) each
         # 6. K epochs of minibatch updates with the clipped importance ratio pi_theta / pi_bar
         policy.train()
         stats = {k: [] for k in ("approxkl", "clipfrac", "ratio", "pg_loss", "vf_loss", "vf_clipfrac")}
@@ -810,10 +787,7 @@ def main():
             for start in range(0, local_batch_size, local_minibatch_size):
                 mb = perm[start : start + local_minibatch_size]  # torchrun: the ranks' mb together = the global one
                 mb_mask = maskf[mb]
-                loss, mb_stats = ppo_minibatch_loss(
-                    policy, query_ids[mb], response_ids[mb], mb_mask, old_logprobs[mb], values[mb], advantages[mb],
-                    returns[mb], args, pad_id, not_text,
-                )  # fmt: skip
+                loss, mb_stats = ppo_minibatch_loss(policy, *(x[mb] for x in rollout), args, pad_id, not_text)
                 loss = loss * token_share(mb_mask, run.global_sum(mb_mask.sum()))  # x 1 in one process (details 10)
                 optimizer.zero_grad()
                 loss.backward()
@@ -824,7 +798,8 @@ def main():
                     stats[k].append(v)
         # 7. log the global batch's statistics (TRL's names; ranks' equal shards: their mean), then the adaptive KL
         log = {
-            "objective/kl": kl.sum(1).mean().item(), "objective/kl_coef": state.beta,
+            "objective/kl": kl.sum(1).mean().item(),
+            "objective/kl_coef": state.beta,
             "objective/entropy": (entropy * maskf).sum(1).mean().item(),
             "objective/non_score_reward": (-state.beta * kl.sum(1)).mean().item(),
             "objective/scores": scores.mean().item(),
@@ -833,10 +808,11 @@ def main():
             "policy/clipfrac_avg": float(np.mean(stats["clipfrac"])),
             "policy/entropy_avg": masked_mean(entropy, maskf).item(),
             "losses/policy_avg": float(np.mean(stats["pg_loss"])),
-            "val/ratio": float(np.mean(stats["ratio"])), "val/ratio_var": float(np.var(stats["ratio"])),
+            "val/ratio": float(np.mean(stats["ratio"])),
+            "val/ratio_var": float(np.var(stats["ratio"])),
             "val/num_eos_tokens": has_eos.float().sum().item(),
             "charts/episodic_length": mask.sum(1).float().mean().item(),
-        }  # fmt: skip
+        }
         if args.advantage == "gae":
             log["losses/value_avg"] = float(np.mean(stats["vf_loss"]))
             log["val/clipfrac_avg"] = float(np.mean(stats["vf_clipfrac"]))
@@ -846,35 +822,41 @@ def main():
         log["charts/SPS"] = update * args.batch_size / (time.time() - start_time)
         run.log(update, log)
         if args.adaptive_kl:
-            state.beta = adaptive_kl_update(state.beta, log["objective/kl"], args.target_kl, args.batch_size,
-                                            args.kl_horizon)  # fmt: skip
+            state.beta = adaptive_kl_update(
+                state.beta, log["objective/kl"], args.target_kl, args.batch_size, args.kl_horizon
+            )
         # 8. evaluate every --eval-every updates (details 9): gold, proxy and KL, a point of the curve
         if update % args.eval_every == 0 or update == num_updates:
             state.metrics = evaluate(update, policy, frozen, state, eval_prompts, args, run)
         elif update % max(1, args.eval_every // 2) == 0:
-            print(f"update {update}: scores {log['objective/scores']:.3f} kl {log['objective/kl']:.2f} "
-                  f"beta {state.beta:.3f} clipfrac {log['policy/clipfrac_avg']:.3f} "
-                  f"approxkl {log['policy/approxkl_avg']:.4f}")  # fmt: skip
+            print(
+                f"update {update}: scores {log['objective/scores']:.3f} kl {log['objective/kl']:.2f} "
+                f"beta {state.beta:.3f} clipfrac {log['policy/clipfrac_avg']:.3f} "
+                f"approxkl {log['policy/approxkl_avg']:.4f}"
+            )
         # 9. checkpoint every --save-every updates, and on Ctrl-C / SIGTERM (then exit with STOP_EXIT_CODE)
         run.end_step(update, state)
 
     # best-of-n from pi_SFT at the KL of the final policy (n capped at --bon-max-n), by the same objective
     bon_n = matched_bon_n(state.metrics["eval/kl"], args.bon_max_n)
-    bon_gold = best_of_n(
-        sft_lm, rm, rm_tokenizer, state.norm, offsets, tokenizer, not_text, run.shard(eval_prompts), bon_n, args,
-        device, args.seed + 20_000 + SEED_STRIDE * run.rank, run.gather,
-    )  # fmt: skip
+    bon_seed = args.seed + 20_000 + SEED_STRIDE * run.rank  # this rank's sampling noise
+    bon_models = (sft_lm, rm, rm_tokenizer, state.norm, offsets, tokenizer, not_text)  # what best-of-n reads
+    bon_gold = best_of_n(*bon_models, run.shard(eval_prompts), bon_n, args, device, bon_seed, run.gather)
     run.end_training()  # after best-of-n (its samples are split over the ranks): under torchrun, rank 0 goes on alone
     print(f"[bon] n={bon_n} (KL {bon_kl(bon_n):.2f}) gold {bon_gold:.3f}")
     metrics, sft_metrics = state.metrics, state.sft_metrics
     summary_metrics = {
-        "eval/episodic_return": metrics["eval/gold_reward"], **metrics,
+        "eval/episodic_return": metrics["eval/gold_reward"],
+        **metrics,
         "eval/sft_gold_reward": sft_metrics["eval/gold_reward"],
-        "eval/sft_proxy_reward": sft_metrics["eval/proxy_reward"], "eval/sft_eos_rate": sft_metrics["eval/eos_rate"],
-        "eval/bon_gold_reward": bon_gold, "eval/bon_n": float(bon_n), "eval/bon_kl": bon_kl(bon_n),
+        "eval/sft_proxy_reward": sft_metrics["eval/proxy_reward"],
+        "eval/sft_eos_rate": sft_metrics["eval/eos_rate"],
+        "eval/bon_gold_reward": bon_gold,
+        "eval/bon_n": float(bon_n),
+        "eval/bon_kl": bon_kl(bon_n),
         "eval/max_gold_reward": max(point["gold_reward"] for point in state.curve),
         "model/final_kl_coef": float(state.beta),
-    }  # fmt: skip
+    }
     run.log(num_updates, {k: summary_metrics[k] for k in ("eval/bon_gold_reward", "eval/bon_n", "eval/bon_kl")})
     models = {"policy": (policy.lm, tokenizer), "value_head": policy.v_head, **state.setup}  # each with its tokenizer
     run.finish(summary_metrics, models, samples=num_updates * args.batch_size)
@@ -899,9 +881,8 @@ def evaluate(update, policy, frozen, state, prompts, args, run) -> dict:
     device, prompts = run.device, run.shard(prompts)
     generator = torch.Generator(device=device).manual_seed(args.seed + 10_000 + SEED_STRIDE * run.rank)
     policy.eval()
-    q = encode_prompts(tokenizer, prompts, device)
-    r = generate(policy.lm, q, tokenizer.pad_token_id, tokenizer.eos_token_id, not_text, args.max_new_tokens,
-                 args.temperature, generator)  # fmt: skip
+    q, pad_id, eos_id = encode_prompts(tokenizer, prompts, device), tokenizer.pad_token_id, tokenizer.eos_token_id
+    r = generate(policy.lm, q, pad_id, eos_id, not_text, args.max_new_tokens, args.temperature, generator)
     mask, has_eos = completion_mask(r, tokenizer.eos_token_id)
     completions = decode_completions(tokenizer, r, mask, has_eos)
     proxy = (rm_scores(rm, rm_tokenizer, prompts, completions, device) - state.norm[0]) / state.norm[1]
@@ -913,11 +894,14 @@ def evaluate(update, policy, frozen, state, prompts, args, run) -> dict:
     proxy_np = proxy.cpu().numpy()
     corr = float(np.corrcoef(proxy_np, gold)[0, 1]) if proxy_np.std() > 0 and gold.std() > 0 else 0.0
     metrics = {
-        "eval/proxy_gold_corr": corr, "eval/gold_reward": float(np.mean(gold)),
-        "eval/gold_reward_std": float(np.std(gold)), "eval/proxy_reward": float(proxy.mean()),
-        "eval/kl": float(kl.mean()), "eval/eos_rate": float(has_eos.float().mean()),
+        "eval/proxy_gold_corr": corr,
+        "eval/gold_reward": float(np.mean(gold)),
+        "eval/gold_reward_std": float(np.std(gold)),
+        "eval/proxy_reward": float(proxy.mean()),
+        "eval/kl": float(kl.mean()),
+        "eval/eos_rate": float(has_eos.float().mean()),
         "eval/completion_length": float(lengths.float().mean()),
-    }  # fmt: skip
+    }
     run.log(update, metrics)
     point = {"step": update, "kl": metrics["eval/kl"], "proxy_reward": metrics["eval/proxy_reward"]}
     point["gold_reward"] = metrics["eval/gold_reward"]  # one point of the curve
@@ -985,8 +969,10 @@ def parse_args() -> Args:
         )
     args.minibatch_size = args.batch_size // args.num_minibatches
     if args.minibatch_size % world_size != 0:
-        raise SystemExit(f"error: the minibatch size {args.minibatch_size} (--batch-size / --num-minibatches) is not "
-                         f"divisible by the {world_size} torchrun processes")  # fmt: skip
+        raise SystemExit(
+            f"error: the minibatch size {args.minibatch_size} (--batch-size / --num-minibatches) is not "
+            f"divisible by the {world_size} torchrun processes"
+        )
     if args.save_every < 0:
         raise SystemExit("error: --save-every must be >= 0 (0 = no checkpoints)")
     for flag, path in (("--reward-model-path", args.reward_model_path), ("--sft-model-path", args.sft_model_path)):
@@ -1153,8 +1139,11 @@ class Run:
             self.writer.close()
             if self.rank == 0:
                 launcher = "python" if self.world_size == 1 else f"torchrun --nproc_per_node {self.world_size}"
-                print(f"interrupted after update {step}, checkpoint saved; continue with: "
-                      f"{launcher} {sys.argv[0]} --resume {self.run_dir}", file=sys.stderr)  # fmt: skip
+                print(
+                    f"interrupted after update {step}, checkpoint saved; continue with: "
+                    f"{launcher} {sys.argv[0]} --resume {self.run_dir}",
+                    file=sys.stderr,
+                )
             if self.world_size > 1:  # rank 0 has saved (save_checkpoint's barrier): every rank tears down, then exits
                 dist.destroy_process_group()
             raise SystemExit(STOP_EXIT_CODE)
@@ -1294,9 +1283,15 @@ def write_checkpoint(run_dir: Path, update: int, state: TrainState, rngs: list, 
         **{f"{step_dir.name}/{k}": v for k, v in file_sizes(tmp, tmp).items()},
     }
     saved = {
-        **plain, **extra, "script": SCRIPT, "update": update, "world_size": world, "python_random": random.getstate(),
-        "numpy_random": numpy_state, "files": files,
-    }  # fmt: skip
+        **plain,
+        **extra,
+        "script": SCRIPT,
+        "update": update,
+        "world_size": world,
+        "python_random": random.getstate(),
+        "numpy_random": numpy_state,
+        "files": files,
+    }
     (tmp / "state.json").write_text(json.dumps(saved))
     shutil.rmtree(step_dir, ignore_errors=True)  # left by a kill between the rename and latest.json: never named
     os.replace(tmp, step_dir)
@@ -1316,8 +1311,10 @@ def read_checkpoint_state(run_dir_str: str) -> tuple[dict, Path]:
     if (run_dir / "summary.json").exists():
         raise SystemExit(f"error: --resume {run_dir_str} is a finished run (summary.json present): nothing to resume")
     if not latest.is_file():
-        raise SystemExit(f"error: --resume {run_dir_str} has no checkpoints/latest.json (not a run of {SCRIPT} "
-                         "with --save-every, or stopped before its first checkpoint)")  # fmt: skip
+        raise SystemExit(
+            f"error: --resume {run_dir_str} has no checkpoints/latest.json (not a run of {SCRIPT} "
+            "with --save-every, or stopped before its first checkpoint)"
+        )
     try:
         info = json.loads(latest.read_text())
         if info.get("script") != SCRIPT:

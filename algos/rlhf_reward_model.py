@@ -1,104 +1,46 @@
-"""RLHF reward model: learn r_psi(s, a) from pairwise / K-wise human preferences (Bradley-Terry).
+"""RLHF reward model: learn r_psi(s, a) from pairwise / K-wise preferences (Bradley-Terry).
 
-Lecture part 2: a human cannot reliably emit "Paris = +1, 'I don't know' = -0.1", but can compare two answers.
-Model the comparison as p(a1 > a2 | s) = exp r(s,a1) / (exp r(s,a1) + exp r(s,a2)) = σ(r(s,a1) - r(s,a2)),
-the max-ent-IRL form, and fit r_psi by maximum likelihood of the labels. Here the "human" is the hidden gold
-utility of `envs/preference.py` behind a Bradley-Terry labeler, so we can measure what a reward model learns:
-its held-out preference accuracy against the labeler's Bayes-optimal ceiling, its rank correlation with the
-gold utility, and the calibration of σ(Δr) against the labeler's true preference probabilities.
+Lecture part 2: a human cannot reliably emit "Paris = +1, 'I don't know' = -0.1", but can compare two answers. Model
+the comparison as p(a1 > a2 | s) = σ(r(s,a1) - r(s,a2)), the max-ent-IRL form, and fit r_psi by maximum likelihood.
+The "human" is the hidden gold utility of `envs/preference.py` behind a Bradley-Terry labeler, so we can measure what
+a reward model learns: held-out accuracy against the labeler's Bayes-optimal ceiling, rank correlation with the gold
+utility, and the calibration of σ(Δr). Claim: a small reward model gets close to the ceiling and orders held-out
+completions like the gold utility within a prompt.
 
 Key equations:
   pairwise (Bradley-Terry NLL):   L = -log σ(r_c - r_r - m) + λ_c (r_c + r_r)^2      (m margin, λ_c centering)
-  K-wise, "pairs" (InstructGPT):  L = mean over the C(K,2) ordered pairs (i above j) of one ranking of the above
-  K-wise, "softmax" (lm-human-preferences): L = -log softmax(r_1..r_K)[best]          (= pairwise when K = 2)
+  K-wise "pairs" (InstructGPT):   L = mean over the C(K,2) ordered pairs (i above j) of one ranking of the above
+  K-wise "softmax" (Ziegler):     L = -log softmax(r_1..r_K)[best]                      (= pairwise when K = 2)
   normalization after training:   r <- (r - mean_SFT) / std_SFT, folded into the saved weights
 
 Implementation details:
-  0. The reward model starts from a supervised fine-tuned backbone (InstructGPT initializes it from the SFT
-     model): step 2 of main() trains the causal LM (the tiny GPT-2, or `--model-name-or-path` with its pretrained LM
-     head) on `make_sft_dataset` demonstrations (next-token loss on prompt + completion, the reward model's exact
-     input format), then the `AutoModelForSequenceClassification` is built on the same config and its `base_model` is
-     loaded from the LM's (GPT-2: the `transformer.*` weights); the scalar head is new.
-     Why it matters here: the SFT LM must learn the fact table ("capital of france ?" -> "paris") to predict the
-     demonstrations, so the Bradley-Terry step only has to learn to read it out (from scratch, held-out accuracy
-     0.69; with SFT, close to the ceiling). The ended / cut-off and rude/idk distinctions are learned either way.
-     `--sft-epochs 0` turns it off. What keeps it below the ceiling is mostly a fact not carried over to a held-out
-     phrasing of its prompt, not overfitting to the labels' noise (the loss on `--val-prompts` keeps falling).
-     `--head-only-fraction` (LP-FT [6]: the head fit on the frozen backbone first) is an option, off by default: it
-     helped on the seeds it was tried on and not on seeds it was not tuned on (docs/rlhf_reward_model.md).
-  1. Reward = a transformer backbone + linear head `score` read at the LAST NON-PAD token
-     (`AutoModelForSequenceClassification`, num_labels=1). The pad token (<pad>, id 0) is distinct from EOS,
-     so the pooled token of a finished completion is its EOS; a wrong pooled token is the most common reason
-     reward models sit at 50-60% accuracy. `last_non_pad_index` handles left and right padding; position ids
-     come from the attention mask (cumsum - 1) so left padding is correct too.
-  2. The task speaks words, the tokenizer speaks tokens (`encode`): the ids scored are the tokenizer's encoding
-     of the text `prompt + " " + completion.text` with its own special-token convention (a Llama tokenizer
-     prepends its BOS <s>; GPT-2, GPT-NeoX and the built-in tokenizer add nothing), then the tokenizer's EOS id
-     if the completion ended (`Completion.ended`). `rlhf_ppo_kl.py` scores the same way. Right padding.
-  3. K-wise "pairs" keeps all C(K,2) pairs of a ranking in ONE batch element: K forward passes instead of
-     K(K-1), and no epoch sees the same completion in many unrelated minibatches (InstructGPT's overfitting fix).
-  4. Reward centering (Eisenstein et al. 2023) pins the per-prompt offset that Bradley-Terry leaves free
-     (lecture Problem 21.3b); off by default.
-  5. Calibration and accuracy are measured on the raw (Bradley-Terry-scaled) reward; then the reward is
-     normalized to mean 0 / std 1 on SFT demonstrations: the head weight is divided by std, and the shift is
-     put into the head bias or, for heads without one (GPT-2, Llama), into the bias of the final LayerNorm along
-     the head direction (shifts every score by exactly -mean/std). If the backbone has neither, the shift is left
-     in `config.seqrl_reward_offset` (add it). mean/std are also kept in `config.seqrl_reward_mean/_std`.
-  6. No dropout in the tiny GPT-2 by default (`--dropout`; tiny data, short runs: it only slowed convergence here).
-  7. Three Spearman ρ with the gold utility on held-out prompts. Bradley-Terry fixes r only up to a per-prompt
-     constant c(s) (Problem 21.3b): no comparison ever pits two prompts against each other, so on a prompt phrasing
-     never seen in training c(s) is whatever the network extrapolates. `eval/spearman_gold` pools the raw rewards
-     over prompts and so measures that arbitrary gauge too; `eval/spearman_gold_within_prompt` averages ρ per
-     prompt; `eval/spearman_gold_centered` fixes the gauge with a per-prompt baseline, r(s,a) - mean of r(s,a')
-     over `n_center_samples` SFT-like completions a' of the same prompt (the distribution the comparisons were
-     drawn from; the gold utility is not used), and then pools. The same baseline is what group-relative policy
-     gradients (RLOO, GRPO) subtract, so a policy trained with them never sees c(s).
-  8. Data-parallel under torchrun (`WORLD_SIZE` set; one process = the code path of one process, unchanged). Every
-     rank builds the same data and weights from --seed (then rank 0's are broadcast), draws the same permutation,
-     and takes its contiguous share of every global minibatch (`run.shard`: --batch-size / --sft-batch-size must divide
-     by the number of ranks). Each rank's loss is weighted by its share of the global minibatch (SFT: a sum over its
-     tokens divided by the global minibatch's token count; reward: its mean times its share of the rankings/pairs),
-     so the SUM of the ranks' gradients is the gradient of the global minibatch's loss: one flat all-reduce after
-     backward(), before clipping (`run.sync_grads`) rather than DDP, so the loop reads the same in one process.
-     Logged loss/accuracy are global (one small all-reduce per step, `run.global_sum`); a Ctrl-C on any rank stops
-     every rank at the same step. This script samples nothing, so no rank-specific seed is needed. After the last
-     update rank 0 alone evaluates, normalizes and saves; only rank 0 writes.
-  9. Checkpoints (--save-every N gradient steps, SFT and reward updates counted together, and at the last update):
-     `RUN_DIR/checkpoints/step_<N>/` holds the model being trained (safetensors), optimizer + scheduler state, the
-     torch RNG and the epoch's permutation (safetensors), and state.json (position in the epoch, counters, args,
-     python/numpy RNG, byte size of every file); `latest.json` names the newest complete one. Atomic: written under
-     a temporary name, renamed into place, then latest.json replaced, then older ones deleted; a kill mid-save leaves
-     the previous one. `--resume RUN_DIR` takes the run's saved args, restores all of it at the same step boundary
-     and continues bit-identically on the same machine (the same final metrics); tensorboard continues with
-     `purge_step`. Ctrl-C or SIGTERM writes a checkpoint at the next step boundary and exits with the --resume command.
-     Refused with one line: a finished run, another script's run, a truncated file, an algorithm arg that differs.
-     Under several nodes, --resume needs the run dir on a shared file system (every rank reads the checkpoint).
-
-A real model (`--model-name-or-path gpt2`, `EleutherAI/pythia-70m`, a TinyLlama id, or a local `save_pretrained`
-dir): the same code path. The checkpoint's causal LM (pretrained LM head included) and tokenizer are loaded with
-`from_pretrained`; a pad token "<pad>" is added when the tokenizer has none (or uses EOS as pad) and the embeddings
-are resized; the end of an answer is the tokenizer's EOS (and a Llama tokenizer's <s> starts every sequence); SFT
-fine-tunes the pretrained weights. The default settings were chosen for the tiny model trained from scratch; for a
-pretrained model, learning rates well below its 3e-3 (SFT) / 1e-3 (reward) are the usual choice (not tuned here).
-Offline, a hub id that is not cached is a one-line error.
-
-What was scaled down and why: a 2-layer, 64-wide GPT-2 on the task vocabulary, SFT'd for ~750 steps on 4,000
-simulated demonstrations instead of a pretrained 6B model SFT'd on human demonstrations, and 3,000 ranked prompts
-of K=4 from a simulated labeler instead of human labels: it fits in a few minutes on a CPU and the gold utility
-is known.
+  0. The backbone is first fine-tuned on demonstrations (SFT, as InstructGPT does), then the scalar head is added:
+     the SFT LM learns the fact table, so Bradley-Terry only has to read it out (from scratch it learns it poorly).
+  1. The reward is read at the LAST NON-PAD token (`last_non_pad_index`; pad distinct from EOS), so a finished
+     completion is scored at its EOS; position ids come from the attention mask, so left padding is correct too.
+  2. The ids scored are the tokenizer's encoding of `prompt + " " + text`, plus its EOS if the completion ended
+     (`encode`): `rlhf_ppo_kl.py` scores the same way, with any tokenizer.
+  3. K-wise "pairs" keeps all C(K,2) pairs of a ranking in ONE batch element: K forward passes instead of K(K-1),
+     and no epoch sees one completion in many minibatches (InstructGPT's fix for overfitting).
+  4. Reward centering (`--center-coef`, Eisenstein et al.) pins the per-prompt offset Bradley-Terry leaves free.
+  5. Accuracy and calibration are measured on the raw reward; then it is normalized on SFT demonstrations and the
+     shift folded into a bias (`fold_normalization`), so a loader needs no extra code.
+  6. No dropout by default: on tiny data and short runs it only slowed convergence.
+  7. Three Spearman ρ with the gold utility: pooled, within-prompt, and prompt-centered (r minus the mean reward of
+     SFT-like completions of the same prompt): Bradley-Terry fixes r only up to a constant per prompt.
+  8. torchrun: each rank takes its share of every global minibatch, its loss weighted by that share, and the ranks'
+     gradients are summed (`run.sync_grads`), so the sum is the global minibatch's gradient.
+  9. Checkpoints (`--save-every`, Ctrl-C) and `--resume` continue a run exactly (all in RUN MANAGEMENT).
+ 10. `--learning-rate 1e-3`, not 3e-3: the larger rate makes the reward step forget the SFT fact table. LP-FT
+     (`--head-only-fraction`: the head first, on the frozen backbone) is off: its gain did not hold on fresh seeds.
 
 References:
   [1] Christiano et al. 2017, Deep RL from human preferences. [2] Ziegler et al. 2019, Fine-tuning LMs from human
-  preferences (K-way softmax, reward normalization; code: openai/lm-human-preferences). [3] Ouyang et al. 2022,
-  InstructGPT (all C(K,2) pairs per batch element). [4] Eisenstein et al. 2023, Helping or herding? (reward
-  centering). [5] huggingface/trl `RewardTrainer` (margin, center_rewards_coefficient). [6] Kumar et al. 2022,
-  Fine-tuning can distort pretrained features and underperform out-of-distribution (LP-FT).
+  preferences (K-way softmax, reward normalization). [3] Ouyang et al. 2022, InstructGPT (all C(K,2) pairs per batch
+  element). [4] Eisenstein et al. 2023, Helping or herding? (reward centering). [5] huggingface/trl `RewardTrainer`
+  (margin, center_rewards_coefficient). [6] Kumar et al. 2022, Fine-tuning can distort pretrained features (LP-FT).
+Details, measurements, usage (torchrun, --resume, real models): docs/rlhf_reward_model.md.
 Reproduce: python algos/rlhf_reward_model.py --seed 1
-Data-parallel (details 8): torchrun --standalone --nproc_per_node 2 algos/rlhf_reward_model.py --seed 1   (CPU, gloo)
-  N GPUs: torchrun --standalone --nproc_per_node N algos/rlhf_reward_model.py --cuda ...   (nccl)
-  2 nodes: torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 algos/... --cuda
-Long runs (details 9): a checkpoint every --save-every 250 updates; after a kill or Ctrl-C:
-  python algos/rlhf_reward_model.py --resume runs/RUN_NAME
 """
 
 import copy
@@ -122,7 +64,7 @@ import torch.distributed as dist
 
 # imported before init_process_group, not lazily after it (transformers does): its functions' default
 # `group=group.WORLD` would keep the group alive past destroy_process_group, and gloo's threads, still running at
-# interpreter exit, abort the process (SIGABRT in 3 of 20 two-rank runs without this import, 0 of 40 with it)
+# interpreter exit, abort the process (SIGABRT in some two-rank runs without this import)
 import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
@@ -232,8 +174,8 @@ class Args:
     batch_size: int = 64
     """rankings per minibatch (kwise) or pairs per minibatch (pairwise)"""
     learning_rate: float = 1e-3
-    """AdamW learning rate of the reward-model step (linearly decayed to 0); 1e-3 rather than 3e-3: on tuning seeds
-    101-105 the worst seed kept 0.74 within-prompt Spearman instead of 0.55 (3e-3 forgets the SFT fact table)"""
+    """AdamW learning rate of the reward-model step (linearly decayed to 0); 3e-3 forgets the SFT fact table on
+    some seeds (details 10)"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -372,8 +314,14 @@ def fold_normalization(model, mean: float, std: float) -> str:
             head.bias += c
             where = "score.bias"
         else:
-            norm = next((getattr(model.base_model, n) for n in ("ln_f", "norm", "final_layer_norm")
-                         if hasattr(model.base_model, n)), None)  # fmt: skip
+            norm = next(
+                (
+                    getattr(model.base_model, n)
+                    for n in ("ln_f", "norm", "final_layer_norm")
+                    if hasattr(model.base_model, n)
+                ),
+                None,
+            )
             if norm is not None and getattr(norm, "bias", None) is not None:
                 w = head.weight[0]  # (H,) the head direction
                 norm.bias += c * w / (w @ w)  # w·(h + δ) = w·h + c for every token
@@ -393,11 +341,18 @@ def build_lm(args, device):
     if args.model_name_or_path is None:
         tokenizer = build_tokenizer()
         config = GPT2Config(
-            vocab_size=len(tokenizer), n_positions=N_POSITIONS, n_embd=args.n_embd, n_layer=args.n_layer,
-            n_head=args.n_head, resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            vocab_size=len(tokenizer),
+            n_positions=N_POSITIONS,
+            n_embd=args.n_embd,
+            n_layer=args.n_layer,
+            n_head=args.n_head,
+            resid_pdrop=args.dropout,
+            embd_pdrop=args.dropout,
+            attn_pdrop=args.dropout,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-        )  # fmt: skip
+        )
         return AutoModelForCausalLM.from_config(config).to(device), tokenizer
     path = args.model_name_or_path
     if not Path(path).exists() and not HUB_ID.fullmatch(path):
@@ -595,9 +550,13 @@ def main():
         args.n_train_prompts, args.k, args.seed, args.temperature, args.flip_prob, split="train"
     )
     # validation comparisons (--val-prompts): more rankings of training prompts, another labeler seed, never trained on
-    val_data = preference.make_preference_dataset(
-        args.val_prompts, args.k, args.seed + 40_000, args.temperature, args.flip_prob, split="train"
-    ) if args.val_prompts > 0 else []  # fmt: skip
+    val_data = (
+        preference.make_preference_dataset(
+            args.val_prompts, args.k, args.seed + 40_000, args.temperature, args.flip_prob, split="train"
+        )
+        if args.val_prompts > 0
+        else []
+    )
     lm, tokenizer = build_lm(args, device)
     run.broadcast_params(lm)
     # 2. supervised fine-tuning on demonstrations; the reward model starts from the SFT model's backbone
@@ -634,8 +593,9 @@ def main():
             part = run.shard(mb)  # this rank's share of it
             head_only = state.global_step < args.head_only_fraction * num_updates  # LP-FT: the backbone frozen first
             model.base_model.requires_grad_(not head_only)  # frozen: no gradient, AdamW skips it
-            loss, rewards = reward_minibatch_loss(model, ids[part, :, :width].to(device),
-                                                  mask[part, :, :width].to(device), args)  # fmt: skip
+            loss, rewards = reward_minibatch_loss(
+                model, ids[part, :, :width].to(device), mask[part, :, :width].to(device), args
+            )
             loss = loss * (len(part) / len(mb))  # weighted by its share: summed over ranks, the global mean
             gradient_step(state, loss, run, args.max_grad_norm)
             # the global minibatch's loss and how often it scores the top-ranked completion above the second
@@ -646,8 +606,15 @@ def main():
             state.n_seen += len(mb) * group
             if step % LOG_EVERY == 0 or step == num_updates:
                 sps = state.n_seen / (time.time() - start_time)
-                run.log(step, {"losses/loss": loss_value, "losses/accuracy_top2": n_correct / len(mb),
-                               "charts/learning_rate": scheduler.get_last_lr()[0], "charts/SPS": sps})  # fmt: skip
+                run.log(
+                    step,
+                    {
+                        "losses/loss": loss_value,
+                        "losses/accuracy_top2": n_correct / len(mb),
+                        "charts/learning_rate": scheduler.get_last_lr()[0],
+                        "charts/SPS": sps,
+                    },
+                )
             run.end_step(sft_updates + step, state)  # a checkpoint when due or stopped
         if run.rank == 0:  # --val-prompts: the validation comparisons' loss and pair accuracy with this epoch's weights
             val = validation_metrics(model, val_ids, val_mask, args, device) if val_data else {}
@@ -669,7 +636,9 @@ def main():
     normed = normed + float(getattr(model.config, "seqrl_reward_offset", 0.0))
     print(f"normalized on {len(demos)} SFT demos (shift in {where}): mean {normed.mean():+.4f} std {normed.std():.4f}")
     metrics.update({"model/reward_mean_raw": float(raw.mean()), "model/reward_std_raw": float(raw.std())})
-    metrics.update({"model/reward_mean_normalized": float(normed.mean()), "model/reward_std_normalized": float(normed.std())})  # fmt: skip  # noqa: E501
+    metrics.update(
+        {"model/reward_mean_normalized": float(normed.mean()), "model/reward_std_normalized": float(normed.std())}
+    )  # noqa: E501
     score_metrics, score_report = lecture_scores(model, tokenizer, device)  # now on the normalized scale
     metrics.update(score_metrics)
     report = score_report + report[report.index("\n\ncalibration") :]
@@ -695,10 +664,12 @@ def evaluate(model, tokenizer, heldout, args, device, scale: float = 1.0) -> tup
         # accuracy on the sampled labels (ties count half)
         "eval/preference_accuracy": float(np.mean((delta > 0) + 0.5 * (delta == 0))),
         # the same accuracy in expectation over the labeler's coin flips (noise-free, same target)
-        "eval/expected_accuracy": float(np.mean(np.where(delta > 0, p_true, 1 - p_true) * (delta != 0) + 0.5 * (delta == 0))),  # noqa: E501
+        "eval/expected_accuracy": float(
+            np.mean(np.where(delta > 0, p_true, 1 - p_true) * (delta != 0) + 0.5 * (delta == 0))
+        ),  # noqa: E501
         "eval/bayes_accuracy": labeler.bayes_accuracy(prompts, chosen, rejected),
         "eval/n_pairs": float(len(delta)),
-    }  # fmt: skip
+    }
     rows, metrics["eval/calibration_error"] = calibration_table(1 / (1 + np.exp(-delta)), p_true)
     # Spearman ρ of r_psi with the gold utility over every held-out completion
     flat_p = [d["prompt"] for d in heldout for _ in d["completions"]]
@@ -792,11 +763,14 @@ def parse_args() -> Args:
         raise SystemExit("error: need --temperature > 0 and 0 <= --flip-prob <= 1")
     if args.loss == "kwise" and args.kwise_form == "softmax" and args.margin != 0:
         raise SystemExit("error: --margin is defined for pairwise / kwise-pairs losses, not --kwise-form softmax")
-    for flag, n, batch in (("--sft-batch-size", args.sft_examples, args.sft_batch_size),
-                           ("--batch-size", n_train_examples(args), args.batch_size)):  # fmt: skip
+    for flag, n, batch in (
+        ("--sft-batch-size", args.sft_examples, args.sft_batch_size),
+        ("--batch-size", n_train_examples(args), args.batch_size),
+    ):
         if world_size > 1 and (batch % world_size or 0 < n % batch < world_size):  # every rank gets a share
-            raise SystemExit(f"error: {flag} {batch} (and a last minibatch of {n % batch}) must split over "
-                             f"{world_size} ranks")  # fmt: skip
+            raise SystemExit(
+                f"error: {flag} {batch} (and a last minibatch of {n % batch}) must split over {world_size} ranks"
+            )
     return args
 
 
@@ -1147,8 +1121,15 @@ def save_checkpoint(run_dir: Path, step: int, state: "TrainState", extra: dict) 
     numpy_rng["state"]["key"] = numpy_rng["state"]["key"].tolist()
     python_rng = random.getstate()
     files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
-    saved = {**plain, **extra, "script": SCRIPT, "step": step, "files": files, "numpy_rng": numpy_rng,
-             "python_rng": [python_rng[0], list(python_rng[1]), python_rng[2]]}  # fmt: skip
+    saved = {
+        **plain,
+        **extra,
+        "script": SCRIPT,
+        "step": step,
+        "files": files,
+        "numpy_rng": numpy_rng,
+        "python_rng": [python_rng[0], list(python_rng[1]), python_rng[2]],
+    }
     (tmp / "state.json").write_text(json.dumps(saved))
     if final.exists():  # complete, but latest.json never named it (the run was killed right after the rename)
         shutil.rmtree(final)

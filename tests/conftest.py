@@ -78,8 +78,9 @@ def start_script(script: str, log_path: Path, *args: str) -> subprocess.Popen:
     """Start `algos/<script>.py ARGS...` in the background (e.g. to kill it later), its output going to `log_path`
     (a file, not a pipe: a full pipe would block the run)."""
     with open(log_path, "w") as log:
-        return subprocess.Popen(script_command(script, *args), cwd=ROOT, env=subprocess_env(), stdout=log,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+        return subprocess.Popen(
+            script_command(script, *args), cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT
+        )
 
 
 def run_script(script: str, *args: str, runs_dir: Path, timeout: float = 300, expect_fail: bool = False):

@@ -76,15 +76,24 @@ def build_model(arch: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0):
         return GPT2LMHeadModel(config)
     if arch == "llama":
         config = LlamaConfig(
-            hidden_size=N_EMBD, intermediate_size=2 * N_EMBD, num_hidden_layers=N_LAYER, num_attention_heads=N_HEAD,
-            num_key_value_heads=N_HEAD, max_position_embeddings=MAX_POSITIONS, **ids,
-        )  # fmt: skip
+            hidden_size=N_EMBD,
+            intermediate_size=2 * N_EMBD,
+            num_hidden_layers=N_LAYER,
+            num_attention_heads=N_HEAD,
+            num_key_value_heads=N_HEAD,
+            max_position_embeddings=MAX_POSITIONS,
+            **ids,
+        )
         return LlamaForCausalLM(config)
     if arch == "gpt_neox":
         config = GPTNeoXConfig(
-            hidden_size=N_EMBD, intermediate_size=2 * N_EMBD, num_hidden_layers=N_LAYER, num_attention_heads=N_HEAD,
-            max_position_embeddings=MAX_POSITIONS, **ids,
-        )  # fmt: skip
+            hidden_size=N_EMBD,
+            intermediate_size=2 * N_EMBD,
+            num_hidden_layers=N_LAYER,
+            num_attention_heads=N_HEAD,
+            max_position_embeddings=MAX_POSITIONS,
+            **ids,
+        )
         return GPTNeoXForCausalLM(config)
     raise ValueError(f"unknown architecture {arch!r}; choose from {ARCHITECTURES}")
 

@@ -103,8 +103,12 @@ class TextObsEnv(_ParityEnv):
         return str(self.t)
 
 
-for _name, _cls in (("MultiDiscrete", MultiDiscreteObsEnv), ("Dict", DictObsEnv), ("Tuple", TupleObsEnv),
-                    ("Text", TextObsEnv)):  # fmt: skip
+for _name, _cls in (
+    ("MultiDiscrete", MultiDiscreteObsEnv),
+    ("Dict", DictObsEnv),
+    ("Tuple", TupleObsEnv),
+    ("Text", TextObsEnv),
+):
     if f"Spaces{_name}-v0" not in gym.registry:
         register(id=f"Spaces{_name}-v0", entry_point=_cls)
 

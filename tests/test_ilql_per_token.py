@@ -264,9 +264,19 @@ def test_special_tokens_are_never_written_even_when_the_model_prefers_them():
         agent = M.ILQLAgent(lm, heads, tok, beta, top_k=20, greedy=greedy, seed=0, device=torch.device("cpu"))
         prompts = [G.tokenize_prompt(h, tok) for h in histories]
         ids = M.generate_utterances(
-            lm, heads, prompts, tok.pad_token_id, tok.sep_token_id, beta, 20, greedy,
-            torch.Generator().manual_seed(0), torch.device("cpu"), agent.banned, agent.max_new_tokens,
-        )  # fmt: skip
+            lm,
+            heads,
+            prompts,
+            tok.pad_token_id,
+            tok.sep_token_id,
+            beta,
+            20,
+            greedy,
+            torch.Generator().manual_seed(0),
+            torch.device("cpu"),
+            agent.banned,
+            agent.max_new_tokens,
+        )
         assert not any(t in special for u in ids for t in u)
         assert all("<" not in text for text in agent.act_batch(histories))
 
@@ -514,9 +524,19 @@ def test_real_checkpoint_end_to_end(hf_checkpoint, runs_dir):
     histories = [[], [("is it big ?", "yes , it is big .")], [("is it red ?", "no , it is not red .")]] * 4
     agent = M.ILQLAgent(lm, heads, tok, 4.0, top_k=20, greedy=False, seed=0, device=torch.device("cpu"))
     ids = M.generate_utterances(
-        lm, heads, [G.tokenize_prompt(h, tok) for h in histories], tok.pad_token_id, tok.sep_token_id, 4.0, 20,
-        False, torch.Generator().manual_seed(0), torch.device("cpu"), agent.banned, agent.max_new_tokens,
-    )  # fmt: skip
+        lm,
+        heads,
+        [G.tokenize_prompt(h, tok) for h in histories],
+        tok.pad_token_id,
+        tok.sep_token_id,
+        4.0,
+        20,
+        False,
+        torch.Generator().manual_seed(0),
+        torch.device("cpu"),
+        agent.banned,
+        agent.max_new_tokens,
+    )
     assert not set(tok.all_special_ids) & {t for u in ids for t in u}
     assert all("<" not in text and "endoftext" not in text for text in agent.act_batch(histories))
 

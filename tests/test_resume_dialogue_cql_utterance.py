@@ -16,9 +16,11 @@ from conftest import ROOT, load_script, run_script, script_command, start_script
 cql = load_script("dialogue_cql_utterance")
 
 # the smoke test's tiny run (200 dialogues, 1 BC epoch, 2 candidates, 18 + 18 episodes) with 60 critic steps
-TINY = ["--dataset-size", "200", "--bc-epochs", "1", "--critic-steps", "60", "--batch-size", "16",
-        "--eval-episodes", "18", "--n-candidates", "2", "--n-embd", "16", "--critic-dim", "16", "--critic-hidden",
-        "16", "--log-every", "10", "--val-episodes", "18", "--act-temperatures", "1.0", "0.5"]  # fmt: skip
+TINY = list(
+    "--dataset-size 200 --bc-epochs 1 --critic-steps 60 --batch-size 16 --eval-episodes 18 "
+    "--n-candidates 2 --n-embd 16 --critic-dim 16 --critic-hidden 16 --log-every 10 --val-episodes 18 "
+    "--act-temperatures 1.0 0.5".split()
+)
 SAVE_EVERY = ["--save-every", "20"]  # checkpoints bc_0, candidates_0, critic_20, critic_40, critic_60
 TIMEOUT = 300  # seconds for one subprocess run (a tiny run takes seconds)
 
@@ -111,8 +113,10 @@ def test_sigint_truncated_checkpoint_and_refusals(uninterrupted, tmp_path):
     (foreign / "checkpoints" / "step_8").mkdir(parents=True)
     (foreign / "checkpoints" / "latest.json").write_text(json.dumps({"step_dir": "step_8"}))
     (foreign / "checkpoints" / "step_8" / "state.json").write_text(json.dumps({"script": "r2d2_rnnstate"}))
-    for run, message in ((foreign, "is a run of r2d2_rnnstate.py, not of dialogue_cql_utterance.py"),
-                         (tmp_path, "has no checkpoint")):  # fmt: skip
+    for run, message in (
+        (foreign, "is a run of r2d2_rnnstate.py, not of dialogue_cql_utterance.py"),
+        (tmp_path, "has no checkpoint"),
+    ):
         with pytest.raises(SystemExit, match=message):
             cql.resume_args(cql.Args(resume=str(run)))
 

@@ -52,11 +52,19 @@ SMOKE = (  # a few seconds: tiny data, tiny model, two PPO updates
 # for each architecture and seeds 1, 2 (also 1000 x 4 epochs of 16 and 2000 x 2 of 16); 60 evaluation samples
 REAL_SMOKE = (
     *SMOKE[: SMOKE.index("--sft-examples")],
-    "--sft-examples", "1000", "--sft-epochs", "3", "--sft-lr", "3e-3", "--sft-batch-size", "32",
+    "--sft-examples",
+    "1000",
+    "--sft-epochs",
+    "3",
+    "--sft-lr",
+    "3e-3",
+    "--sft-batch-size",
+    "32",
     *SMOKE[SMOKE.index("--sft-epochs") + 2 : SMOKE.index("--eval-episodes")],
-    "--eval-episodes", "60",
+    "--eval-episodes",
+    "60",
     *SMOKE[SMOKE.index("--eval-episodes") + 2 :],
-)  # fmt: skip
+)
 
 
 def tiny_lm(vocab_size=12, seed=0):
@@ -156,9 +164,16 @@ def test_generation_logits_equal_lm_forward_logits_on_real_architectures(hf_chec
     query_ids = M.encode_prompts(tok, prompts, "cpu")  # left-padded: the prompts have different lengths
     assert (query_ids[:, 0] == tok.pad_token_id).any()
     out, gen_logits = M.generate(
-        lm, query_ids, tok.pad_token_id, tok.eos_token_id, not_text, 12, 0.8, torch.Generator().manual_seed(0),
+        lm,
+        query_ids,
+        tok.pad_token_id,
+        tok.eos_token_id,
+        not_text,
+        12,
+        0.8,
+        torch.Generator().manual_seed(0),
         return_logits=True,
-    )  # fmt: skip
+    )
     mask, _ = M.completion_mask(out, tok.eos_token_id)
     with torch.no_grad():
         fwd_logits = M.lm_forward(lm, query_ids, out, tok.pad_token_id, not_text)
@@ -402,12 +417,17 @@ def test_missing_reward_model_dir_is_a_clear_error(runs_dir, tmp_path, monkeypat
     assert "error: --sft-model-path" in proc.stderr and "Traceback" not in proc.stderr
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline, a hub id that is not cached: one line, no traceback
     proc = run_script(
-        "rlhf_ppo_kl", *SMOKE, "--model-name-or-path", "seqrl-no-such-org/no-such-model", runs_dir=runs_dir,
+        "rlhf_ppo_kl",
+        *SMOKE,
+        "--model-name-or-path",
+        "seqrl-no-such-org/no-such-model",
+        runs_dir=runs_dir,
         expect_fail=True,
-    )  # fmt: skip
+    )
     assert "error: could not load --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_script("rlhf_ppo_kl", *SMOKE, "--model-name-or-path", str(tmp_path / "missing"), runs_dir=runs_dir,
-                      expect_fail=True)  # fmt: skip
+    proc = run_script(
+        "rlhf_ppo_kl", *SMOKE, "--model-name-or-path", str(tmp_path / "missing"), runs_dir=runs_dir, expect_fail=True
+    )
     assert "error: --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
 
 

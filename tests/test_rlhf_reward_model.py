@@ -13,8 +13,9 @@ from envs.preference import Completion
 
 rm = load_script("rlhf_reward_model")
 BAYES_GAP = 0.05  # the slow test's line = benchmark.sh's rlhf_rm claim: at most this far below the Bayes accuracy
-TINY = ("--n-train-prompts", "48", "--epochs", "1", "--eval-episodes", "16", "--n-norm-samples", "64",
-        "--sft-epochs", "1", "--sft-examples", "64")  # fmt: skip
+TINY = tuple(
+    "--n-train-prompts 48 --epochs 1 --eval-episodes 16 --n-norm-samples 64 --sft-epochs 1 --sft-examples 64".split()
+)
 
 
 def test_bradley_terry_loss_is_the_nll_by_hand():
@@ -256,15 +257,22 @@ def test_smoke_run_on_real_checkpoint(hf_checkpoint, runs_dir):
 
 
 def test_bad_input_gives_clear_error(runs_dir, tmp_path, monkeypatch):
-    proc = run_script("rlhf_reward_model", "--eval-only", "--checkpoint", str(tmp_path / "nope"), runs_dir=runs_dir,
-                      expect_fail=True)  # fmt: skip
+    proc = run_script(
+        "rlhf_reward_model", "--eval-only", "--checkpoint", str(tmp_path / "nope"), runs_dir=runs_dir, expect_fail=True
+    )
     assert "error: --checkpoint" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_script("rlhf_reward_model", "--model-name-or-path", str(tmp_path / "missing"), runs_dir=runs_dir,
-                      expect_fail=True)  # fmt: skip
+    proc = run_script(
+        "rlhf_reward_model", "--model-name-or-path", str(tmp_path / "missing"), runs_dir=runs_dir, expect_fail=True
+    )
     assert "error: --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline, a hub id that is not cached: one line, no traceback
-    proc = run_script("rlhf_reward_model", "--model-name-or-path", "seqrl-no-such-org/no-such-model", runs_dir=runs_dir,
-                      expect_fail=True)  # fmt: skip
+    proc = run_script(
+        "rlhf_reward_model",
+        "--model-name-or-path",
+        "seqrl-no-such-org/no-such-model",
+        runs_dir=runs_dir,
+        expect_fail=True,
+    )
     assert "error: could not load --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_script("rlhf_reward_model", "--eval-only", runs_dir=runs_dir, expect_fail=True)
     assert "error: --eval-only needs --checkpoint" in proc.stderr

@@ -28,11 +28,10 @@ SCRIPT = str(ROOT / "algos" / "rlhf_ppo_kl.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 SLOW_WRITE_S = 0.5  # rank 0's checkpoint write, slowed in the worker: rank 1 must wait for it
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-7  # float32: the shard and whole-batch forward passes sum in different orders
-TINY = (  # seconds: tiny data, tiny model; eval every update; batch 8 = 2 minibatches of 4 = 2 ranks x 2
-    "--sft-examples", "128", "--sft-epochs", "1", "--pref-prompts", "8", "--rm-epochs", "1",
-    "--batch-size", "8", "--num-minibatches", "2", "--update-epochs", "1", "--eval-every", "1",
-    "--eval-episodes", "8", "--bon-max-n", "4", "--n-embd", "16", "--n-layer", "1", "--n-head", "2",
-)  # fmt: skip
+TINY = tuple(  # seconds: tiny data, tiny model; eval every update; batch 8 = 2 minibatches of 4 = 2 ranks x 2
+    "--sft-examples 128 --sft-epochs 1 --pref-prompts 8 --rm-epochs 1 --batch-size 8 --num-minibatches 2 "
+    "--update-epochs 1 --eval-every 1 --eval-episodes 8 --bon-max-n 4 --n-embd 16 --n-layer 1 --n-head 2".split()
+)
 # the resume tests: long enough (12 updates, a checkpoint every 2) that a kill after the first PPO checkpoint lands
 # mid-run; --adaptive-kl so that beta is part of the restored state
 RESUME_RUN = (*TINY, "--num-updates", "12", "--save-every", "2", "--adaptive-kl", "--kl-horizon", "50")
@@ -67,8 +66,19 @@ def gradient_worker(out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same model and minibatch on every rank
-    config = GPT2Config(vocab_size=12, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, eos_token_id=2, bos_token_id=1)  # fmt: skip
+    config = GPT2Config(
+        vocab_size=12,
+        n_positions=32,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
     policy = M.PolicyWithValue(GPT2LMHeadModel(config))
     torch.nn.init.normal_(policy.v_head.weight, std=0.5)  # a non-zero value head: the value loss has gradients
     not_text = torch.zeros(12, dtype=torch.bool)

@@ -27,15 +27,18 @@ SCRIPT = str(ROOT / "algos" / "rlhf_reward_model.py")
 # ~1e-7 relative; 1e-5 relative (1e-7 absolute, for entries near zero) leaves room for other CPUs' kernels.
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-7}
 # A run big enough that 1 vs 2 ranks is a comparison of learned models: 256 ranked prompts, global batch 32.
-DP_ARGS = ("--n-train-prompts", "256", "--epochs", "2", "--batch-size", "32", "--sft-epochs", "1",
-           "--sft-examples", "128", "--sft-batch-size", "32", "--eval-episodes", "64", "--n-norm-samples", "64",
-           "--n-center-samples", "8", "--seed", "3")  # fmt: skip
+DP_ARGS = tuple(
+    "--n-train-prompts 256 --epochs 2 --batch-size 32 --sft-epochs 1 --sft-examples 128 "
+    "--sft-batch-size 32 --eval-episodes 64 --n-norm-samples 64 --n-center-samples 8 --seed 3".split()
+)
 ACC_TOL = 0.02  # |held-out accuracy 2 ranks - 1 rank| over 64 x 6 = 384 held-out pairs (~8 pairs); see the test
 # Checkpointed every 2 updates: 80 SFT updates, then 36 reward-model updates, so the first checkpoint (update 2) and
 # the first reward-phase one (update 82) come long before the end: the signals land in the middle of the run.
-RESUME_ARGS = ("--n-train-prompts", "96", "--epochs", "6", "--batch-size", "16", "--sft-epochs", "10",
-               "--sft-examples", "128", "--sft-batch-size", "16", "--eval-episodes", "16", "--n-norm-samples", "64",
-               "--n-center-samples", "8", "--save-every", "2", "--seed", "2")  # fmt: skip
+RESUME_ARGS = tuple(
+    "--n-train-prompts 96 --epochs 6 --batch-size 16 --sft-epochs 10 --sft-examples 128 "
+    "--sft-batch-size 16 --eval-episodes 16 --n-norm-samples 64 --n-center-samples 8 --save-every 2 "
+    "--seed 2".split()
+)
 TIMEOUT = 300  # seconds for any subprocess
 
 
@@ -60,8 +63,11 @@ def minibatch_gradients(kind: str, world_size: int, rank: int) -> dict:
         loss = rm.sft_minibatch_loss(lm, ids[part, :width], mask[part, :width], n_targets)
     else:  # K-wise reward loss over rankings
         data = preference.make_preference_dataset(9, args.k, 4, 1.0, 0.0, split="train")
-        enc = rm.encode(tok, [d["prompt"] for d in data for _ in range(args.k)],
-                        [d["completions"][j] for d in data for j in d["ranking"]])  # fmt: skip
+        enc = rm.encode(
+            tok,
+            [d["prompt"] for d in data for _ in range(args.k)],
+            [d["completions"][j] for d in data for j in d["ranking"]],
+        )
         ids, mask = (enc[key].view(len(data), args.k, -1) for key in ("input_ids", "attention_mask"))  # (N, K, L)
         width = int(mask[mb].sum(-1).max())
         model = rm.reward_model_from(lm, tok, "cpu")
@@ -120,8 +126,8 @@ def test_shard_is_contiguous_and_covers_the_minibatch():
 # issue 16 (b), (c): end to end under torchrun; 2 ranks reach 1 rank's held-out accuracy
 # ------------------------------------------------------------------------------------------------------------
 def torchrun(runs_dir: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", SCRIPT,
-           "--runs-dir", str(runs_dir), *args]  # fmt: skip
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [*launcher, SCRIPT, "--runs-dir", str(runs_dir), *args]
     return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=TIMEOUT)
 
 
