@@ -273,7 +273,7 @@ def layer_init(layer, std: float = 2**0.5, bias_const: float = 0.0):
 
 
 class Torso(nn.Module):
-    """Encoder -> RNN cell (or a 2nd MLP layer for `none`): the memory that turns the history into features (T, B, H).
+    """Encoder -> RNN (or a 2nd MLP layer for `none`): the memory that turns the history into features (T, B, H).
     The recurrent state is one tensor (B, S): S = H for a GRU, 2H for an LSTM (h and c concatenated), 0 for none."""
 
     def __init__(self, in_dim: int, rnn: str, hidden_size: int):
@@ -284,25 +284,45 @@ class Torso(nn.Module):
         if rnn == "none":
             self.core = nn.Sequential(layer_init(nn.Linear(hidden_size, hidden_size)), nn.Tanh())
         else:
-            self.core = (nn.LSTMCell if rnn == "lstm" else nn.GRUCell)(hidden_size, hidden_size)
+            self.core = (nn.LSTM if rnn == "lstm" else nn.GRU)(hidden_size, hidden_size)
             for name, param in self.core.named_parameters():  # CleanRL's LSTM init: orthogonal weights, zero biases
                 nn.init.orthogonal_(param, 1.0) if "weight" in name else nn.init.constant_(param, 0.0)
 
     def forward(self, inputs, state, keep):
-        """inputs (T, B, in_dim), state (B, S), keep (T, B) = 1 - starts. Returns features (T, B, H), final state."""
+        """inputs (T, B, in_dim), state (B, S), keep (T, B) = 1 - starts. Returns features (T, B, H) and the state
+        after the last step (B, S) for one step (acting), None for a sequence (the update needs none)."""
         x = self.encoder(inputs)  # (T, B, H)
         if self.rnn == "none":
             return self.core(x), state  # memoryless
-        outputs = []
-        for t in range(x.shape[0]):
-            state = state * keep[t, :, None]  # CRUCIAL: forget the previous episode at its boundary
-            if self.rnn == "lstm":
-                h, c = self.core(x[t], (state[:, : self.hidden_size], state[:, self.hidden_size :]))
-                state = torch.cat([h, c], dim=-1)  # (B, 2H)
-            else:
-                h = state = self.core(x[t], state)  # (B, H)
-            outputs.append(h)
-        return torch.stack(outputs), state  # (T, B, H), (B, S)
+        if x.shape[0] == 1:  # acting: one step; CRUCIAL: forget the previous episode at its boundary
+            return self.run_core(x, state * keep[0, :, None])
+        return self.run_pieces(x, state, keep), None
+
+    def run_core(self, x, state):
+        """The fused RNN over x (T, N, H) from state (N, S), no reset inside. Returns (T, N, H), final state (N, S)."""
+        if self.rnn == "lstm":
+            h0, c0 = state[None, :, : self.hidden_size], state[None, :, self.hidden_size :]
+            out, (h, c) = self.core(x, (h0.contiguous(), c0.contiguous()))
+            return out, torch.cat([h[0], c[0]], dim=-1)
+        out, h = self.core(x, state[None])
+        return out, h[0]
+
+    def run_pieces(self, x, state, keep):
+        """The update's path: cut each env's sequence at its episode starts, pad the pieces to one length and run
+        them through one fused RNN call (no step loop in Python; SB3-contrib splits sequences the same way). A piece
+        starts from the carried state at t = 0 and from zeros at an episode start, as the step loop would."""
+        T, B, H = x.shape
+        first = keep.t() == 0  # (B, T) env-major: a piece starts at every episode start ...
+        first[:, 0] = True  # ... and at the rollout's first step
+        first = first.reshape(-1)
+        piece = first.long().cumsum(0) - 1  # (B T,) the piece of every step
+        begin = first.nonzero().squeeze(1)  # (N,) flat index of each piece's first step
+        pos = torch.arange(B * T, device=x.device) - begin[piece]  # step index within its piece
+        padded = x.new_zeros(int(pos.max()) + 1, len(begin), H)  # (L, N, H); padding only follows a piece's end
+        padded[pos, piece] = x.transpose(0, 1).reshape(B * T, H)
+        h0 = state[begin // T] * keep.t().reshape(-1)[begin, None]  # the carried state at t = 0; zeros at a start
+        out, _ = self.run_core(padded, h0)  # the final state of a padded piece is past its end: not used
+        return out[pos, piece].reshape(B, T, H).transpose(0, 1)  # (T, B, H)
 
 
 class Agent(nn.Module):
@@ -337,7 +357,7 @@ class Agent(nn.Module):
 
     def forward(self, obs, prev_action, prev_reward, state, starts):
         """obs (T, B, D), prev_action (T, B) long, prev_reward (T, B), state (B, S), starts (T, B) in {0, 1}.
-        Returns logits (T, B, A), values (T, B) and the state after the last step (B, S)."""
+        Returns logits (T, B, A), values (T, B) and the state after the last step (B, S; None after a sequence)."""
         keep = 1.0 - starts  # (T, B): 0 where obs[t] is the first observation of an episode
         if self.norm_obs:
             obs = ((obs - self.obs_mean) / torch.sqrt(self.obs_var + OBS_NORM_EPS)).clamp(-OBS_CLIP, OBS_CLIP)
@@ -354,7 +374,7 @@ class Agent(nn.Module):
         actor_state, critic_state = state[:, :n], state[:, n:]
         actor_hidden, actor_state = self.actor_torso(inputs, actor_state, keep)
         critic_hidden, critic_state = self.critic_torso(inputs, critic_state, keep)
-        state = torch.cat([actor_state, critic_state], dim=-1)
+        state = None if actor_state is None else torch.cat([actor_state, critic_state], dim=-1)
         return self.actor(actor_hidden), self.critic(critic_hidden).squeeze(-1), state
 
 
