@@ -550,7 +550,7 @@ def main():
         run.load_model(q_network)  # the --checkpoint network: evaluated below, nothing is trained
     target_network = RecurrentQNetwork(obs_dim, num_actions, args.hidden_size).to(device)
     target_network.load_state_dict(q_network.state_dict())
-    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, eps=args.adam_eps)
+    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, eps=args.adam_eps, fused=True)
     E, H, B, L, m, n = args.num_envs, args.hidden_size, args.batch_size, args.burn_in, args.seq_len, args.n_step
     rb = SequenceReplay(args.buffer_size // E, E, obs_dim, H, m, args.seq_overlap, L, n)
     epsilons = ape_x_epsilons(E, args.exploration_eps, args.exploration_alpha)  # (E,)
