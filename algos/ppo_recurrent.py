@@ -1,18 +1,13 @@
 """Recurrent PPO: PPO whose policy and value function read the observation history through an LSTM/GRU.
 
-In a POMDP the observation o_t does not determine the state. The lecture's claims shown here: (1) a memoryless
-policy pi(a|o_t) can only reach the best *reactive* policy, which may have to be stochastic (ThreeStateLine:
-p(right) = 1/2, 2 steps, while every deterministic one fails half the episodes); (2) a policy on the history
-(o_1, a_1, ..., o_t), summarized by an RNN state h_t, is Markov again and reaches the optimum with memory
-(ThreeStateLine 1.5 steps, TMaze success 1, MaskedCartPole 500, Tiger: listen, then open, return 5.01);
-(3) the policy gradient never used the Markov property, so it stays valid on o_t with *Monte Carlo* returns
-(`--returns mc`: nothing is bootstrapped) and any baseline V(o_t); a critic that *bootstraps* on o_t is biased.
-ShortCorridor (Sutton & Barto Ex. 13.1, three cells that look the same, actions reversed in the middle one) shows
-it: Monte Carlo PPO on o settles near the best memoryless p(right) = 2 - sqrt(2) ~ 0.59 (return ~ -11.7), while
-one-step TD advantages r + gamma V(o') - V(o) (`--gae-lambda 0`) credit only the final "right" step (every other
-step has r + gamma V - V = -1 + (gamma - 1) V < 0 for the same V(o)), so the policy turns deterministic "right"
-and episodes run into the time limit. Note that `--gae-lambda 1.0` alone is *not* Monte Carlo: GAE still
-bootstraps from V(o) at every rollout end and at truncations, exactly the bootstrapping the claim is about.
+In a POMDP o_t does not determine the state. Claims shown: (1) a memoryless policy pi(a|o_t) reaches at best the
+best reactive policy, which may have to be stochastic (ThreeStateLine: p(right) = 1/2; every deterministic one fails
+half the episodes); (2) a policy on the history, summarized by an RNN state h_t, reaches the optimum with memory
+(ThreeStateLine, TMaze, MaskedCartPole, Tiger); (3) the policy gradient never used the Markov property: it stays
+valid on o_t with Monte Carlo returns, while a critic that bootstraps on o_t is biased. ShortCorridor (Sutton &
+Barto Ex. 13.1): Monte Carlo PPO settles near the best memoryless p(right) = 2 - sqrt(2); one-step TD advantages
+credit only the final "right" step (elsewhere r + gamma V - V = -1 + (gamma - 1) V < 0 for the same V(o)), so the
+policy turns deterministic and episodes hit the time limit. (`--gae-lambda 1` is not Monte Carlo: GAE bootstraps.)
 
 Key equations (per step t of env b; d_t = 1 if the episode ended at step t):
     h_t = RNN(h_{t-1} * (1 - start_t), [o_t, onehot(a_{t-1}), r_{t-1}]),  pi(a|h^pi_t), V(h^V_t)
@@ -21,53 +16,29 @@ Key equations (per step t of env b; d_t = 1 if the episode ended at step t):
     L = -E[min(rho A, clip(rho, 1-eps, 1+eps) A)] + c_v E[max((V-R)^2, (V_old + clip(V-V_old, -eps, eps) - R)^2)] / 2
         - c_e E[entropy],   rho = pi(a|h) / pi_old(a|h)
 Implementation details:
- 1. The RNN input is [o_t, onehot(a_{t-1}), r_{t-1}] (`--prev-reward` off by default: in this suite the reward is
-    constant until the episode ends). ThreeStateLine's observation is constant, so all the agent can remember is
-    its own past actions. `--rnn none` is a memoryless 2-layer MLP on o_t alone (a_{t-1} would be memory).
- 2. The recurrent state is carried across rollouts and zeroed where an episode starts (multiply by 1 - start
-    per step, as CleanRL's ppo_atari_lstm.py); a_{t-1} and r_{t-1} are zeroed there too.
- 3. Minibatches are whole env sequences: tensors stay (T, B, ...) and a minibatch is a subset of the B env
-    columns, replayed from the rollout's initial state, so each env's time order is kept by construction.
- 4. Vector envs use `AutoresetMode.SAME_STEP`: the step that ends an episode returns the reset observation and
-    puts the last one in `infos["final_obs"]`, so every stored step is a real transition (no NEXT_STEP dummy step
-    to mask). On truncation (time limit) r_t += gamma V(final_obs) (`--bootstrap-truncated`); termination: never.
- 5. From CleanRL [2, 3]: orthogonal init (actor gain 0.01, critic 1), Adam eps 1e-5, advantage normalization per
-    minibatch, value clipping, entropy bonus, global gradient clipping, linear learning-rate annealing.
- 6. Policy and value each have their own torso (encoder + RNN), as CleanRL ppo.py and SB3-contrib RecurrentPPO: a
-    shared torso (`--shared-torso`, as [2]) lets the value loss of unscaled returns drown the policy gradient under
-    one gradient-norm clip (CartPole-v1, CleanRL ppo.py's settings: shared 131 on one seed, separate 500 on 5 of 5).
-    With returns of order 1 that loss is a useful memory signal: TMaze-10 uses `--shared-torso` (100k steps: 5 of 5
-    seeds, separate 1 of 5), 200k steps (20 of 20) and `--ent-coef 0.03` (0.01: 2 of 30 runs collapsed to bumps).
- 7. `--norm-obs`: a running mean/std kept in the model (saved with it), updated after each update so that a rollout
-    and its update see the same normalization (SB3's VecNormalize). Off by default, as CleanRL ppo.py (on CartPole-v1
-    it collapsed 2 of 5 seeds late, 500 -> ~100). MaskedCartPole needs it (angle steps of ~0.01 rad carry velocity).
-    Its recipe is RL Zoo's RecurrentPPO one [7] (8 envs x 32 steps, 20 epochs, no entropy bonus) less two causes
-    of late collapse (measured on tuning seeds): once every episode lasts 500 steps the advantages are value noise,
-    which per-minibatch normalization scales to unit size and 20 epochs fit (approx-KL 0.03-0.08 an update), so the
-    policy random-walks until it fails: `--no-norm-adv`, with `--norm-reward` (rewards over the running std of the
-    return, VecNormalize) for the advantages' scale; and a slow cart drift off the track after 300-490 steps, felt
-    too late with RL Zoo's gamma 0.98 and lambda 0.8: gamma 0.99 and lambda 0.95.
- 8. `--returns mc` (pure Monte Carlo): each rollout resets the envs and runs until every env finished its first
-    episode (at most `--num-steps`, which must cover the time limit); only those episodes are trained on (a mask in
-    every loss), with the discounted sums of their own rewards as returns, nothing bootstrapped: first episodes only
-    keep the sample unbiased (a rollout end cuts long ones). The training curve logs them only; its mean over the
-    last 20% of the steps, `charts/late_episodic_return`, is within 0.22 of the evaluation (ShortCorridor, 1M steps).
- 9. Evaluation runs `--eval-episodes` envs in parallel, scores each env's first episode only (no bias to short
-    episodes), samples from the policy (the memoryless optimum is stochastic), and reports greedy too (`eval/greedy_`).
-Scaled down: a 64-unit MLP/RNN on vector observations (no CNN), the 64-step rollout as BPTT window: minutes on 2 CPUs.
-References: [1] J. Schulman et al., "Proximal Policy Optimization Algorithms", 2017. [2] CleanRL ppo_atari_lstm.py
-(github.com/vwxyzjn/cleanrl): done-masked LSTM state, env-wise minibatches. [3] CleanRL ppo.py: the PPO loop and its
-details. [4] S. Huang et al., "The 37 Implementation Details of PPO", ICLR blog track 2022. [5] B. Bakker,
-"Reinforcement Learning with Long Short-Term Memory", NeurIPS 2001 (T-maze). [6] R. Sutton and A. Barto,
-"Reinforcement Learning: An Introduction", 2nd ed., Example 13.1. [7] RL Baselines3 Zoo, RecurrentPPO, CartPoleNoVel.
-Reproduce (seed 1): the `ppo_recurrent` lines of benchmark.sh (MaskedCartPole: PPO_CARTPOLE_ARGS there), e.g.
-   python algos/ppo_recurrent.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 10}' --rnn gru
-        --shared-torso --ent-coef 0.03 --total-timesteps 200000  (`--rnn none`: the memoryless baseline)
-   python algos/ppo_recurrent.py --env-id seqrl/Tiger-v0 --rnn gru --no-bootstrap-truncated --total-timesteps 150000
-        --eval-episodes 1000  (the 10-step horizon is part of the task: no bootstrap)
-   python algos/ppo_recurrent.py --env-id seqrl/ShortCorridor-v0 --rnn none --returns mc --num-steps 100
-        --init-action-bias 0 -2 --total-timesteps 1000000 --eval-episodes 10000  (from p(right) = 0.12 to ~0.59;
-        `--gae-lambda 0` instead of `--returns mc`: to ~1)
+ 1. The RNN reads [o_t, onehot(a_{t-1}), r_{t-1}] (`--prev-reward` is off: rewards here are constant until the end;
+    ThreeStateLine's observation is constant, so only past actions can be remembered). `--rnn none` is an MLP on o_t.
+ 2. The recurrent state is carried across rollouts and zeroed where an episode starts, as CleanRL's ppo_atari_lstm.
+    The update runs the fused nn.GRU / nn.LSTM over the segments between episode starts (packed sequences, as
+    SB3-contrib splits sequences at episode starts); acting steps the same module one step at a time.
+ 3. A minibatch is a subset of whole env sequences (T, B_mb, ...), replayed from the rollout's initial state.
+ 4. `AutoresetMode.SAME_STEP`: every stored step is real; a truncation adds gamma V(final_obs) to r_t, termination not.
+ 5. From CleanRL [2, 3]: orthogonal init, Adam eps 1e-5, per-minibatch advantage normalization, value clipping,
+    entropy bonus, global gradient clipping, linear learning-rate annealing.
+ 6. Policy and value have separate torsos (CleanRL ppo.py, SB3-contrib): with one (`--shared-torso`) the value loss of
+    unscaled returns drowns the policy gradient on CartPole; on TMaze (returns of order 1) it trains the memory.
+ 7. `--norm-obs`: a running mean/std kept in the model, updated after each update (SB3's VecNormalize). MaskedCartPole
+    uses RL Zoo's recipe [7] with `--no-norm-adv --norm-reward` (once the pole stays up, normalized advantages are
+    value noise that 20 epochs fit) and gamma 0.99, lambda 0.95 (the cart's drift off the track is seen in time).
+ 8. `--returns mc`: each rollout resets the envs and runs until every env ended its first episode; only those are
+    trained on (a mask in every loss), with their own discounted returns: nothing bootstrapped, the sample unbiased.
+ 9. Evaluation scores each env's first episode, sampling the policy (the optimum may be stochastic); greedy too.
+References: [1] Schulman et al., "Proximal Policy Optimization Algorithms", 2017; [2] CleanRL ppo_atari_lstm.py; [3]
+CleanRL ppo.py; [4] Huang et al., "The 37 Implementation Details of PPO", 2022; [5] Bakker, "Reinforcement Learning
+with Long Short-Term Memory", NeurIPS 2001; [6] Sutton & Barto, Example 13.1; [7] RL Zoo RecurrentPPO, CartPoleNoVel.
+Reproduce (TMaze-10; `--rnn none`: the memoryless baseline; every benchmark recipe: docs/ppo_recurrent.md):
+    python algos/ppo_recurrent.py --env-id seqrl/TMaze-v0 --rnn gru --shared-torso --ent-coef 0.03 \
+        --total-timesteps 200000
 """
 
 import json
@@ -167,17 +138,15 @@ class Args:
     gae_lambda: float = 0.95
     """the GAE lambda (0: one-step TD advantages from the critic); with `--returns gae` only"""
     returns: Literal["gae", "mc"] = "gae"
-    """`gae`: GAE-lambda, bootstrapped from V at every rollout end and (with `--bootstrap-truncated`) at truncations;
-    `mc`: pure Monte Carlo, nothing bootstrapped: each rollout resets the envs and runs until every env finished its
-    episode (at most `num_steps`, which must cover the time limit); A_t = G_t - V(o_t) on those episodes only"""
+    """`gae`: GAE-lambda, bootstrapped from V at rollout ends and (`--bootstrap-truncated`) truncations; `mc`: Monte
+    Carlo, A_t = G_t - V(o_t) on each env's first episode of a rollout (`num_steps` must cover the time limit)"""
     bootstrap_truncated: bool = True
     """on truncation (time limit) add gamma * V(final obs) to the last reward; terminations never bootstrap"""
     reward_scale: float = 1.0
     """multiply rewards by this before learning (logged returns are unscaled)"""
     norm_reward: bool = False
     """divide the rewards learned from by a running std of each env's discounted return, clipped to [-10, 10] (SB3's
-    VecNormalize(norm_reward=True), gymnasium's NormalizeReward); the network's r_{t-1} input and the logged returns
-    stay unnormalized"""
+    VecNormalize(norm_reward=True)); the network's r_{t-1} input and the logged returns stay raw"""
     num_minibatches: int = 4
     """the number of minibatches per epoch; each holds num_envs / num_minibatches whole env sequences"""
     update_epochs: int = 4

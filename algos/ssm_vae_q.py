@@ -1,81 +1,44 @@
 """Latent state-space model (sequence VAE) + DQN on the belief state, with a Markovian-model baseline.
 
-Idea. Observations of a POMDP are not Markov, so neither Q-learning on o_t nor a model p(o' | o, a) is valid.
-The lecture's principled fix: learn a sequence VAE whose latent state s_t = (h_t, z_t) has Markovian dynamics
-p(s_t | s_{t-1}, a_{t-1}), an observation model p(o_t | s_t) and a filtering encoder q(z_t | o_<=t, a_<t);
-then Q-learning on s_t is valid again. Lecture claim shown (Problem 21.2, two doors): after one failed try of
-a door, the latent model predicts that retrying the SAME door passes with p ~ 0 and the OTHER door with p ~ 1,
-while a count/MLE model p(o' | o, a) fit on the same replay predicts ~0.5 for both -- whatever the history,
-because its structure cannot represent a dependence on it. The agent reaches the memory-optimal return 0.95.
+Observations of a POMDP are not Markov, so neither Q-learning on o_t nor a model p(o' | o, a) is valid. The
+lecture's fix: learn a sequence VAE whose latent state s_t = (h_t, z_t) has Markovian dynamics, an observation model
+p(o_t | s_t) and a filtering encoder q(z_t | o_<=t, a_<t); Q-learning on s_t is valid again. Lecture claim shown
+(Problem 21.2, two doors): after one failed try, the latent model predicts that retrying the SAME door passes with
+p ~ 0 and the OTHER door with p ~ 1, while a count model p(o' | o, a) fit on the same replay predicts ~0.5 for both,
+whatever the history; Q-learning on the belief reaches the memory-optimal return 0.95.
 
-Key equations (RSSM of PlaNet [1]; T steps of a replayed sequence, t = 1..T):
-    h_t = GRU(h_{t-1}, [z_{t-1}, a_{t-1}])                  deterministic path (h_0 = z_0 = 0 at episode start)
-    prior      p(z_t | h_t)        = N(mu_p, sigma_p)       -> s_t = (h_t, z_t) is Markov in (s_{t-1}, a_{t-1})
-    posterior  q(z_t | h_t, o_t)   = N(mu_q, sigma_q)       filtering: depends on o_<=t, a_<t through h_t
-    decoders   p(o_t | s_t) = N(dec_o, obs_std), p(r_t | s_t) = N(dec_r, 1), p(done_t | s_t) = Bernoulli(dec_d)
+Key equations (RSSM of PlaNet [1]; a replayed chunk, t = 1..T; h_0 = z_0 = 0 at an episode start):
+    h_t = GRU(h_{t-1}, [z_{t-1}, a_{t-1}]),  prior p(z_t | h_t),  posterior q(z_t | h_t, o_t)   (diagonal Gaussians)
+    decoders p(o_t | s_t) = N(dec_o, obs_std),  p(r_t | s_t) = N(dec_r, 1),  p(done_t | s_t) = Bernoulli(dec_d)
     ELBO = sum_t E_q[log p(o_t|s_t) + log p(r_t|s_t) + log p(done_t|s_t)] - KL(q(z_t|.) || p(z_t|h_t))
     KL loss (free nats F, balance alpha [3]): alpha max(F, KL(sg q || p)) + (1-alpha) max(F, KL(q || sg p))
-    Double DQN on features x_t = sg[(h_t, mu_q,t)]:
+    Double DQN on x_t = sg[(h_t, mu_q,t)]:
         y_t = r_{t+1} + gamma (1 - term_{t+1}) Q_targ(x_{t+1}, argmax_a Q(x_{t+1}, a)),  loss (Q(x_t, a_t) - y_t)^2
 
 Implementation details:
-1. Replay stores per-env streams of entries (o_t, a_{t-1}, r_t, term_t, is_first_t) in Dreamer's layout [3]:
-   r_t and term_t belong to the transition INTO o_t. Gymnasium 1.x NEXT_STEP autoreset: the step after a done
-   returns the reset observation, ignores our action and gives reward 0; we store it as an `is_first` entry
-   (no action, no reward), so no transition ever crosses an episode boundary. The online filter resets (h, z)
-   to zero on `is_first` in the same way.
-2. Training samples B random chunks of length T (Dreamer-style) and filters them from a zero state. For the
-   ELBO, entries whose history is cut by the chunk start are masked out for the first `burn_in` steps; after an
-   `is_first` inside the chunk the history is complete and the entry always counts. Q is trained only on
-   entries with a complete history (`q_loss_mask`): a chunk that starts mid-episode is filtered from a zero state
-   that online acting never has there (in TMaze a belief without the cue), and Q-learning on such beliefs
-   teaches values of states the agent never acts in. The cost: episodes much longer than `--seq-len` are
-   Q-trained only near their start. `--q-burn-in N` (> 0) also trains Q on mid-episode chunks from position N
-   on: an approximation that holds where the last N observations carry the state (MaskedCartPole: velocities
-   from two frames) and fails where information lies further back (TMaze's cue); the MaskedCartPole line below
-   passes `--q-burn-in 4`.
-3. The Q-network sees h_t and the posterior MEAN mu_q (not a sample: less noise, same information). The Q loss
-   does NOT reach the world model (features detached), as in SLAC [2] and Dreamer [3]: the latent is learned
-   only by the ELBO, so it stays a proper filter/generative model and is not dragged around by bootstrapped,
-   non-stationary TD targets; memory is needed by the ELBO anyway (predicting "passed"/reward needs the door
-   tried, the T-maze reward needs the cue). The GRU is fed a reparameterized SAMPLE of z, in training and acting.
-4. Model learning and Q-learning run interleaved on the same sampled chunks (one filtering pass per update).
-5. Markovian baseline: for binary-coded observations (TwoDoors, TMaze, Tiger, ThreeStateLine) a table
-   N(o, a, o') of the replayed transitions, p(o'|o,a) = N(o,a,o') / N(o,a). Skipped (noted) for continuous obs.
-   It is reported on the uniform-random warm-up part of the replay (door-symmetric data, the lecture's setting)
-   and on the whole replay (where the learned policy's own choices bias the counts).
-6. TwoDoors probe: 1000 particles are filtered through the scripted history (reset; try left; fail) and its
-   mirror (try right; fail); the next step is imagined under the PRIOR for "same" and "other" door; we report
-   E[sigmoid(done logit)] (termination = passing) and the decoded "passed" observation bit.
-   Within k tries (Problem 21.2(b), `model/*p_pass_within_{k}_tries`, k = 1..5): the probability that an agent
-   that tries the SAME door k times from the episode start (a fixed open-loop plan, averaged over left/right)
-   has passed by then. Truth (`true_`): the first try passes with 1/2 and a failed door never opens, so 1/2
-   for every k. Markov (`markov_`): each try passes independently with its fitted p(passed | in_room, door),
-   1 - (1 - p)^k (1 - 0.5^k at p = 1/2: 0.97 at k = 5). Latent: 1 - prod_j (1 - p_j) with p_j the model's
-   predicted p(done) of try j after its j - 1 failures, each failure filtered in as the observation in_room.
-7. Held-out one-step observation error: before the filter sees o_{t+1}, the prior predicts it from (s_t, a_t);
-   the squared error (mean over dims) is logged online on fresh, not-yet-replayed data and in greedy eval.
-8. Observations: gymnasium's FlattenObservation (one-hot Discrete/MultiDiscrete parts, flat Box, Tuple/Dict joined).
-9. Learning rates: Q's is annealed linearly to 0 (`--anneal-q-lr`), the world model's is not by default (the
-   ELBO is a stationary objective; annealed, a TwoDoors tuning seed predicted p(pass) 0.92 after a failure).
-   `--select-frequency N --keep-best`: the world model and Q of the best greedy evaluation (every N env steps, on
-   env seeds disjoint from the final ones) are kept and saved (the later one on ties, as SB3's EvalCallback); the
-   last networks are reported too (`eval/last_network_*`). Evaluations draw z from their own seeded generator.
-
-Scaled down from the papers: vector observations (no CNN), tiny sizes (h 64, z 8), Gaussian z (not DreamerV2's
-categorical z), DQN instead of SAC/actor-critic in imagination, unit-variance reward likelihood, fixed obs_std.
-References: [1] Hafner et al., "Learning Latent Dynamics for Planning from Pixels" (PlaNet), ICML 2019, code
-google-research/planet; [2] Lee et al., "Stochastic Latent Actor-Critic" (SLAC), NeurIPS 2020, code
-alexlee-gk/slac; [3] Hafner et al., "Mastering Atari with Discrete World Models" (DreamerV2, KL balancing),
-ICLR 2021, code danijar/dreamerv2; [4] CleanRL dqn.py (Huang et al. 2022) for the DQN loop; [5] lecture Problem 21.2.
-Reproduce (benchmark.sh's commands; the per-seed numbers are in the README, part 1):
-    python algos/ssm_vae_q.py --env-id seqrl/TwoDoors-v0 --seed 1     (TwoDoors claims and Problem 21.2(b), ~3 min)
-    python algos/ssm_vae_q.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 5}' --seq-len 16 \
-        --total-timesteps 30000 --select-frequency 3000 --keep-best   (TMaze-5, network of the best evaluation kept)
-MaskedCartPole has no claim: the recipe below fell short of 475 (README, open work):
-    python algos/ssm_vae_q.py --env-id seqrl/MaskedCartPole-v0 --total-timesteps 30000 --seq-len 16 --obs-std 0.05 \
-        --learning-starts 5000 --exploration-fraction 0.2 --target-network-frequency 250 --eval-episodes 10 \
-        --q-burn-in 4
+1. Replay holds per-env streams of (o_t, a_{t-1}, r_t, term_t, is_first_t) (Dreamer's layout [3]); the step after a
+   done (gymnasium's NEXT_STEP autoreset) is an `is_first` entry, so no transition crosses an episode boundary.
+2. Updates filter B random chunks of length T from a zero state. The ELBO masks the first `--burn-in` entries whose
+   history the chunk start cut; Q trains only on complete histories (`q_loss_mask`): a mid-episode belief filtered
+   from zeros is one acting never has (TMaze: no cue). `--q-burn-in N` also trains Q from position N of such chunks.
+3. Q reads h_t and the posterior mean (less noise than a sample, same information) and does not train the world
+   model (features detached, as SLAC [2] and Dreamer [3]): the ELBO alone shapes the latent, not TD targets.
+4. The ELBO step and the Q step share one filtering pass over the same sampled chunks.
+5. Markovian baseline: counts N(o, a, o') of the replayed transitions (binary-coded observations only), on the
+   uniform-random warm-up (door-symmetric data, the lecture's setting) and on the whole replay.
+6. TwoDoors probe: particles filtered through (reset, try a door, fail), then one step imagined under the prior for
+   the same and the other door; and p(pass within k tries of one door) against the truth 1/2 (Problem 21.2(b)):
+   Markov 1 - (1 - p)^k, latent 1 - prod_j (1 - p_j) with p_j predicted after the j - 1 failures filtered in.
+7. The prior's prediction of o_{t+1}, before the filter sees it, gives a held-out one-step error (online, eval).
+8. Observations pass gymnasium's FlattenObservation (one-hot discrete parts, flat Box, Tuple/Dict joined).
+9. Q's learning rate anneals linearly to 0; the world model's does not (the ELBO is stationary; annealed, it lost the
+   door memory). `--select-frequency N --keep-best` keeps the networks of the best greedy evaluation during
+   training; evaluations draw z from their own seeded generator.
+Scaled down: vector observations, h 64 / z 8, Gaussian z, DQN instead of an actor-critic in imagination.
+References: [1] Hafner et al., "Learning Latent Dynamics for Planning from Pixels" (PlaNet), ICML 2019; [2] Lee et
+al., "Stochastic Latent Actor-Critic" (SLAC), NeurIPS 2020; [3] Hafner et al., "Mastering Atari with Discrete World
+Models" (DreamerV2), ICLR 2021; [4] CleanRL dqn.py; [5] the lecture, Problem 21.2. More: docs/ssm_vae_q.md.
+Reproduce (the TwoDoors claims):  python algos/ssm_vae_q.py --env-id seqrl/TwoDoors-v0 --seed 1
 """
 
 import json
@@ -193,7 +156,8 @@ class Args:
     q_max_grad_norm: float = 10.0
     """gradient clipping of the Q-network"""
     anneal_q_lr: bool = True
-    """anneal the Q-network's learning rate linearly to 0 over training (without: a TMaze-5 seed ended at success 0)"""
+    """anneal the Q-network's learning rate linearly to 0 over training, so that Q settles (without, TMaze-5 can
+    collapse late in training)"""
     anneal_model_lr: bool = False
     """anneal the world model's learning rate too (off: the ELBO is a stationary objective, detail 9)"""
     log_every: int = 100
@@ -286,11 +250,10 @@ def eval_env_seed(seed: int) -> int:
     return EVAL_SEED_STRIDE * (seed + 1)
 
 
-# not dqn_framestack's `linear_schedule`: the same line with another rounding order (t / duration), which changes the
-# last bits of epsilon; a name of its own keeps this script's numbers as they were
-def linear_epsilon(start_e: float, end_e: float, duration: int, t: int) -> float:
-    """epsilon(t): linear from start_e to end_e over `duration` steps (at least 1), then constant."""
-    return max(start_e + (end_e - start_e) * t / max(duration, 1), end_e)
+def linear_schedule(start_e: float, end_e: float, duration: float, t: int) -> float:
+    """epsilon(t): linear from start_e to end_e over `duration` steps, then constant (CleanRL's schedule)."""
+    slope = (end_e - start_e) / duration
+    return max(slope * t + start_e, end_e)
 
 
 # ---------------------------------------------------------------- models
@@ -449,7 +412,7 @@ def main():
 
     # ALGO LOGIC: collect with the online filter, learn model + Q interleaved on replayed chunks
     num_iterations = 0 if args.eval_only else args.total_timesteps // args.num_envs
-    decay_steps = int(args.exploration_fraction * args.total_timesteps)  # epsilon decays linearly over these
+    decay_steps = max(int(args.exploration_fraction * args.total_timesteps), 1)  # epsilon decays linearly over these
     obs, _ = venv.reset(seed=args.seed)
     venv.action_space.seed(args.seed)
     h = torch.zeros(args.num_envs, args.deter_size, device=device)
@@ -476,7 +439,7 @@ def main():
                 online_err.extend(err.tolist())
             q_values = q_net(torch.cat([h, post[0]], -1))
         # 3. epsilon-greedy action
-        epsilon = linear_epsilon(args.start_e, args.end_e, decay_steps, global_step)
+        epsilon = linear_schedule(args.start_e, args.end_e, decay_steps, global_step)
         epsilon = 1.0 if global_step < args.learning_starts else epsilon  # uniformly random warm-up
         explore = rng.random(args.num_envs) < epsilon
         actions = np.where(explore, rng.integers(0, args.num_actions, args.num_envs), q_values.argmax(-1).cpu().numpy())
@@ -713,8 +676,9 @@ def pass_within_k(per_try) -> np.ndarray:
 def true_pass_within_k(max_tries: int = MAX_TRIES) -> np.ndarray:
     """The truth for "try the same door k times from the episode start" (detail 6), from the env's own
     `envs.pomdp.true_pass_probability`: 1/2 for all k."""
-    per_door = [pass_within_k([true_pass_probability(set() if j == 0 else {d}, d) for j in range(max_tries)])
-                for d in (0, 1)]  # fmt: skip
+    per_door = [
+        pass_within_k([true_pass_probability(set() if j == 0 else {d}, d) for j in range(max_tries)]) for d in (0, 1)
+    ]
     return np.mean(per_door, axis=0)
 
 

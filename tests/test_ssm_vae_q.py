@@ -92,8 +92,9 @@ def test_valid_mask_and_filter_reset():
 def test_q_is_trained_only_on_beliefs_with_the_whole_episode_in_the_chunk():
     # column 0 starts mid-episode (the filter starts from zeros there: a belief acting never has), its next episode
     # starts at t = 3; column 1 starts at an episode start, the next one at t = 2
-    is_first = torch.tensor([[False, True], [False, False], [False, True], [True, False], [False, False],
-                             [False, False], [False, False]])  # fmt: skip
+    is_first = torch.tensor(
+        [[False, True], [False, False], [False, True], [True, False], [False, False], [False, False], [False, False]]
+    )  # (T, B), one row per time step
     q_mask = m.q_loss_mask(is_first)  # (T-1, B): transition t -> t+1
     assert q_mask[:, 0].tolist() == [0, 0, 0, 1, 1, 1]  # before the episode start nothing, even at t >= burn-in
     assert q_mask[:, 1].tolist() == [1, 0, 1, 1, 1, 1]  # never into an is_first entry (1 -> 2 crosses episodes)
@@ -140,10 +141,8 @@ def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
         assert obs.dtype == np.float32
         np.testing.assert_array_equal(obs, spaces_env.expected_flat(raw_obs))
         obs, raw_obs = env.step(np.array([0]))[0][0], raw.step(0)[0]
-    s = run_script(
-        "ssm_vae_q", "--env-id", env_id, "--total-timesteps", "200", "--learning-starts", "100", "--num-envs", "2",
-        "--eval-episodes", "2", "--deter-size", "8", "--hidden-size", "8", runs_dir=runs_dir, timeout=120,
-    )  # fmt: skip
+    tiny = "--total-timesteps 200 --learning-starts 100 --num-envs 2 --eval-episodes 2 --deter-size 8 --hidden-size 8"
+    s = run_script("ssm_vae_q", "--env-id", env_id, *tiny.split(), runs_dir=runs_dir, timeout=120)
     assert 0.0 <= s["metrics"]["eval/episodic_return"] <= spaces_env.EPISODE_LENGTH
 
 
@@ -182,12 +181,8 @@ def test_replay_transitions_never_cross_episodes():
 
 
 def test_smoke_run_eval_only_and_errors(runs_dir):
-    s = run_script(
-        "ssm_vae_q",
-        "--total-timesteps", "400", "--learning-starts", "200", "--num-envs", "4", "--eval-episodes", "5",
-        "--log-every", "5", "--deter-size", "16", "--hidden-size", "16",
-        runs_dir=runs_dir, timeout=120,
-    )  # fmt: skip
+    tiny = "--total-timesteps 400 --learning-starts 200 --num-envs 4 --eval-episodes 5 --log-every 5 --deter-size 16"
+    s = run_script("ssm_vae_q", *tiny.split(), "--hidden-size", "16", runs_dir=runs_dir, timeout=120)
     for key in ("eval/episodic_return", "eval/one_step_obs_error", "model/p_pass_retry_same_door"):
         assert np.isfinite(s["metrics"][key]), key
     assert 0.0 <= s["metrics"]["model/markov_p_pass_same_door"] <= 1.0
@@ -235,9 +230,10 @@ def test_smoke_run_eval_only_and_errors(runs_dir):
 
 
 def test_keep_best_saves_and_reports_the_kept_networks(runs_dir):
-    tiny = ["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 2}', "--total-timesteps", "400",
-            "--learning-starts", "200", "--num-envs", "4", "--eval-episodes", "6", "--deter-size", "16",
-            "--hidden-size", "16", "--select-frequency", "200", "--select-episodes", "4", "--keep-best"]  # fmt: skip
+    tiny = ["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 2}'] + (
+        "--total-timesteps 400 --learning-starts 200 --num-envs 4 --eval-episodes 6 --deter-size 16 --hidden-size 16"
+        " --select-frequency 200 --select-episodes 4 --keep-best"
+    ).split()
     s = run_script("ssm_vae_q", *tiny, runs_dir=runs_dir, timeout=120)
     metrics = s["metrics"]
     assert metrics["select/best_global_step"] in (200.0, 400.0)  # evaluations at 200 and 400 env steps
@@ -254,12 +250,8 @@ def test_keep_best_saves_and_reports_the_kept_networks(runs_dir):
 
 
 def test_smoke_run_continuous_obs_skips_markov(runs_dir):
-    s = run_script(
-        "ssm_vae_q",
-        "--env-id", "seqrl/MaskedCartPole-v0", "--total-timesteps", "300", "--learning-starts", "100",
-        "--num-envs", "2", "--eval-episodes", "2", "--deter-size", "16", "--hidden-size", "16",
-        runs_dir=runs_dir, timeout=120,
-    )  # fmt: skip
+    tiny = "--total-timesteps 300 --learning-starts 100 --num-envs 2 --eval-episodes 2 --deter-size 16 --hidden-size 16"
+    s = run_script("ssm_vae_q", "--env-id", "seqrl/MaskedCartPole-v0", *tiny.split(), runs_dir=runs_dir, timeout=120)
     assert s["metrics"]["eval/episodic_return"] > 0
     assert not any(k.startswith("model/markov") for k in s["metrics"])
 
