@@ -83,7 +83,7 @@ def test_losses_by_hand():
 
 def make_agent(rnn, obs_dim=3, num_actions=2, seed=0):
     torch.manual_seed(seed)
-    return ppo.Agent(obs_dim, num_actions, rnn, hidden_size=8, prev_action=True, prev_reward=True)
+    return ppo.Agent(obs_dim, num_actions, rnn, hidden=8, prev_action=True, prev_reward=True)
 
 
 def random_inputs(agent, T=6, B=2, seed=1):
@@ -116,7 +116,7 @@ def test_fused_pieces_equal_the_step_loop_with_gradients(rnn, shared):
     """The update's path (one fused RNN call over the pieces between episode starts) against acting's path (one step
     at a time, the state carried and zeroed at starts), float64, starts at random places, gradients included."""
     torch.manual_seed(3)
-    agent = ppo.Agent(3, 2, rnn, hidden_size=8, prev_action=True, prev_reward=True, shared_torso=shared).double()
+    agent = ppo.Agent(3, 2, rnn, hidden=8, prev_action=True, prev_reward=True, shared_torso=shared).double()
     T, B = 23, 5
     g = torch.Generator().manual_seed(4)
     obs, prev_reward = torch.randn(T, B, 3, generator=g).double(), torch.randn(T, B, generator=g).double()
@@ -159,7 +159,7 @@ def test_memoryless_agent_ignores_history():
 def test_value_loss_moves_the_policy_only_through_a_shared_torso(shared):
     """Separate torsos (the default): the critic's loss has zero gradient on every actor parameter."""
     torch.manual_seed(0)
-    agent = ppo.Agent(3, 2, "gru", hidden_size=8, prev_action=True, prev_reward=False, shared_torso=shared)
+    agent = ppo.Agent(3, 2, "gru", hidden=8, prev_action=True, prev_reward=False, shared_torso=shared)
     obs, prev_action, prev_reward, _ = random_inputs(agent)
     _, values, _ = agent(obs, prev_action, prev_reward, agent.initial_state(2), torch.zeros(6, 2))
     (values**2).mean().backward()
