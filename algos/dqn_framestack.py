@@ -425,7 +425,7 @@ def main():
         run.load_model(q_network)  # the checkpoint's weights (its architecture came with its args.json)
     device = run.device
     q_network.to(device)
-    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
+    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, fused=True)
     target_network = QNetwork(frame_dim, args.frame_stack, num_actions, args.hidden_size, args.difference_scale)
     target_network = target_network.to(device)
     target_network.load_state_dict(q_network.state_dict())

@@ -19,8 +19,8 @@ Implementation details:
  1. The RNN reads [o_t, onehot(a_{t-1}), r_{t-1}] (`--prev-reward` is off: rewards here are constant until the end;
     ThreeStateLine's observation is constant, so only past actions can be remembered). `--rnn none` is an MLP on o_t.
  2. The recurrent state is carried across rollouts and zeroed where an episode starts, as CleanRL's ppo_atari_lstm.
-    The update runs the fused nn.GRU / nn.LSTM over the segments between episode starts (packed sequences, as
-    SB3-contrib splits sequences at episode starts); acting steps the same module one step at a time.
+    The update runs the fused nn.GRU / nn.LSTM once over the pieces between episode starts, padded to one length
+    (SB3-contrib splits sequences the same way); acting steps the same module one step at a time.
  3. A minibatch is a subset of whole env sequences (T, B_mb, ...), replayed from the rollout's initial state.
  4. `AutoresetMode.SAME_STEP`: every stored step is real; a truncation adds gamma V(final_obs) to r_t, termination not.
  5. From CleanRL [2, 3]: orthogonal init, Adam eps 1e-5, per-minibatch advantage normalization, value clipping,
@@ -119,8 +119,7 @@ class Args:
     shared_torso: bool = False
     """one torso (encoder + RNN) for policy and value (CleanRL ppo_atari_lstm.py); default: one each (ppo.py)"""
     init_action_bias: tuple[float, ...] = ()
-    """the policy head's initial bias, one logit per action (default: zeros, near-uniform). A biased start, e.g.
-    `0 2` (p(right) = 0.88), makes a memoryless agent LEARN a stochastic optimum instead of starting next to it"""
+    """the policy head's initial bias, one logit per action (default zeros); `0 2` starts at p(right) = 0.88"""
 
     # PPO
     total_timesteps: int = 100_000
@@ -145,8 +144,7 @@ class Args:
     reward_scale: float = 1.0
     """multiply rewards by this before learning (logged returns are unscaled)"""
     norm_reward: bool = False
-    """divide the rewards learned from by a running std of each env's discounted return, clipped to [-10, 10] (SB3's
-    VecNormalize(norm_reward=True)); the network's r_{t-1} input and the logged returns stay raw"""
+    """divide learned rewards by a running std of the discounted return, clip to [-10, 10] (SB3's VecNormalize)"""
     num_minibatches: int = 4
     """the number of minibatches per epoch; each holds num_envs / num_minibatches whole env sequences"""
     update_epochs: int = 4
@@ -224,9 +222,7 @@ def value_loss(new_value, old_value, returns, clip_coef: float, clip: bool = Tru
 
 def normalize_advantages(advantages: torch.Tensor, mask=None) -> torch.Tensor:
     """(A - mean) / (std + eps) over the (masked) entries of a minibatch."""
-    if mask is None:
-        return (advantages - advantages.mean()) / (advantages.std() + ADV_NORM_EPS)
-    valid = advantages[mask.bool()]
+    valid = advantages if mask is None else advantages[mask.bool()]
     return (advantages - valid.mean()) / (valid.std() + ADV_NORM_EPS)
 
 
@@ -242,7 +238,7 @@ def layer_init(layer, std: float = 2**0.5, bias_const: float = 0.0):
 
 
 class Torso(nn.Module):
-    """Encoder -> RNN cell (or a 2nd MLP layer for `none`): the memory that turns the history into features (T, B, H).
+    """Encoder -> RNN (or a 2nd MLP layer for `none`): the memory that turns the history into features (T, B, H).
     The recurrent state is one tensor (B, S): S = H for a GRU, 2H for an LSTM (h and c concatenated), 0 for none."""
 
     def __init__(self, in_dim: int, rnn: str, hidden_size: int):
@@ -253,44 +249,60 @@ class Torso(nn.Module):
         if rnn == "none":
             self.core = nn.Sequential(layer_init(nn.Linear(hidden_size, hidden_size)), nn.Tanh())
         else:
-            self.core = (nn.LSTMCell if rnn == "lstm" else nn.GRUCell)(hidden_size, hidden_size)
+            self.core = (nn.LSTM if rnn == "lstm" else nn.GRU)(hidden_size, hidden_size)
             for name, param in self.core.named_parameters():  # CleanRL's LSTM init: orthogonal weights, zero biases
                 nn.init.orthogonal_(param, 1.0) if "weight" in name else nn.init.constant_(param, 0.0)
 
     def forward(self, inputs, state, keep):
-        """inputs (T, B, in_dim), state (B, S), keep (T, B) = 1 - starts. Returns features (T, B, H), final state."""
+        """inputs (T, B, in_dim), state (B, S), keep (T, B) = 1 - starts. Returns features (T, B, H) and the state
+        after the last step (B, S) for one step (acting), None for a sequence (the update needs none)."""
         x = self.encoder(inputs)  # (T, B, H)
         if self.rnn == "none":
             return self.core(x), state  # memoryless
-        outputs = []
-        for t in range(x.shape[0]):
-            state = state * keep[t, :, None]  # CRUCIAL: forget the previous episode at its boundary
-            if self.rnn == "lstm":
-                h, c = self.core(x[t], (state[:, : self.hidden_size], state[:, self.hidden_size :]))
-                state = torch.cat([h, c], dim=-1)  # (B, 2H)
-            else:
-                h = state = self.core(x[t], state)  # (B, H)
-            outputs.append(h)
-        return torch.stack(outputs), state  # (T, B, H), (B, S)
+        if x.shape[0] == 1:  # acting: one step; CRUCIAL: forget the previous episode at its boundary
+            return self.run_core(x, state * keep[0, :, None])
+        return self.run_pieces(x, state, keep), None
+
+    def run_core(self, x, state):
+        """The fused RNN over x (T, N, H) from state (N, S), no reset inside. Returns (T, N, H), final state (N, S)."""
+        if self.rnn == "gru":
+            out, h = self.core(x, state[None])
+            return out, h[0]
+        out, (h, c) = self.core(x, tuple(part.contiguous() for part in state[None].chunk(2, dim=-1)))  # (h, c)
+        return out, torch.cat([h[0], c[0]], dim=-1)
+
+    def run_pieces(self, x, state, keep):
+        """The update's path: each env's sequence cut at its episode starts, the pieces padded to one length and run
+        through one fused RNN call; a piece starts from the carried state (at t = 0) or zeros (at an episode start)."""
+        T, B, H = x.shape
+        first = keep.t() == 0  # (B, T) env-major: a piece starts at every episode start and at the rollout's start
+        first = first.index_fill(1, torch.tensor([0], device=x.device), True).reshape(-1)
+        piece = first.long().cumsum(0) - 1  # (B T,) the piece of every step
+        begin = first.nonzero().squeeze(1)  # (N,) flat index of each piece's first step
+        pos = torch.arange(B * T, device=x.device) - begin[piece]  # step index within its piece
+        padded = x.new_zeros(int(pos.max()) + 1, len(begin), H)  # (L, N, H); padding only follows a piece's end
+        padded[pos, piece] = x.transpose(0, 1).reshape(B * T, H)
+        h0 = state[begin // T] * keep.t().reshape(-1)[begin, None]  # the carried state at t = 0; zeros at a start
+        out, _ = self.run_core(padded, h0)  # the final state of a padded piece is past its end: not used
+        return out[pos, piece].reshape(B, T, H).transpose(0, 1)  # (T, B, H)
 
 
 class Agent(nn.Module):
     """Actor-critic: policy and value heads, each on its own torso (CleanRL ppo.py, SB3-contrib RecurrentPPO), or on
     one shared torso with `shared_torso` (CleanRL ppo_atari_lstm.py). The state (B, S) concatenates the torsos'."""
 
-    def __init__(self, obs_dim, num_actions, rnn: str, hidden_size: int, prev_action, prev_reward, norm_obs=True,
-                 shared_torso=False):  # fmt: skip
+    def __init__(self, obs_dim, num_actions, rnn, hidden, prev_action, prev_reward, norm_obs=True, shared_torso=False):
         super().__init__()
-        self.rnn, self.hidden_size, self.num_actions, self.norm_obs = rnn, hidden_size, num_actions, norm_obs
+        self.rnn, self.hidden_size, self.num_actions, self.norm_obs = rnn, hidden, num_actions, norm_obs
         self.register_buffer("obs_mean", torch.zeros(obs_dim))  # running observation statistics (saved)
         self.register_buffer("obs_var", torch.ones(obs_dim))
         self.register_buffer("obs_count", torch.tensor(OBS_NORM_EPS))
         self.prev_action, self.prev_reward = prev_action and rnn != "none", prev_reward and rnn != "none"
         in_dim = obs_dim + num_actions * self.prev_action + self.prev_reward
-        self.actor_torso = Torso(in_dim, rnn, hidden_size)
-        self.critic_torso = None if shared_torso else Torso(in_dim, rnn, hidden_size)
-        self.actor = layer_init(nn.Linear(hidden_size, num_actions), std=ACTOR_INIT_STD)
-        self.critic = layer_init(nn.Linear(hidden_size, 1), std=1.0)
+        self.actor_torso = Torso(in_dim, rnn, hidden)
+        self.critic_torso = None if shared_torso else Torso(in_dim, rnn, hidden)
+        self.actor = layer_init(nn.Linear(hidden, num_actions), std=ACTOR_INIT_STD)
+        self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
 
     @torch.no_grad()
     def update_obs_stats(self, obs: torch.Tensor):
@@ -306,7 +318,7 @@ class Agent(nn.Module):
 
     def forward(self, obs, prev_action, prev_reward, state, starts):
         """obs (T, B, D), prev_action (T, B) long, prev_reward (T, B), state (B, S), starts (T, B) in {0, 1}.
-        Returns logits (T, B, A), values (T, B) and the state after the last step (B, S)."""
+        Returns logits (T, B, A), values (T, B) and the state after the last step (B, S; None after a sequence)."""
         keep = 1.0 - starts  # (T, B): 0 where obs[t] is the first observation of an episode
         if self.norm_obs:
             obs = ((obs - self.obs_mean) / torch.sqrt(self.obs_var + OBS_NORM_EPS)).clamp(-OBS_CLIP, OBS_CLIP)
@@ -320,10 +332,9 @@ class Agent(nn.Module):
             hidden, state = self.actor_torso(inputs, state, keep)
             return self.actor(hidden), self.critic(hidden).squeeze(-1), state
         n = self.actor_torso.state_size
-        actor_state, critic_state = state[:, :n], state[:, n:]
-        actor_hidden, actor_state = self.actor_torso(inputs, actor_state, keep)
-        critic_hidden, critic_state = self.critic_torso(inputs, critic_state, keep)
-        state = torch.cat([actor_state, critic_state], dim=-1)
+        actor_hidden, actor_state = self.actor_torso(inputs, state[:, :n], keep)
+        critic_hidden, critic_state = self.critic_torso(inputs, state[:, n:], keep)
+        state = None if actor_state is None else torch.cat([actor_state, critic_state], dim=-1)
         return self.actor(actor_hidden), self.critic(critic_hidden).squeeze(-1), state
 
 
@@ -362,7 +373,7 @@ def main():
         run.load_model(agent)  # the checkpoint's weights (its architecture came with its args.json)
     device = run.device
     agent.to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=ADAM_EPS)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=ADAM_EPS, fused=True)
 
     # `--returns` (detail 8): `mc` starts each rollout with fresh episodes, trains on (and logs) each env's first
     # episode only, ends the rollout when all have ended, and bootstraps nothing (lambda = 1, no V); `gae`: all steps
@@ -435,10 +446,8 @@ def main():
                 cut = torch.as_tensor(cut_np, device=device)
                 final_obs = torch.as_tensor(np.stack(infos["final_obs"][cut_np]), dtype=torch.float32, device=device)
                 with torch.no_grad():
-                    _, final_value, _ = agent(
-                        final_obs[None], action[cut][None], next_prev_reward[cut][None], next_state[cut],
-                        torch.zeros(1, len(cut), device=device),
-                    )  # fmt: skip
+                    inputs = (final_obs[None], action[cut][None], next_prev_reward[cut][None], next_state[cut])
+                    _, final_value, _ = agent(*inputs, torch.zeros(1, len(cut), device=device))
                 rewards[step, cut] += args.gamma * final_value[0]
             next_obs = torch.as_tensor(next_obs_np, dtype=torch.float32, device=device)
             next_start, next_prev_action = dones[step], action
@@ -456,8 +465,7 @@ def main():
                 break
         n_steps = step + 1  # steps collected in this rollout (T, or fewer with `mc`)
         if monte_carlo and not ended.all():
-            raise SystemExit(f"error: --returns mc: an episode ran past --num-steps {T}; give --num-steps at least "
-                             "the env's time limit")  # fmt: skip
+            raise SystemExit(f"error: --returns mc: an episode ran past --num-steps {T} (the env's time limit?)")
 
         # 2. advantages: GAE-lambda, bootstrapped from the value of the observation after the rollout (`mc`:
         #    lambda = 1 over whole episodes; every trained step's episode ended, so nothing bootstraps)
@@ -483,9 +491,7 @@ def main():
                 )  # (n_steps, b, A), (n_steps, b)
                 dist = Categorical(logits=logits)
                 mb_mask = None if mask is None else mask[:, mb]
-                mb_advantages = advantages[:, mb]
-                if args.norm_adv:
-                    mb_advantages = normalize_advantages(mb_advantages, mb_mask)
+                mb_advantages = normalize_advantages(advantages[:, mb], mb_mask) if args.norm_adv else advantages[:, mb]
                 pg_loss, approx_kl, clipfrac = clipped_policy_loss(
                     dist.log_prob(actions[seq, mb]), logprobs[seq, mb], mb_advantages, clip_now, mb_mask
                 )
@@ -510,10 +516,11 @@ def main():
         var_returns = returns.var().item()
         explained_var = np.nan if var_returns == 0 else 1 - (returns - values[seq]).var().item() / var_returns
         sps = int(global_step / (time.time() - run.start_time))
-        run.log(global_step, {"charts/learning_rate": optimizer.param_groups[0]["lr"], "charts/clip_coef": clip_now,
-            "charts/SPS": sps, "losses/value_loss": v_loss.item(), "losses/policy_loss": pg_loss.item(),
-            "losses/entropy": entropy.item(), "losses/approx_kl": approx_kl.item(),
-            "losses/clipfrac": np.mean(clipfracs), "losses/explained_variance": explained_var})  # fmt: skip
+        losses = {"value_loss": v_loss.item(), "policy_loss": pg_loss.item(), "entropy": entropy.item()}
+        losses |= {"approx_kl": approx_kl.item(), "clipfrac": np.mean(clipfracs), "explained_variance": explained_var}
+        charts = {"learning_rate": optimizer.param_groups[0]["lr"], "clip_coef": clip_now, "SPS": sps}
+        logged = {f"losses/{k}": v for k, v in losses.items()} | {f"charts/{k}": v for k, v in charts.items()}
+        run.log(global_step, logged)
         if len(recent_returns) and (global_step * 20) // budget > ((global_step - n_steps * B) * 20) // budget:
             print(f"iter {iteration} step={global_step}/{budget} return={np.mean(recent_returns):.3f} SPS={sps}")
             recent_returns = []
@@ -569,36 +576,33 @@ def evaluate(agent, env_id: str, env_kwargs: dict, episodes: int, seed: int, gre
         prev_reward = torch.as_tensor(reward * reward_scale, dtype=torch.float32, device=device)
     envs.close()
     switched = first_actions[1] != first_actions[0] if len(first_actions) > 1 else np.zeros(episodes, dtype=bool)
-    return dict(
-        ret=ret, length=length, success=success, counts=counts, entropy=np.concatenate(entropies).mean(),
-        probs0=first_probs[0], switched=switched[length > 1],  # 2nd action differs from the 1st (episodes >= 2 steps)
-    )  # fmt: skip
+    result = dict(ret=ret, length=length, success=success, counts=counts, entropy=np.concatenate(entropies).mean())
+    return result | dict(probs0=first_probs[0], switched=switched[length > 1])  # switched: episodes of >= 2 steps
 
 
 def eval_metrics(result: dict, env_id: str, prefix: str) -> dict:
     """Summary metrics (means over episodes) of an `evaluate` result, with the env-specific ones."""
-    m = {f"{prefix}episodic_return": result["ret"].mean(), f"{prefix}episodic_return_std": result["ret"].std(),
-         f"{prefix}episodic_length": result["length"].mean(), f"{prefix}policy_entropy": result["entropy"]}  # fmt: skip
+    m = {"episodic_return": result["ret"].mean(), "episodic_return_std": result["ret"].std()}
+    m |= {"episodic_length": result["length"].mean(), "policy_entropy": result["entropy"]}
     if not np.isnan(result["success"]).all():  # the env reports info["success"] (TMaze, Tiger)
-        m[f"{prefix}success_rate"] = np.nanmean(result["success"])
+        m["success_rate"] = np.nanmean(result["success"])
     if env_id.endswith("ThreeStateLine-v0"):  # memoryless optimum: p(right) = 0.5 at every step, independently
-        m[f"{prefix}p_right_first_step"] = result["probs0"][:, ThreeStateLineEnv.RIGHT].mean()
+        m["p_right_first_step"] = result["probs0"][:, ThreeStateLineEnv.RIGHT].mean()
         if len(result["switched"]):  # with memory: after a bump into the wall, reverse (p = 1); memoryless: 0.5
-            m[f"{prefix}p_reverse_second_step"] = result["switched"].mean()
+            m["p_reverse_second_step"] = result["switched"].mean()
     if env_id.endswith("ShortCorridor-v0"):  # memoryless optimum: p(right) = 2 - sqrt(2) in every (alike) cell
-        m[f"{prefix}p_right_first_step"] = result["probs0"][:, ShortCorridorEnv.RIGHT].mean()
+        m["p_right_first_step"] = result["probs0"][:, ShortCorridorEnv.RIGHT].mean()
     if env_id.endswith("Tiger-v0"):  # information gathering: listens before opening a door
-        m[f"{prefix}listens_per_episode"] = result["counts"][:, TigerEnv.LISTEN].mean()
-    return {key: float(value) for key, value in m.items()}
+        m["listens_per_episode"] = result["counts"][:, TigerEnv.LISTEN].mean()
+    return {f"{prefix}{key}": float(value) for key, value in m.items()}
 
 
 # === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
 SCRIPT = Path(__file__).stem  # the script's name in summary.json
 # Args that `--eval-only` takes from the checkpoint's args.json: they fix the env, the network and its inputs
-ARCH_FIELDS = (
-    "env_id", "env_kwargs", "rnn", "hidden_size", "prev_action", "prev_reward", "norm_obs", "shared_torso",
-    "reward_scale",
-)  # fmt: skip
+ARCH_FIELDS = tuple(
+    "env_id env_kwargs rnn hidden_size prev_action prev_reward norm_obs shared_torso reward_scale".split()
+)
 
 
 def parse_args() -> Args:
@@ -628,8 +632,8 @@ def parse_args() -> Args:
     check_writable_dir(Path(args.runs_dir), "--runs-dir")
     num_actions = check_env(args.env_id, env_kwargs)
     if args.init_action_bias and len(args.init_action_bias) != num_actions:
-        raise SystemExit(f"error: --init-action-bias takes {num_actions} numbers (one per action), "
-                         f"got {len(args.init_action_bias)}")  # fmt: skip
+        got = len(args.init_action_bias)
+        raise SystemExit(f"error: --init-action-bias takes {num_actions} numbers (one per action), got {got}")
     return args
 
 

@@ -389,15 +389,21 @@ class RecurrentQNetwork(nn.Module):
         out, (h, c) = self.lstm(z, (state[0][None], state[1][None]))
         return out, (h[0], c[0])
 
-    def core_with_resets(self, z, first, state):
-        """Step loop over (T, B, H) that zeroes the state before every row with first = 1 (episode starts)."""
-        outputs = []
-        for t in range(z.shape[0]):
-            keep = (~first[t]).float()[:, None]  # (B, 1)
-            state = (state[0] * keep, state[1] * keep)
-            out, state = self.core(z[t : t + 1], state)
-            outputs.append(out)
-        return torch.cat(outputs) if outputs else z[:0], state
+    def state_after(self, z, first, state):
+        """The LSTM state after the rows z (T, B, H) from state ((B, H), (B, H)), zeroed before every row with
+        first = 1 (an episode start). Only each sequence's last piece (from its last start, or row 0) matters: one
+        packed nn.LSTM call runs them all, no step loop in Python."""
+        T, B = first.shape
+        if T == 0:
+            return state
+        rows = torch.arange(T, device=z.device)[:, None].expand(T, B)
+        begin = torch.where(first, rows, 0).amax(0)  # (B,) the row the last piece starts at
+        keep = (~first[begin, torch.arange(B, device=z.device)]).float()[:, None]  # zeros where it is a start
+        index = (begin[None] + rows).clamp(max=T - 1)  # (T, B) each piece's rows first (the rest is padding)
+        pieces = z.gather(0, index[..., None].expand(-1, -1, z.shape[-1]))
+        packed = nn.utils.rnn.pack_padded_sequence(pieces, (T - begin).cpu(), enforce_sorted=False)
+        _, (h, c) = self.lstm(packed, ((state[0] * keep)[None], (state[1] * keep)[None]))
+        return h[0], c[0]
 
 
 def unroll(net, win: dict, state, skip: int):
@@ -406,7 +412,7 @@ def unroll(net, win: dict, state, skip: int):
     Returns (q (W - skip, B, A), the state at row `skip`)."""
     z = net.encode(win["obs"], win["prev_action"], win["prev_reward"])  # (W, B, H)
     with torch.no_grad():
-        _, state = net.core_with_resets(z[:skip].detach(), win["first"][:skip], state)
+        state = net.state_after(z[:skip].detach(), win["first"][:skip], state)
     keep = (~win["first"][skip]).float()[:, None]  # the anchor itself may be an episode start
     state = (state[0].detach() * keep, state[1].detach() * keep)
     out, _ = net.core(z[skip:], state)
@@ -530,7 +536,7 @@ def main():
         run.load_model(q_network)  # the --checkpoint network: evaluated below, nothing is trained
     target_network = RecurrentQNetwork(obs_dim, num_actions, args.hidden_size).to(device)
     target_network.load_state_dict(q_network.state_dict())
-    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, eps=args.adam_eps)
+    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, eps=args.adam_eps, fused=True)
     E, H, B, L, m, n = args.num_envs, args.hidden_size, args.batch_size, args.burn_in, args.seq_len, args.n_step
     rb = SequenceReplay(args.buffer_size // E, E, obs_dim, H, m, args.seq_overlap, L, n)
     epsilons = ape_x_epsilons(E, args.exploration_eps, args.exploration_alpha)  # (E,)

@@ -623,7 +623,7 @@ def main():
         run.load_model(q_network)  # the --checkpoint network: evaluated below, nothing is trained
     target_network = build_network(args, obs_dim, num_actions).to(device)
     target_network.load_state_dict(q_network.state_dict())
-    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, eps=args.adam_eps)
+    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, eps=args.adam_eps, fused=True)
     E, m, n, D = args.num_envs, args.seq_len, args.n_step, args.d_model
     layers = args.num_layers if MEMORY_MODES[args.memory].stores_memory else 0  # stored layer inputs per row
     rb = MemoryReplay(args.buffer_size // E, E, obs_dim, layers, D, m, args.seq_overlap, replay_lead(args), n)

@@ -405,8 +405,8 @@ def main():
     device = run.device
     model, q_net, target_net = model.to(device), q_net.to(device), target_net.to(device)
     target_net.load_state_dict(q_net.state_dict())
-    model_opt = torch.optim.Adam(model.parameters(), lr=args.model_lr)
-    q_opt = torch.optim.Adam(q_net.parameters(), lr=args.q_lr)
+    model_opt = torch.optim.Adam(model.parameters(), lr=args.model_lr, fused=True)
+    q_opt = torch.optim.Adam(q_net.parameters(), lr=args.q_lr, fused=True)
     replay = StreamReplay(max(args.buffer_size // args.num_envs, args.seq_len + 1), args.num_envs, args.obs_dim)
     global_step, updates, metrics = 0, 0, {}  # metrics: what summary.json reports
 

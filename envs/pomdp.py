@@ -30,6 +30,9 @@ from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 
 def _check_action(space: spaces.Discrete, action, env_name: str) -> int:
     """Return `action` as an int, or raise a clear error if it is not an integer in the Discrete `space`."""
+    if isinstance(action, (int, np.integer)) and not isinstance(action, bool):  # the common case, checked cheaply
+        if space.start <= action < space.start + space.n:
+            return int(action)
     value = np.asarray(action) if isinstance(action, (int, np.integer, np.ndarray)) else None
     if value is None or value.shape != () or value.dtype.kind not in "iu" or not space.contains(int(value)):
         raise ValueError(f"{env_name}: invalid action {action!r}; expected an integer in {{0, ..., {space.n - 1}}}")

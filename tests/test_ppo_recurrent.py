@@ -83,7 +83,7 @@ def test_losses_by_hand():
 
 def make_agent(rnn, obs_dim=3, num_actions=2, seed=0):
     torch.manual_seed(seed)
-    return ppo.Agent(obs_dim, num_actions, rnn, hidden_size=8, prev_action=True, prev_reward=True)
+    return ppo.Agent(obs_dim, num_actions, rnn, hidden=8, prev_action=True, prev_reward=True)
 
 
 def random_inputs(agent, T=6, B=2, seed=1):
@@ -110,6 +110,41 @@ def test_recurrent_state_resets_at_episode_start(rnn):
     assert not torch.allclose(logits[3:, 1], fresh[:, 1], atol=1e-4)  # env 1 did not reset: it remembers
 
 
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("rnn", ["gru", "lstm"])
+def test_fused_pieces_equal_the_step_loop_with_gradients(rnn, shared):
+    """The update's path (one fused RNN call over the pieces between episode starts) against acting's path (one step
+    at a time, the state carried and zeroed at starts), float64, starts at random places, gradients included."""
+    torch.manual_seed(3)
+    agent = ppo.Agent(3, 2, rnn, hidden=8, prev_action=True, prev_reward=True, shared_torso=shared).double()
+    T, B = 23, 5
+    g = torch.Generator().manual_seed(4)
+    obs, prev_reward = torch.randn(T, B, 3, generator=g).double(), torch.randn(T, B, generator=g).double()
+    prev_action = torch.randint(0, 2, (T, B), generator=g)
+    starts = (torch.rand(T, B, generator=g) < 0.2).double()
+    starts[0, 0], starts[:, 1] = 1.0, 0.0  # env 0 starts an episode at t = 0, env 1 never starts one
+    starts[T - 1, 2] = 1.0  # env 2: a one-step piece at the end
+    state = torch.randn(B, agent.initial_state(B).shape[1], generator=g).double()
+
+    def grads(logits, values):
+        agent.zero_grad()
+        (logits.square().sum() + values.sin().sum()).backward()
+        return [p.grad.clone() for p in agent.parameters()]
+
+    logits, values, _ = agent(obs, prev_action, prev_reward, state, starts)
+    fused_grads = grads(logits, values)
+    steps, carried = [], state
+    for t in range(T):
+        one = slice(t, t + 1)
+        step_logits, step_values, carried = agent(obs[one], prev_action[one], prev_reward[one], carried, starts[one])
+        steps.append((step_logits, step_values))
+    loop_logits, loop_values = torch.cat([s[0] for s in steps]), torch.cat([s[1] for s in steps])
+    loop_grads = grads(loop_logits, loop_values)
+    assert torch.allclose(logits, loop_logits, atol=1e-12) and torch.allclose(values, loop_values, atol=1e-12)
+    for fused, loop in zip(fused_grads, loop_grads, strict=True):
+        assert torch.allclose(fused, loop, atol=1e-10)
+
+
 def test_memoryless_agent_ignores_history():
     agent = make_agent("none")
     obs, prev_action, prev_reward, state = random_inputs(agent)
@@ -124,7 +159,7 @@ def test_memoryless_agent_ignores_history():
 def test_value_loss_moves_the_policy_only_through_a_shared_torso(shared):
     """Separate torsos (the default): the critic's loss has zero gradient on every actor parameter."""
     torch.manual_seed(0)
-    agent = ppo.Agent(3, 2, "gru", hidden_size=8, prev_action=True, prev_reward=False, shared_torso=shared)
+    agent = ppo.Agent(3, 2, "gru", hidden=8, prev_action=True, prev_reward=False, shared_torso=shared)
     obs, prev_action, prev_reward, _ = random_inputs(agent)
     _, values, _ = agent(obs, prev_action, prev_reward, agent.initial_state(2), torch.zeros(6, 2))
     (values**2).mean().backward()
