@@ -22,7 +22,7 @@ Implementation details:
     + n), its burn-in clipped at the episode start (the zero state there is exact), rows after the final row masked.
  4. Prioritized sequence replay; new sequences get the largest priority seen; sequences whose first needed row was
     overwritten get probability 0. A numpy cumsum replaces the sum-tree (as fast at these sizes).
- 5. The burn-in runs step by step under no_grad (it resets at episode starts); the trained part is one nn.LSTM call.
+ 5. The burn-in is one packed nn.LSTM call under no_grad over each row's last piece (resets at episode starts).
  6. Input [o_t, onehot(a_{t-1}), r_{t-1}] as in the paper; dueling head; Adam, gradient clipping, target copies.
  7. Delta-Q is measured on the sampled batch *before* the optimizer step (same parameters for both Q's). Runs with
     different `--state-init` / `--burn-in` train different networks, so `final_delta_q` repeats the ablation at the
