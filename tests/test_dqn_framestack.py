@@ -15,6 +15,12 @@ dqn = load_script("dqn_framestack")
 TMAZE_STARTS = {(0.0, 1.0, 1.0), (1.0, 1.0, 0.0)}  # the two cue observations of TMaze, seen only at t = 0
 
 
+def eval_only(run_dir, runs_dir, episodes=4):
+    """The summary of `--eval-only` on a saved run (its env and architecture come from its args.json)."""
+    args = ("--eval-only", "--checkpoint", run_dir, "--eval-episodes", str(episodes))
+    return run_script("dqn_framestack", *args, runs_dir=runs_dir, timeout=120)
+
+
 def scripted_replay():
     """One env, D = 1, k = 3, capacity 6: episode 1 is 10, 11, 12 (terminated), episode 2 is 20, 21, 22, ..."""
     rb = dqn.FrameStackReplay(capacity=6, num_envs=1, obs_dim=1, k=3)
@@ -300,16 +306,7 @@ def test_eval_only_restores_the_architecture_from_args_json(runs_dir):
         "4",
     ]
     summary = run_script("dqn_framestack", *arch, *TINY, runs_dir=runs_dir, timeout=120)
-    again = run_script(
-        "dqn_framestack",
-        "--eval-only",
-        "--checkpoint",
-        summary["run_dir"],
-        "--eval-episodes",
-        "4",
-        runs_dir=runs_dir,
-        timeout=120,
-    )
+    again = eval_only(summary["run_dir"], runs_dir, episodes=4)
     restored = again["args"]
     assert (restored["scale_obs"], restored["frame_stack"], restored["hidden_size"]) == (False, 2, 32)
     assert restored["difference_scale"] == 10.0
@@ -325,16 +322,7 @@ def test_eval_only_of_a_run_saved_before_difference_scale_reads_the_raw_stack(ru
     saved = json.loads(args_file.read_text())
     del saved["difference_scale"]
     args_file.write_text(json.dumps(saved))
-    again = run_script(
-        "dqn_framestack",
-        "--eval-only",
-        "--checkpoint",
-        summary["run_dir"],
-        "--eval-episodes",
-        "4",
-        runs_dir=runs_dir,
-        timeout=120,
-    )
+    again = eval_only(summary["run_dir"], runs_dir, episodes=4)
     assert again["args"]["difference_scale"] == 0.0
     assert again["metrics"] == summary["metrics"]
 
@@ -361,16 +349,7 @@ def test_keep_best_saves_and_reports_the_kept_network(runs_dir):
     metrics = summary["metrics"]
     assert metrics["select/best_global_step"] in (200.0, 400.0)  # evaluations at 200 and 400 env steps
     assert {"eval/last_network_episodic_return", "eval/last_network_success_rate"} <= set(metrics)
-    again = run_script(
-        "dqn_framestack",
-        "--eval-only",
-        "--checkpoint",
-        summary["run_dir"],
-        "--eval-episodes",
-        "8",
-        runs_dir=runs_dir,
-        timeout=120,
-    )
+    again = eval_only(summary["run_dir"], runs_dir, episodes=8)
     assert again["metrics"]["eval/episodic_return"] == metrics["eval/episodic_return"]  # the kept one is saved
     if metrics["select/best_global_step"] == 400.0:  # the kept network is the last one: same evaluation
         assert metrics["eval/last_network_episodic_return"] == metrics["eval/episodic_return"]
