@@ -243,7 +243,7 @@ class Torso(nn.Module):
 
     def __init__(self, in_dim: int, rnn: str, hidden_size: int):
         super().__init__()
-        self.rnn, self.hidden_size = rnn, hidden_size
+        self.rnn = rnn
         self.state_size = {"lstm": 2 * hidden_size, "gru": hidden_size, "none": 0}[rnn]
         self.encoder = nn.Sequential(layer_init(nn.Linear(in_dim, hidden_size)), nn.Tanh())
         if rnn == "none":
