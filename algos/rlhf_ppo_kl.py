@@ -542,6 +542,7 @@ def tiny_gpt2_config(vocab_size, args, tokenizer):
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,  # no dropout: ratio = 1 at start
+        activation_function="gelu_pytorch_tanh",  # GPT-2's tanh GELU as one torch kernel (gelu_new: 13% of a run)
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

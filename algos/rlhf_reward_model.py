@@ -349,6 +349,7 @@ def build_lm(args, device):
             resid_pdrop=args.dropout,
             embd_pdrop=args.dropout,
             attn_pdrop=args.dropout,
+            activation_function="gelu_pytorch_tanh",  # GPT-2's tanh GELU as one torch kernel, not gelu_new's 8 ops
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
