@@ -717,9 +717,14 @@ class Run:
         args, run_dir = self.args, self.run_dir
         wall_time = time.time() - self.start_time
         summary = {
-            "script": SCRIPT, "run_name": run_dir.name, "run_dir": str(run_dir), "args": asdict(args),
-            "metrics": metrics, "wall_time_s": wall_time, "sps": samples / wall_time,
-        }  # fmt: skip
+            "script": SCRIPT,
+            "run_name": run_dir.name,
+            "run_dir": str(run_dir),
+            "args": asdict(args),
+            "metrics": metrics,
+            "wall_time_s": wall_time,
+            "sps": samples / wall_time,
+        }
         write_json_atomic(run_dir / "summary.json", summary)
         (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         for name, module in models.items():

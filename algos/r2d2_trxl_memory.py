@@ -792,8 +792,8 @@ def replay_bytes_memory(rb, memory_length: int) -> dict:
 
 # === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
 FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
-ARCH_FIELDS = ("env_id", "env_kwargs", "d_model", "num_layers", "num_heads", "ff_size", "memory", "memory_length",
-               "window")  # read from a checkpoint's args.json for --eval-only  # fmt: skip
+# read from a checkpoint's args.json for --eval-only
+ARCH_FIELDS = tuple("env_id env_kwargs d_model num_layers num_heads ff_size memory memory_length window".split())
 SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
 RESUME_FREE_FIELDS = ("resume", "save_every", "threads", "runs_dir")  # may change on --resume; the rest is the run's
 
@@ -822,17 +822,24 @@ def parse_args() -> Args:
     if not 0 <= args.seq_overlap < args.seq_len:
         raise SystemExit(f"error: need 0 <= --seq-overlap < --seq-len, got {args.seq_overlap} and {args.seq_len}")
     if min(args.d_model, args.num_heads, args.num_layers, args.ff_size) < 1 or args.d_model % args.num_heads:
-        raise SystemExit(f"error: need --num-layers, --ff-size >= 1 and --d-model a positive multiple of --num-heads, "
-                         f"got {args.num_layers}, {args.ff_size}, {args.d_model} and {args.num_heads}")  # fmt: skip
+        raise SystemExit(
+            f"error: need --num-layers, --ff-size >= 1 and --d-model a positive multiple of --num-heads, "
+            f"got {args.num_layers}, {args.ff_size}, {args.d_model} and {args.num_heads}"
+        )
     if args.memory_length < 1 or args.window < 1:
-        raise SystemExit(f"error: need --memory-length >= 1 and --window >= 1, got {args.memory_length} and "
-                         f"{args.window}")  # fmt: skip
+        raise SystemExit(
+            f"error: need --memory-length >= 1 and --window >= 1, got {args.memory_length} and {args.window}"
+        )
     if MEMORY_MODES[args.memory].acts_on_window and args.seq_len + args.n_step > args.window:
-        raise SystemExit(f"error: --memory window trains on windows of --seq-len + --n-step = "
-                         f"{args.seq_len + args.n_step} rows, more than --window {args.window}")  # fmt: skip
+        raise SystemExit(
+            f"error: --memory window trains on windows of --seq-len + --n-step = "
+            f"{args.seq_len + args.n_step} rows, more than --window {args.window}"
+        )
     if MEMORY_MODES[args.memory].burn_in == "args" and args.burn_in > args.memory_length:
-        raise SystemExit(f"error: --burn-in {args.burn_in} is longer than the memory (--memory-length "
-                         f"{args.memory_length}): the burn-in refreshes memory entries, at most M")  # fmt: skip
+        raise SystemExit(
+            f"error: --burn-in {args.burn_in} is longer than the memory (--memory-length "
+            f"{args.memory_length}): the burn-in refreshes memory entries, at most M"
+        )
     if args.burn_in < 0 or args.n_step < 1 or args.num_envs < 1 or args.batch_size < 1:
         raise SystemExit("error: need --burn-in >= 0, --n-step >= 1, --num-envs >= 1, --batch-size >= 1")
     if not 1 <= args.eval_episodes <= EVAL_SEED_STRIDE:
@@ -840,8 +847,10 @@ def parse_args() -> Args:
     window = (replay_lead(args) or 0) + args.seq_len + args.n_step
     capacity = args.buffer_size // args.num_envs  # rows per env column
     if capacity < 4 * window:
-        raise SystemExit(f"error: --buffer-size {args.buffer_size} gives {capacity} rows per env; need at least "
-                         f"4 windows of {window} rows (lead + seq-len + n-step)")  # fmt: skip
+        raise SystemExit(
+            f"error: --buffer-size {args.buffer_size} gives {capacity} rows per env; need at least "
+            f"4 windows of {window} rows (lead + seq-len + n-step)"
+        )
     if args.save_every < 0:
         raise SystemExit(f"error: need --save-every >= 0 (0 = no periodic checkpoints), got {args.save_every}")
     return args
@@ -937,9 +946,11 @@ class Run:
             first_lines = " ".join(str(err).strip().splitlines()[:3])
             self.writer.close()
             shutil.rmtree(self.run_dir, ignore_errors=True)  # nothing was run
-            raise SystemExit(f"error: checkpoint does not fit this network on {self.args.env_id} (obs dim "
-                             f"{module.obs_dim}, {module.num_actions} actions, width {module.d_model}): "
-                             f"{first_lines}") from None  # fmt: skip
+            raise SystemExit(
+                f"error: checkpoint does not fit this network on {self.args.env_id} (obs dim "
+                f"{module.obs_dim}, {module.num_actions} actions, width {module.d_model}): "
+                f"{first_lines}"
+            ) from None
 
     def restore(self, state: TrainState) -> int:
         """With --resume, load the checkpoint into `state` and bring its envs back; returns the env steps it had done
@@ -969,8 +980,11 @@ class Run:
             if self.stop["signal"]:
                 self.writer.close()
                 state.vec_env.close()
-                print(f"interrupted at global_step={step}: checkpoint {step_dir}; continue with: "
-                      f"python {sys.argv[0]} --resume {self.run_dir}", file=sys.stderr)  # fmt: skip
+                print(
+                    f"interrupted at global_step={step}: checkpoint {step_dir}; continue with: "
+                    f"python {sys.argv[0]} --resume {self.run_dir}",
+                    file=sys.stderr,
+                )
                 raise SystemExit(STOP_EXIT_CODE)
 
     def end_training(self) -> None:
@@ -988,9 +1002,14 @@ class Run:
         metrics = {key: float(value) for key, value in metrics.items()}
         run_dir, args = self.run_dir, self.args
         summary = {
-            "script": SCRIPT, "run_name": run_dir.name, "run_dir": str(run_dir), "args": asdict(args),
-            "metrics": metrics, "wall_time_s": wall_time, "sps": samples / max(wall_time, 1e-9),
-        }  # fmt: skip
+            "script": SCRIPT,
+            "run_name": run_dir.name,
+            "run_dir": str(run_dir),
+            "args": asdict(args),
+            "metrics": metrics,
+            "wall_time_s": wall_time,
+            "sps": samples / max(wall_time, 1e-9),
+        }
         (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         for name, module in models.items():
             save_file(module.state_dict(), str(run_dir / f"{name}.safetensors"))
@@ -1074,8 +1093,11 @@ def install_stop_handlers() -> dict:
         if stop["signal"] is None:
             stop["signal"] = signal.Signals(signum).name
             # os.write, not print: a handler that prints while the loop prints raises "reentrant call"
-            os.write(2, f"\n{stop['signal']}: a checkpoint follows this step, then the run exits (Ctrl-C again to "
-                        "stop now)\n".encode())  # fmt: skip
+            os.write(
+                2,
+                f"\n{stop['signal']}: a checkpoint follows this step, then the run exits (Ctrl-C again to "
+                "stop now)\n".encode(),
+            )
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         stop["previous"][sig] = signal.signal(sig, handler)
@@ -1116,8 +1138,10 @@ def restore_envs(vec_env, seed: int, obs: np.ndarray, final: np.ndarray, episode
         for action in episodes["actions"][e]:
             env_obs, *_ = env.step(action)
         if not np.array_equal(env_obs, obs[e]):
-            raise SystemExit(f"error: cannot restore env {e} of the checkpoint: replaying its episode gives another "
-                             "observation (does the env draw randomness outside its np_random?)")  # fmt: skip
+            raise SystemExit(
+                f"error: cannot restore env {e} of the checkpoint: replaying its episode gives another "
+                "observation (does the env draw randomness outside its np_random?)"
+            )
     if not hasattr(vec_env, "_autoreset_envs"):
         raise SystemExit(f"error: gymnasium {gym.__version__}'s SyncVectorEnv has no _autoreset_envs to restore")
     vec_env._autoreset_envs = final.copy()  # no public setter: these envs reset on the next step()
@@ -1128,9 +1152,16 @@ def checkpoint_kind(value) -> str:
     "optimizer" with torch.save, "replay" (an object with state_dict / load_state_dict) as .npz, "tensor" / "array"
     / "list" in arrays.npz, "generator" (its bit_generator state) and "value" (numbers, None) in state.json, "env"
     not at all (`restore_envs` replays each env's episode)."""
-    kinds = ((nn.Module, "module"), (torch.optim.Optimizer, "optimizer"), (gym.vector.VectorEnv, "env"),
-             (np.random.Generator, "generator"), (dict, "tensors"), (torch.Tensor, "tensor"),
-             (np.ndarray, "array"), (list, "list"))  # fmt: skip
+    kinds = (
+        (nn.Module, "module"),
+        (torch.optim.Optimizer, "optimizer"),
+        (gym.vector.VectorEnv, "env"),
+        (np.random.Generator, "generator"),
+        (dict, "tensors"),
+        (torch.Tensor, "tensor"),
+        (np.ndarray, "array"),
+        (list, "list"),
+    )
     found = [kind for cls, kind in kinds if isinstance(value, cls)]
     return found[0] if found else "replay" if hasattr(value, "load_state_dict") else "value"
 
@@ -1172,10 +1203,13 @@ def save_training_checkpoint(run_dir: Path, global_step: int, state, extra: dict
         np.savez(tmp / "arrays.npz", **arrays)
         np_global = np.random.get_state()
         saved = extra | {
-            "script": SCRIPT, "global_step": global_step, "kinds": kinds, "values": values,
+            "script": SCRIPT,
+            "global_step": global_step,
+            "kinds": kinds,
+            "values": values,
             "rng": {"python": random.getstate(), "numpy_global": [np_global[0], np_global[1].tolist(), *np_global[2:]]},
             "files": {path.name: path.stat().st_size for path in sorted(tmp.iterdir())},
-        }  # fmt: skip
+        }
         (tmp / "state.json").write_text(json.dumps(saved))
         os.replace(tmp, step_dir)
     write_json_atomic(root / "latest.json", {"step_dir": step_dir.name, "global_step": global_step})
@@ -1201,8 +1235,10 @@ def read_checkpoint_state(run_dir: Path) -> tuple[Path, dict]:
     for name, size in state["files"].items():
         found = (step_dir / name).stat().st_size if (step_dir / name).is_file() else 0
         if found != size:
-            raise SystemExit(f"error: checkpoint file {step_dir / name} is truncated or missing ({found} of {size} "
-                             "bytes); it cannot be resumed")  # fmt: skip
+            raise SystemExit(
+                f"error: checkpoint file {step_dir / name} is truncated or missing ({found} of {size} "
+                "bytes); it cannot be resumed"
+            )
     return step_dir, state
 
 
@@ -1225,8 +1261,10 @@ def resume_args(cli: Args) -> tuple[Args, Path, Path, dict]:
     given = {key: value for key, value in asdict(cli).items() if value != defaults[key]}  # set on the command line
     for key, value in given.items():
         if key not in RESUME_FREE_FIELDS and value != saved.get(key):
-            raise SystemExit(f"error: --{key.replace('_', '-')} {value} differs from the run's {saved.get(key)}; "
-                             "--resume continues a run with its own arguments")  # fmt: skip
+            raise SystemExit(
+                f"error: --{key.replace('_', '-')} {value} differs from the run's {saved.get(key)}; "
+                "--resume continues a run with its own arguments"
+            )
     free = {key: value for key, value in given.items() if key in RESUME_FREE_FIELDS}
     try:
         return Args(**(saved | free)), run_dir, step_dir, state

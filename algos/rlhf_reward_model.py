@@ -1021,8 +1021,11 @@ def install_stop_handlers() -> dict:
         if stop["signal"] is None:
             stop["signal"] = signal.Signals(signum).name
             # os.write, not print: a handler that prints while the loop prints raises "reentrant call"
-            os.write(2, f"\n{stop['signal']}: a checkpoint follows this step, then the run exits (Ctrl-C again to "
-                        "stop now)\n".encode())  # fmt: skip
+            os.write(
+                2,
+                f"\n{stop['signal']}: a checkpoint follows this step, then the run exits (Ctrl-C again to "
+                "stop now)\n".encode(),
+            )
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         stop["previous"][sig] = signal.signal(sig, handler)

@@ -288,8 +288,17 @@ def test_norm_reward_scales_the_learned_rewards_only(runs_dir, monkeypatch):
     (the last step's by the final one), while the network's r_{t-1} input stays the raw reward."""
     if "CounterTest-v0" not in gym.registry:
         gym.register("CounterTest-v0", entry_point=CounterEnv)
-    g = run_main(monkeypatch, "--env-id", "CounterTest-v0", "--runs-dir", str(runs_dir), "--norm-reward",
-                 "--prev-reward", "--no-bootstrap-truncated", *TINY)  # fmt: skip
+    g = run_main(
+        monkeypatch,
+        "--env-id",
+        "CounterTest-v0",
+        "--runs-dir",
+        str(runs_dir),
+        "--norm-reward",
+        "--prev-reward",
+        "--no-bootstrap-truncated",
+        *TINY,
+    )
     obs, rewards, starts, prev_rewards = g["obs"][..., 0], g["rewards"], g["starts"], g["prev_rewards"]
     divisor = (obs + 1) / rewards  # (T, B): one std per step, growing from the prior's 1 as returns are seen
     assert torch.allclose(divisor, divisor[:, :1].expand_as(divisor)) and (divisor[-1] > 1.5).all()
@@ -348,7 +357,8 @@ def test_monte_carlo_mode_trains_on_whole_first_episodes_and_never_bootstraps(ru
     late = [e.value for e in acc.Scalars("charts/episodic_return") if e.step > late_start]
     summary = json.loads((Path(g["run_dir"]) / "summary.json").read_text())
     assert 0 < len(late) < len(lengths) and summary["metrics"]["charts/late_episodic_return"] == pytest.approx(
-        np.mean(late), rel=1e-6)  # fmt: skip
+        np.mean(late), rel=1e-6
+    )
     with pytest.raises(SystemExit, match="error: --returns mc: an episode ran past --num-steps 2"):
         run_main(monkeypatch, *args, "--total-timesteps", "256", "--num-envs", "4", "--num-steps", "2")
 
@@ -356,8 +366,16 @@ def test_monte_carlo_mode_trains_on_whole_first_episodes_and_never_bootstraps(ru
 def test_zero_timesteps_evaluates_the_initial_network(runs_dir, monkeypatch):
     """`--total-timesteps 0` (benchmark.sh --untrained): no rollout, no update, the initial network is evaluated;
     a positive budget below one rollout stays an error."""
-    g = run_main(monkeypatch, "--runs-dir", str(runs_dir), "--env-id", "seqrl/ThreeStateLine-v0", *TINY[2:],
-                 "--total-timesteps", "0")  # fmt: skip
+    g = run_main(
+        monkeypatch,
+        "--runs-dir",
+        str(runs_dir),
+        "--env-id",
+        "seqrl/ThreeStateLine-v0",
+        *TINY[2:],
+        "--total-timesteps",
+        "0",
+    )
     assert g["global_step"] == 0 and g["iteration"] == 0
     torch.manual_seed(1)  # the script's seed: the weights it started from
     initial = ppo.Agent(g["obs_dim"], g["num_actions"], *g["arch"])
@@ -427,8 +445,13 @@ def test_smoke_memoryless_three_state_line_and_module_env_id(runs_dir):
     agent.load_state_dict(state)
     obs = torch.as_tensor(gym.make("seqrl/ThreeStateLine-v0").reset(seed=0)[0], dtype=torch.float32)
     with torch.no_grad():
-        logits, _, _ = agent(obs[None, None], torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1),
-                             agent.initial_state(1), torch.ones(1, 1))  # fmt: skip
+        logits, _, _ = agent(
+            obs[None, None],
+            torch.zeros(1, 1, dtype=torch.long),
+            torch.zeros(1, 1),
+            agent.initial_state(1),
+            torch.ones(1, 1),
+        )
     p_right = torch.softmax(logits[0, 0], -1)[ppo.ThreeStateLineEnv.RIGHT].item()
     assert summary["metrics"]["eval/p_right_first_step"] == pytest.approx(p_right, abs=1e-5)
     summary = run_script(
