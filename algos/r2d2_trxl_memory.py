@@ -4,11 +4,12 @@ R2D2 [1] (r2d2_rnnstate.py) stores the actor's recurrent state with the replayed
 found the analogous trick for transformers. Here it is built and measured. A Transformer-XL [2] acts with a *memory*,
 each layer's inputs at the last M steps. A memory entry belongs to one step, so the replay stores the actor's layer
 inputs with every step (O(T)); the memory at a sequence's first trained step t0 is the stored rows t0 - M .. t0 - 1.
-`--memory`: (a) `zero`, an empty memory; (b) `stored --burn-in 0`, the stored memory, written by an older network;
-(c) `stored` (default), the stored memory and a burn-in that recomputes its burn_in newest entries; (d) `window`,
-DTQN [4]: no memory, acting on the last k steps; (e) `episode`, each sequence re-encoded from its episode start
-(AMAGO [6]: exact, no stored state). On TMaze-20 every replayed window is shorter than the distance from the cue to
-the junction, so only a stored memory brings the cue into training.
+`--memory`: (a) `zero`, an empty memory at t0 - burn_in; (b) `stored --burn-in 0`, the stored memory, written by an
+older network; (c) `stored` (default), the stored memory and a burn-in that recomputes its burn_in newest entries; (d)
+`window`, DTQN [4]: no memory, acting on the last k steps; (e) `episode`, each sequence re-encoded from its episode
+start (AMAGO [6]); (f) `exact`, an empty memory at t0 - L x M and a burn-in of those rows: by the band (1.) the Q of
+(e) at a fixed cost, nothing stored, the fair recompute baseline. On TMaze-20 every window of (a)-(d) is shorter than
+the distance from the cue to the junction: there only a stored memory or a recompute ((e), (f)) trains on the cue.
 
 Key equations (GTrXL [3] block, pre-norm, layer l, input x_t^l; the memory gets no gradient):
     y = ReLU(MultiHeadAttention(q = LN(x_t^l), k = v = LN([x_{t-M}^l .. x_t^l])) + bias b_{head, offset})
@@ -17,16 +18,17 @@ Key equations (GTrXL [3] block, pre-norm, layer l, input x_t^l; the memory gets 
 Implementation details:
 1. Attention is a band (a step attends to itself and the M steps before it in its episode), so acting step by step
    with the memory gives exactly the Q-values of one pass over the episode (tested in float64); reach M x layers.
-2. The replay stores per row the actor's layer inputs: L x width floats (2 x 64), the size of the LSTM's (h, c).
+2. (c) stores per row the actor's layer inputs: L x width floats (2 x 64), the size of the LSTM's (h, c).
 3. Sequences, autoreset handling, prioritized sampling, targets and exploration as r2d2_rnnstate.py (the same
-   functions). A window is [t0 - lead, t0 + m + n), lead = burn_in + M, 0 (window mode) or back to the episode start.
+   functions). A window is [t0 - lead, t0 + m + n), lead = burn_in + M in (c); else burn_in (a), 0 (d), L x M (f) or
+   all (e), but never before the episode start (nothing stored there: all of it is a burn-in from an empty memory).
 4. Burn-in (`anchor_memory`): without gradient, in segments of at most M rows; the M - burn_in older entries stay as
    stored, unlike an LSTM state, which a burn-in refreshes entirely.
 5. The trained rows run in one pass with the memory as (detached) keys and values: gradient trains how the memory is
    read, never how it was written.
 6. `final_delta_q_memory`: the ablation on ONE network, the last: Q from the empty, the stored and the stored +
    burned-in memory against the memory recomputed from the episode start.
-7. Cost: (c) encodes burn_in + M + m + n rows per sequence whatever the episode length, (e) up to the whole episode.
+7. Rows encoded a sequence: (c) burn_in + M + m + n whatever the episode length, (f) <= L x M + m + n, (e) all.
 8. Long runs: `--save-every`, Ctrl-C / SIGTERM checkpoints and `--resume RUN_DIR`, bit for bit on CPU (class `Run`).
 Scaled down from GTrXL: 2 layers of width 64, 4 heads, a learned bias per offset; M = 32; m = 10, overlap 5, burn-in 4,
 n = 5: burn-in + trained + target rows (19) are fewer than TMaze-20's 21 steps from the cue to the junction.
@@ -114,9 +116,9 @@ class Args:
     """attention heads per block (d_model must be a multiple)"""
     ff_size: int = 128
     """hidden width of each block's MLP"""
-    memory: Literal["stored", "zero", "window", "episode"] = "stored"
-    """what a replayed sequence starts from: the actor's stored memory (+ --burn-in), an empty memory, no memory
-    (DTQN: acting on the last --window steps), or the memory recomputed from the episode start (AMAGO-style)"""
+    memory: Literal["stored", "zero", "window", "episode", "exact"] = "stored"
+    """a replayed sequence starts from: the stored memory or an empty one (+ --burn-in), no memory (DTQN: acting on the
+    last --window steps), a recompute from the episode start (AMAGO) or of the L x M rows before t0 (exact: the band)"""
     memory_length: int = 32
     """M: the steps of layer inputs each step attends to (memory modes)"""
     window: int = 16
@@ -171,17 +173,17 @@ class Args:
 class MemoryMode:
     """What a --memory mode stores, gathers and trains from: the one place the modes differ (`MEMORY_MODES`)."""
 
-    stores_memory: bool  # the replay keeps each row's layer inputs (the actor's memory entry there)
+    stores_memory: bool  # the replay keeps each row's layer inputs, the memory a sequence starts from; else it is empty
     acts_on_window: bool  # DTQN: the actor re-encodes its last --window rows (no memory; the network's span k - 1)
-    start: str  # the memory the trained rows start from before the burn-in: "stored" (the actor's) or "zero" (empty)
-    burn_in: str  # rows recomputed before t0: "args" (--burn-in), "none", or "episode" (all from the episode start)
+    burn_in: str  # rows recomputed before t0: "args" (--burn-in), "none", "band" (L x M) or "episode" (all of them)
 
 
 MEMORY_MODES = {
-    "stored": MemoryMode(stores_memory=True, acts_on_window=False, start="stored", burn_in="args"),
-    "zero": MemoryMode(stores_memory=True, acts_on_window=False, start="zero", burn_in="args"),
-    "window": MemoryMode(stores_memory=False, acts_on_window=True, start="zero", burn_in="none"),
-    "episode": MemoryMode(stores_memory=False, acts_on_window=False, start="zero", burn_in="episode"),
+    "stored": MemoryMode(stores_memory=True, acts_on_window=False, burn_in="args"),
+    "zero": MemoryMode(stores_memory=False, acts_on_window=False, burn_in="args"),
+    "window": MemoryMode(stores_memory=False, acts_on_window=True, burn_in="none"),
+    "episode": MemoryMode(stores_memory=False, acts_on_window=False, burn_in="episode"),
+    "exact": MemoryMode(stores_memory=False, acts_on_window=False, burn_in="band"),
 }
 
 
@@ -338,9 +340,7 @@ class MemoryReplay:  # r2d2_rnnstate.py's SequenceReplay stores LSTM states; thi
     """O(T) ring buffer of rows (capacity rows per env column) plus a prioritized table of sequences.
 
     A sequence is identified by its env column, its anchor t0 (first trained row, absolute step index) and its
-    episode's first row; its window is rows [t0 - lead, t0 + seq_len + n_step): lead = burn_in + M in the memory
-    modes (the memory at t0 - burn_in, then the burn-in), 0 in the window mode (DTQN), back to the episode's first
-    row in the episode mode (lead None).
+    episode's first row; its window is rows [t0 - lead, t0 + seq_len + n_step) (`lead_rows`).
     """
 
     def __init__(self, capacity, num_envs, obs_dim, stored_layers, d_model, seq_len, overlap, lead, n_step):
@@ -390,10 +390,12 @@ class MemoryReplay:  # r2d2_rnnstate.py's SequenceReplay stores LSTM states; thi
         self.seq_ptr = (self.seq_ptr + 1) % self.seq_cap
 
     def lead_rows(self, ids=slice(None)) -> np.ndarray:
-        """Rows before t0 that the window of each sequence `ids` needs: the replay's lead, or back to its episode's
-        first row (lead None, --memory episode)."""
+        """Rows before t0 that the window of each sequence `ids` needs: the lead where a stored memory sits in it, else
+        (a burn-in from an empty memory) the lead (None: all) but never more than back to its episode's first row."""
         to_episode_start = self.seq_anchor[ids] - self.seq_ep_start[ids]
-        return to_episode_start if self.lead is None else np.full_like(to_episode_start, self.lead)
+        if self.layer_inputs.shape[2] > 0:  # --memory stored
+            return np.full_like(to_episode_start, self.lead)
+        return to_episode_start if self.lead is None else np.minimum(to_episode_start, self.lead)
 
     def valid(self) -> np.ndarray:
         """Sequences whose needed rows (from max(t0 - lead, episode start)) are still in the ring."""
@@ -424,14 +426,10 @@ class MemoryReplay:  # r2d2_rnnstate.py's SequenceReplay stores LSTM states; thi
                 raise ValueError(f"{key}: {np.shape(saved[key])} {saved[key].dtype}, the replay has {np.shape(value)}")
             setattr(self, key, saved[key] if isinstance(value, np.ndarray) else type(value)(saved[key]))
 
-    def lead_of(self, ids) -> int:
-        """Rows before t0 in a batch of windows of sequences `ids`: the most any of them needs (`lead_rows`)."""
-        return int(self.lead_rows(ids).max())
-
     def gather(self, ids, lead: int | None = None) -> dict:
-        """The windows of sequences `ids` as (W, B, ...) arrays: rows t0 - lead .. t0 + m + n - 1 (lead: `lead_of`
-        by default). key_valid marks the rows of the sequence's episode or later (earlier rows: not attended)."""
-        lead = self.lead_of(ids) if lead is None else lead
+        """The windows of sequences `ids` as (W, B, ...) arrays: rows t0 - lead .. t0 + m + n - 1 (lead: by default the
+        most any of them needs). key_valid marks the rows of the sequence's episode or later (earlier: not attended)."""
+        lead = int(self.lead_rows(ids).max()) if lead is None else lead
         absolute = self.seq_anchor[ids][None, :] + np.arange(-lead, self.m + self.n)[:, None]  # (W, B)
         rows, cols = absolute % self.cap, np.broadcast_to(self.seq_env[ids][None, :], absolute.shape)
         out = {name: getattr(self, name)[rows, cols] for name in self.row_fields}  # (W, B, ...)
@@ -477,11 +475,11 @@ def memory_q(net, win: dict, lead: int, memory: str, burn_in: int, memory_length
 
 
 def replay_q(net, win: dict, lead: int, args: Args) -> torch.Tensor:
-    """Q of a window's rows from t0 on, as this run's --memory mode computes them (learner and target network): DTQN
-    from each window's first row with no memory before it, the episode mode with the whole prefix as a burn-in."""
-    mode = MEMORY_MODES[args.memory]
-    burn_in = {"args": args.burn_in, "none": 0, "episode": lead}[mode.burn_in]
-    return memory_q(net, win, lead, mode.start, burn_in, args.memory_length)
+    """Q of a window's rows from t0 on, as this run's --memory mode computes them (learner and target network): from
+    the stored memory and --burn-in, or from an empty memory with all `lead` rows before t0 as the burn-in (DTQN: 0)."""
+    if MEMORY_MODES[args.memory].stores_memory:
+        return memory_q(net, win, lead, "stored", args.burn_in, args.memory_length)
+    return memory_q(net, win, lead, "zero", lead, args.memory_length)
 
 
 def next_row_flags(final, terminated, truncated):
@@ -557,9 +555,11 @@ def make_flat_env(env_id: str, env_kwargs: dict, scale_obs: bool = False) -> gym
 
 
 def replay_lead(args: Args) -> int | None:
-    """Rows a replayed window needs before t0: the stored memory at t0 - burn_in and the burn-in, none (DTQN), or
-    (None) everything back to the episode's first row (`MemoryReplay.lead_rows`)."""
-    return {"args": args.burn_in + args.memory_length, "none": 0, "episode": None}[MEMORY_MODES[args.memory].burn_in]
+    """Rows a replayed window needs before t0 (`MemoryReplay.lead_rows`): the burn-in's, after the stored memory at
+    t0 - burn_in where the mode stores one; None: everything back to the episode's first row."""
+    mode, L, M = MEMORY_MODES[args.memory], args.num_layers, args.memory_length
+    burn_in = {"args": args.burn_in, "none": 0, "band": L * M, "episode": None}[mode.burn_in]
+    return burn_in + M if mode.stores_memory else burn_in
 
 
 def build_network(args: Args, obs_dim: int, num_actions: int) -> TransformerXLQNetwork:
@@ -665,7 +665,7 @@ def main():
         if global_step >= args.learning_starts and step % args.train_frequency == 0 and rb.valid().any():
             learn_start = time.perf_counter()
             ids, weights = rb.sample(args.batch_size, args.priority_exponent, args.importance_exponent, rng)
-            lead = rb.lead_of(ids)  # rows before t0 in the windows
+            lead = int(rb.lead_rows(ids).max())  # rows before t0 in the windows
             win = to_torch(rb.gather(ids, lead), device)
             q_all = replay_q(q_network, win, lead, args)  # (m + n, B, A) online Q of t0 .. end
             with torch.no_grad():
@@ -706,10 +706,8 @@ def main():
     vec_env.close()
 
     # after training: the one-network Delta-Q ablation (memory modes), then the greedy evaluation
-    final_dq = {}
-    if not args.eval_only and MEMORY_MODES[args.memory].stores_memory:
-        sizes = (args.final_delta_q_sequences, device, args.burn_in, args.memory_length)
-        final_dq = final_delta_q_memory(q_network, rb, rng, *sizes)
+    sizes = (args.final_delta_q_sequences, device, args.burn_in, args.memory_length)
+    final_dq = {} if args.eval_only else final_delta_q_memory(q_network, rb, rng, *sizes)  # {}: no stored memory
     metrics = {"model/final_delta_q_" + key: value for key, value in final_dq.items() if key != "count"}
     metrics |= evaluate(q_network, args, env_kwargs, eval_env_seed(args.seed), device)
     if not args.eval_only:  # the O(T) replay: each step once, with its memory entry; the learner's time per update
@@ -755,17 +753,18 @@ def final_delta_q_memory(net, rb, rng: np.random.Generator, num_sequences: int, 
     """The ablation on ONE network: Delta-Q of the same replayed sequences started three ways. On up to
     `num_sequences` sequences that start mid-episode and whose episode start is stored, Q at the first and last
     trained row from an empty memory at t0 (`zero`), the memory stored at t0 (`stored`), or the memory stored at
-    t0 - burn_in and the burn-in (`stored_burn_in`), against Q from the memory recomputed from the episode start."""
+    t0 - burn_in and the burn-in (`stored_burn_in`), against Q from the memory recomputed from the episode start.
+    {} where the replay stores no memory (--memory stored only)."""
     mid_episode = rb.seq_anchor > rb.seq_ep_start
     ok = np.nonzero(rb.valid() & mid_episode & (rb.seq_ep_start >= rb.t - rb.cap))[0]
-    if len(ok) == 0:
+    if len(ok) == 0 or rb.layer_inputs.shape[2] == 0:
         return {}
     ids = rng.choice(ok, size=min(num_sequences, len(ok)), replace=False)
     prefix = int((rb.seq_anchor[ids] - rb.seq_ep_start[ids]).max())  # rows from the episode start to t0
     full = to_torch(rb.gather(ids, lead=prefix), device)
     # the true memory: the whole prefix as a burn-in from the episode start (m + n, b, A)
     q_true = memory_q(net, full, prefix, "zero", prefix, memory_length)
-    win, lead = to_torch(rb.gather(ids), device), rb.lead_of(ids)
+    win, lead = to_torch(rb.gather(ids), device), int(rb.lead_rows(ids).max())
     variants = {"zero": ("zero", 0), "stored": ("stored", 0), "stored_burn_in": ("stored", burn_in)}
     mask = torch.cumprod(1.0 - win["final"][lead : lead + rb.m].float(), dim=0)  # (m, b) trained rows
     last, col = (mask.sum(0).long() - 1).clamp(min=0), torch.arange(len(ids), device=device)
@@ -840,6 +839,11 @@ def parse_args() -> Args:
             f"error: --burn-in {args.burn_in} is longer than the memory (--memory-length "
             f"{args.memory_length}): the burn-in refreshes memory entries, at most M"
         )
+    if MEMORY_MODES[args.memory].burn_in != "args" and args.burn_in != Args.burn_in:
+        raise SystemExit(
+            f"error: --burn-in does not apply to --memory {args.memory}, whose burn-in is fixed (window: none, "
+            "episode: from the episode start, exact: L x M rows); leave it out"
+        )
     if args.burn_in < 0 or args.n_step < 1 or args.num_envs < 1 or args.batch_size < 1:
         raise SystemExit("error: need --burn-in >= 0, --n-step >= 1, --num-envs >= 1, --batch-size >= 1")
     if not 1 <= args.eval_episodes <= EVAL_SEED_STRIDE:
@@ -851,9 +855,42 @@ def parse_args() -> Args:
             f"error: --buffer-size {args.buffer_size} gives {capacity} rows per env; need at least "
             f"4 windows of {window} rows (lead + seq-len + n-step)"
         )
+    max_steps = time_limit(args.env_id, env_kwargs)  # None where gymnasium does not know it: `check_episode_fits`
+    if replay_lead(args) is None and max_steps is not None and max_steps + 1 > capacity:
+        raise SystemExit(
+            episode_too_long(
+                capacity, f"{args.env_id} episodes have up to {max_steps + 1} rows (steps + the final one)"
+            )
+        )
     if args.save_every < 0:
         raise SystemExit(f"error: need --save-every >= 0 (0 = no periodic checkpoints), got {args.save_every}")
     return args
+
+
+def time_limit(env_id: str, env_kwargs: dict) -> int | None:
+    """The env's step limit as gymnasium knows it: gym.make's max_episode_steps, else the registered spec's; None
+    where neither is known (or the id is bad: check_env reports that)."""
+    try:
+        limit = env_kwargs.get("max_episode_steps", gym.spec(env_id).max_episode_steps)
+    except gym.error.Error:
+        return None
+    return limit if isinstance(limit, int) else None
+
+
+def episode_too_long(capacity: int, what: str) -> str:
+    """The one-line error of --memory episode when an episode has more rows than the replay holds per env."""
+    return (
+        f"error: --memory episode replays whole episodes, but {what}, more than the {capacity} "
+        "rows per env of the replay (--buffer-size / --num-envs): their later sequences could never be replayed; "
+        "raise --buffer-size"
+    )
+
+
+def check_episode_fits(rb: MemoryReplay) -> None:
+    """--memory episode (windows back to the episode's first row): a one-line error as soon as an episode has more
+    rows than the replay holds per env (its first row is overwritten: `valid` never again holds for its sequences)."""
+    if rb.lead is None and (rb.t - rb.ep_start).max() > rb.cap:
+        raise SystemExit(episode_too_long(rb.cap, f"an episode has reached {(rb.t - rb.ep_start).max()} rows"))
 
 
 def check_env(env_id: str, env_kwargs: dict) -> int:
@@ -970,6 +1007,7 @@ class Run:
         --save-every env steps was passed (but not after the last step: the run finishes) or a stop signal came,
         then, after a stop, the exit with STOP_EXIT_CODE."""
         args, E = self.args, self.args.num_envs
+        check_episode_fits(state.rb)
         track_episodes(self._episodes, state.vec_env, state.first, state.final, state.prev_action)
         last = step >= args.total_timesteps // E * E
         due = args.save_every and step // args.save_every != (step - E) // args.save_every

@@ -209,16 +209,17 @@ class CounterEnv(gym.Env):
 M_TEST, BURN_IN_TEST, SEQ_LEN_TEST, N_TEST = 5, 2, 4, 2
 
 
-def fill_replay(memory="stored", num_vector_steps=200, window=SEQ_LEN_TEST + N_TEST):
-    """Drive the script's actor and replay exactly as its main loop does, on CounterEnvs (default NEXT_STEP)."""
+def fill_replay(memory="stored", num_vector_steps=200, window=SEQ_LEN_TEST + N_TEST, memory_length=M_TEST):
+    """Drive the script's actor and replay exactly as its main loop does, on CounterEnvs (default NEXT_STEP), with
+    the replay's lead and stored layers as the script sets them for --memory `memory` (2 layers)."""
     E = 4
     vec = gym.vector.SyncVectorEnv([lambda i=i: CounterEnv(i) for i in range(E)])
-    span = window - 1 if memory == "window" else M_TEST
+    sizes = {"d_model": 16, "num_layers": 2, "num_heads": 2, "ff_size": 32, "window": window}
+    args = trxl.Args(memory=memory, memory_length=memory_length, burn_in=BURN_IN_TEST, **sizes)
     torch.manual_seed(0)
-    net = trxl.TransformerXLQNetwork(3, 2, 16, 2, 2, 32, span)
-    lead = 0 if memory == "window" else BURN_IN_TEST + M_TEST
-    layers = 0 if memory == "window" else 2
-    rb = trxl.MemoryReplay(4000, E, 3, layers, 16, SEQ_LEN_TEST, 1, lead, N_TEST)
+    net = trxl.build_network(args, 3, 2)
+    layers = 2 if trxl.MEMORY_MODES[memory].stores_memory else 0
+    rb = trxl.MemoryReplay(4000, E, 3, layers, 16, SEQ_LEN_TEST, 1, trxl.replay_lead(args), N_TEST)
     context = trxl.initial_context(net, memory, window, E, "cpu")
     rng = np.random.default_rng(0)
     obs, _ = vec.reset(seed=0)
@@ -295,13 +296,13 @@ def test_burn_in_refreshes_the_newest_entries_and_final_delta_q_orders_the_three
 
 
 def test_episode_mode_recomputes_from_the_episode_start_in_segments():
-    """--memory episode: every window reaches back to its episode's first row (lead_of), and the prefix, run as a
+    """--memory episode: every window reaches back to its episode's first row (lead_rows), and the prefix, run as a
     burn-in in segments of M rows, gives the Q of one pass over the whole episode: exact, with any weights."""
-    rb, net = fill_replay()
-    rb.lead = None  # as the episode mode builds it
+    rb, net = fill_replay("episode")
+    assert rb.lead is None
     ids = np.nonzero(rb.valid())[0]
     ids = ids[np.argsort(rb.seq_ep_start[ids] - rb.seq_anchor[ids])[:100]]  # the longest prefixes
-    lead = rb.lead_of(ids)
+    lead = int(rb.lead_rows(ids).max())
     assert lead == (rb.seq_anchor[ids] - rb.seq_ep_start[ids]).max() > M_TEST  # two segments or more
     win = trxl.to_torch(rb.gather(ids), "cpu")
     args = trxl.Args(memory="episode", memory_length=M_TEST)
@@ -314,16 +315,83 @@ def test_episode_mode_recomputes_from_the_episode_start_in_segments():
     torch.testing.assert_close(q, q_one_pass[lead:], rtol=0, atol=1e-5)
 
 
-def test_window_mode_stores_no_memory_and_replay_bytes_by_hand():
-    rb, _ = fill_replay("window", num_vector_steps=50)
-    assert rb.layer_inputs.shape == (4000, 4, 0, 16) and rb.lead == 0
+def double(win: dict) -> dict:
+    return {key: value.double() if value.is_floating_point() else value for key, value in win.items()}
+
+
+def test_exact_mode_equals_the_episode_re_encode_float64():
+    """--memory exact: an empty memory L x M rows before t0 (or at the episode start, where that is closer) and a
+    burn-in of those rows give, by the band (Q at a row depends on its last L x M rows only), the Q of --memory
+    episode's re-encode from the episode start, on every replayed row, also where t0 lies more than L x M rows after
+    the episode start; one row of burn-in less does not."""
+    M, L = 3, 2
+    rb, net = fill_replay("exact", memory_length=M)
+    assert rb.lead == L * M and rb.layer_inputs.shape[2] == 0  # nothing stored
+    net.double()
+    with torch.no_grad():
+        for param in net.parameters():  # away from the near-identity gates of the initialization
+            param.normal_(0.0, 0.3)
+    ids = np.nonzero(rb.valid())[0]
+    prefix = rb.seq_anchor[ids] - rb.seq_ep_start[ids]  # rows from the episode start to t0
+    assert (prefix > L * M).sum() > 5 and (prefix < L * M).sum() > 5
+    np.testing.assert_array_equal(rb.lead_rows(ids), np.minimum(prefix, L * M))  # never before the episode start
+    lead, full_lead = int(rb.lead_rows(ids).max()), int(prefix.max())
+    win, full = double(trxl.to_torch(rb.gather(ids), "cpu")), double(trxl.to_torch(rb.gather(ids, full_lead), "cpu"))
+    with torch.no_grad():
+        q_exact = trxl.replay_q(net, win, lead, trxl.Args(memory="exact", memory_length=M, num_layers=L))
+        q_episode = trxl.replay_q(net, full, full_lead, trxl.Args(memory="episode", memory_length=M))
+        q_short = trxl.memory_q(net, win, lead, "zero", lead - 1, M)  # a burn-in of L x M - 1 rows
+    assert q_exact.shape == (SEQ_LEN_TEST + N_TEST, len(ids), 2)
+    torch.testing.assert_close(q_exact, q_episode, rtol=0, atol=1e-10)
+    far = torch.tensor(prefix >= L * M)
+    assert (q_short[0, far] - q_episode[0, far]).abs().amax(-1).min() > 1e-6  # the band is tight
+    torch.testing.assert_close(q_short[:, ~far], q_episode[:, ~far], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("memory", list(trxl.MEMORY_MODES))
+def test_replay_checkpoint_round_trips_without_pickles(tmp_path, memory):
+    """The replay's state_dict is plain arrays and numbers in every mode (the episode mode's unbounded lead is not
+    saved as an object array): np.savez, then np.load(allow_pickle=False) restores every array."""
+    rb, _ = fill_replay(memory, num_vector_steps=30)
+    np.savez(tmp_path / "replay.npz", **rb.state_dict())
+    fresh, _ = fill_replay(memory, num_vector_steps=0)
+    with np.load(tmp_path / "replay.npz", allow_pickle=False) as data:
+        fresh.load_state_dict({key: data[key] for key in data.files})
+    for key, value in rb.state_dict().items():
+        np.testing.assert_array_equal(getattr(fresh, key), value)
+    assert fresh.lead == rb.lead
+
+
+@pytest.mark.parametrize("memory", ["zero", "window", "episode", "exact"])
+def test_modes_without_a_stored_memory_store_no_layer_inputs_and_replay_bytes_by_hand(memory):
+    rb, _ = fill_replay(memory, num_vector_steps=50)
+    assert rb.layer_inputs.shape == (4000, 4, 0, 16)
     sizes = trxl.replay_bytes_memory(rb, M_TEST)
     per_row = 3 * 4 + 8 + 4 + 8 + 4 + 3 * 1 + 4  # obs, action, reward, prev action, prev reward, flags, ep_step
     assert sizes["bytes_per_row"] == per_row and sizes["bytes"] == 50 * 4 * per_row
+    assert trxl.final_delta_q_memory(None, rb, np.random.default_rng(0), 10, "cpu", BURN_IN_TEST, M_TEST) == {}
     rb, _ = fill_replay("stored", num_vector_steps=50)
     sizes = trxl.replay_bytes_memory(rb, M_TEST)
     assert sizes["bytes_per_row"] == per_row + 2 * 16 * 4  # + L x D float32 layer inputs
     assert sizes["memory_bytes_per_sequence"] == M_TEST * 2 * 16 * 4
+
+
+def test_an_episode_longer_than_the_replay_is_an_error_in_episode_mode():
+    """--memory episode needs a whole episode in the ring: once one has more rows than the replay holds per env, its
+    later sequences could never be replayed; check_episode_fits stops the run then with a one-line error (the other
+    modes need at most a bounded lead and go on)."""
+    for lead, fails in ((None, True), (4, False)):
+        rb = trxl.MemoryReplay(20, 2, 3, 0, 16, SEQ_LEN_TEST, 1, lead, N_TEST)
+        row = {"obs": np.zeros((2, 3)), "action": np.zeros(2, int), "reward": np.zeros(2), "final": np.zeros(2, bool)}
+        row |= {"prev_action": np.zeros(2, int), "prev_reward": np.zeros(2), "terminal": np.zeros(2, bool)}
+        for t in range(21):  # one episode per env, never ending
+            trxl.check_episode_fits(rb)  # 20 rows fit
+            rb.add(**row, first=np.full(2, t == 0), layer_inputs=np.zeros((2, 2, 16)))
+        if fails:
+            with pytest.raises(SystemExit, match="^error: --memory episode .* 21 rows"):
+                trxl.check_episode_fits(rb)
+        else:
+            trxl.check_episode_fits(rb)
 
 
 # ---------------------------------------------------------------- subprocess runs
@@ -351,15 +419,15 @@ TINY = [
 ]
 
 
-@pytest.mark.parametrize("memory", ["stored", "zero", "window", "episode"])
+@pytest.mark.parametrize("memory", ["stored", "zero", "window", "episode", "exact"])
 def test_smoke_run_and_eval_only_round_trip(runs_dir, memory):
     summary = run_script("r2d2_trxl_memory", *TINY, "--memory", memory, runs_dir=runs_dir, timeout=120)
     metrics = summary["metrics"]
     for key in ("eval/episodic_return", "eval/success_rate", "replay/bytes", "perf/learner_ms_per_update"):
         assert np.isfinite(metrics[key]), key
-    assert ("model/final_delta_q_last_stored" in metrics) == (memory in ("stored", "zero"))
+    assert ("model/final_delta_q_last_stored" in metrics) == (memory == "stored")
     per_row = metrics["replay/bytes_per_row"]
-    assert per_row == 3 * 4 + 8 + 4 + 8 + 4 + 3 + 4 + (2 * 16 * 4 if memory in ("stored", "zero") else 0)
+    assert per_row == 3 * 4 + 8 + 4 + 8 + 4 + 3 + 4 + (2 * 16 * 4 if memory == "stored" else 0)  # only (c) stores
     again = run_script(
         "r2d2_trxl_memory",
         "--eval-only",
@@ -437,6 +505,13 @@ def test_learning_rate_zero_stored_memory_is_exact_in_the_main_loop(runs_dir):
         (["--seq-len", "4", "--seq-overlap", "4"], "seq-overlap"),
         (["--env-kwargs", "[1]"], "must be a JSON object"),
         (["--eval-only"], "needs --checkpoint"),
+        (["--memory", "window", "--burn-in", "2"], "--burn-in does not apply to --memory window"),
+        (["--memory", "episode", "--burn-in", "0"], "--burn-in does not apply to --memory episode"),
+        (["--memory", "exact", "--burn-in", "8"], "--burn-in does not apply to --memory exact"),
+        (
+            ["--memory", "episode", "--env-id", "CartPole-v1", "--env-kwargs", "{}", "--buffer-size", "1000"],
+            "CartPole-v1 episodes have up to 501 rows",
+        ),
     ],
 )
 def test_clear_errors(runs_dir, args, message):

@@ -39,7 +39,7 @@ TINY = [
 TIMEOUT = 180  # seconds for one subprocess run (a tiny run takes seconds)
 
 
-@pytest.mark.parametrize("memory", ["stored", "window", "episode"])
+@pytest.mark.parametrize("memory", ["stored", "zero", "window", "episode", "exact"])
 def test_sigkill_after_first_checkpoint_then_resume_matches_uninterrupted(tmp_path, memory):
     args = [*TINY, "--memory", memory]
     plain = run_script("r2d2_trxl_memory", *args, "--save-every", "0", runs_dir=tmp_path / "plain", timeout=TIMEOUT)
