@@ -422,7 +422,7 @@ def main():
                 logits, value, next_state = agent(
                     next_obs[None], next_prev_action[None], next_prev_reward[None], next_state, next_start[None]
                 )
-                dist = Categorical(logits=logits[0])
+                dist = Categorical(logits=logits[0], validate_args=False)  # no per-step argument checks
                 action = dist.sample()
             actions[step], logprobs[step], values[step] = action, dist.log_prob(action), value[0]
 
@@ -489,7 +489,7 @@ def main():
                 logits, new_value, _ = agent(
                     obs[seq, mb], prev_actions[seq, mb], prev_rewards[seq, mb], initial_state[mb], starts[seq, mb]
                 )  # (n_steps, b, A), (n_steps, b)
-                dist = Categorical(logits=logits)
+                dist = Categorical(logits=logits, validate_args=False)
                 mb_mask = None if mask is None else mask[:, mb]
                 mb_advantages = normalize_advantages(advantages[:, mb], mb_mask) if args.norm_adv else advantages[:, mb]
                 pg_loss, approx_kl, clipfrac = clipped_policy_loss(
@@ -554,7 +554,7 @@ def evaluate(agent, env_id: str, env_kwargs: dict, episodes: int, seed: int, gre
     for _ in range(MAX_EVAL_STEPS):
         obs_t = torch.as_tensor(obs, dtype=torch.float32, device=device)
         logits, _, state = agent(obs_t[None], prev_action[None], prev_reward[None], state, start[None])
-        dist = Categorical(logits=logits[0])
+        dist = Categorical(logits=logits[0], validate_args=False)
         action = logits[0].argmax(-1) if greedy else dist.sample()
         if len(first_probs) < 2:
             first_probs.append(dist.probs.cpu().numpy())
