@@ -973,6 +973,7 @@ def run_info(folder: Folder) -> dict:
         "untrained": folder.untrained,
         "runs_finished": f"{n_ok} of {n_runs}",
         "total_s": meta.get("total_s"),
+        "note": meta.get("note"),  # e.g. a folder re-made from an earlier results.json (its runs on another machine)
     }
 
 
@@ -985,7 +986,7 @@ def headline(row: dict, claims: list[dict]) -> dict:
     """A HEADLINES row with what the README's table shows of it: the command and published values of the first claim
     line of its experiment that shows its metric."""
     claim = next(c for c in claims if c["id"] == row["id"] and row["metric"] in c["metrics"])
-    return row | {k: claim.get(k) for k in ("command", "folder", "seeds", "values", "wall_time_s")}
+    return row | {k: claim.get(k) for k in ("command", "folder", "seeds", "values", "wall_time_s", "status", "verdict")}
 
 
 def published_claim(e: dict, first_cmd: dict, trained: list[Folder]) -> dict:
@@ -1198,6 +1199,7 @@ def render_page(data: dict) -> str:
             f"| `{run['folder']}` | {run['date']} | {run['machine']} | `{cell(run['command'])}` | {run['commit']} | "
             f"{' '.join(map(str, run['seeds']))} | {run['runs_finished']} | {total} |"
         )
+    doc += [f"\n`{run['folder']}`: {run['note']}" for run in data["runs"] if run.get("note")]
     doc += [
         "",
         "Single-seed numbers differ across CPUs (torch's CPU kernels round differently per instruction set); the "
@@ -1257,6 +1259,9 @@ def render_headlines(data: dict) -> list[str]:
         if values:
             spread = f"{short(min(values))} to {short(max(values))}"
             result = f"`{h['metric']}` {short(sum(values) / len(values))} ({spread}, {len(values)} seeds): {link}"
+            if h.get("status") == "fails":  # the headline's claim line failed: the front page says so
+                held = re.search(r"holds on (\d+)/(\d+)", h["verdict"] or "")
+                result += f" · **fails on {int(held[2]) - int(held[1])} of {held[2]} seeds**" if held else " · **fails**"
         wall = duration(median(h["wall_time_s"])) if h["wall_time_s"] else "—"
         rows.append(
             f"| [{h['script']}](docs/{h['script']}.md) | {cell(h['shows'])} | {result} | {wall} | "

@@ -189,6 +189,7 @@ def test_publish_writes_the_page_the_json_the_figures_and_the_readme_table(tmp_p
         "`eval/episodic_return` 490 (480 to 500, 2 seeds): [ppo_cartpole_gru](docs/results.md#ppo_cartpole_gru)" in ppo
     )
     assert "| 90 s | `python algos/ppo_recurrent.py --env-id seqrl/MaskedCartPole-v0 --rnn gru --num-envs 8" in ppo
+    assert "fails" not in ppo  # a headline whose claim holds; one that fails says "**fails on k of n seeds**"
     assert run(tree, "--check-published").returncode == 0
     # a folder run with another command for an experiment has not run the current line
     edit(tree, 'PPO_CARTPOLE_ARGS="--num-envs 8 ', 'PPO_CARTPOLE_ARGS="--num-envs 16 ')
