@@ -46,7 +46,9 @@ def edit(tree: Path, old: str, new: str):
 def experiment_line(tree: Path, exp_id: str) -> str:
     """The first experiment line of benchmark.sh with this id."""
     return next(
-        line for line in (tree / "benchmark.sh").read_text().splitlines() if line.startswith(f"quick: {exp_id} |")
+        line
+        for line in (tree / "benchmark.sh").read_text().splitlines()
+        if line.startswith((f"quick: {exp_id} |", f"full: {exp_id} |"))
     )
 
 
