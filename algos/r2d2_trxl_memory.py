@@ -18,7 +18,8 @@ Key equations (GTrXL [3] block, pre-norm, layer l, input x_t^l; the memory gets 
 Implementation details:
 1. Attention is a band (a step attends to itself and the M steps before it in its episode), so acting step by step
    with the memory gives exactly the Q-values of one pass over the episode (tested in float64); reach M x layers.
-2. (c) stores per row the actor's layer inputs: L x width floats (2 x 64), the size of the LSTM's (h, c).
+2. (c) stores per row the actor's layer inputs: L x width floats (2 x 64), the size of the LSTM's (h, c);
+   `--no-store-layer0` keeps layers >= 1 and recomputes layer 0's, the embeddings of rows inside the window.
 3. Sequences, autoreset handling, prioritized sampling, targets and exploration as r2d2_rnnstate.py (the same
    functions). A window is [t0 - lead, t0 + m + n), lead = burn_in + M in (c); else burn_in (a), 0 (d), L x M (f) or
    all (e), but never before the episode start (nothing stored there: all of it is a burn-in from an empty memory).
@@ -121,6 +122,9 @@ class Args:
     last --window steps), a recompute from the episode start (AMAGO) or of the L x M rows before t0 (exact: the band)"""
     memory_length: int = 32
     """M: the steps of layer inputs each step attends to (memory modes)"""
+    store_layer0: bool = True
+    """--memory stored: store layer 0's memory entries too; off (`--no-store-layer0`): store only layers >= 1 and
+    recompute layer 0's, the embeddings of observations inside the gathered window, with the current network"""
     window: int = 16
     """k: the steps the agent acts on in --memory window (it trains on windows of seq_len + n_step <= k steps)"""
 
@@ -366,7 +370,8 @@ class MemoryReplay:  # r2d2_rnnstate.py's SequenceReplay stores LSTM states; thi
         windows are complete."""
         r = self.t % self.cap
         self.ep_start[row["first"]] = self.t
-        row["layer_inputs"] = row["layer_inputs"][:, : self.layer_inputs.shape[2]]  # all layers, or none (no memory)
+        stored = self.layer_inputs.shape[2]  # all layers, layers >= 1 (--no-store-layer0) or none (no memory)
+        row["layer_inputs"] = row["layer_inputs"][:, row["layer_inputs"].shape[1] - stored :]
         for name, value in (row | {"ep_step": self.t - self.ep_start}).items():
             getattr(self, name)[r] = value
         # a window is complete when its last row (t0 + m + n - 1) is written ...
@@ -453,8 +458,13 @@ def anchor_memory(net, win: dict, lead: int, memory: str, burn_in: int, memory_l
     ((L, M', B, D), the entries' key_valid (M', B)); B is the batch of sequences."""
     P, M, batch_size = lead, memory_length, win["obs"].shape[1]
     if memory == "stored":
-        entries = win["layer_inputs"][P - burn_in - M : P - burn_in].permute(2, 0, 1, 3)  # (L, M, B, D)
-        valid = win["key_valid"][P - burn_in - M : P - burn_in]  # (M, B)
+        rows = slice(P - burn_in - M, P - burn_in)
+        entries = win["layer_inputs"][rows].permute(2, 0, 1, 3)  # (L, M, B, D), or (L - 1, M, B, D) without layer 0
+        if len(entries) < len(net.blocks):  # --no-store-layer0: layer 0's entries are the rows' embeddings, recomputed
+            with torch.no_grad():
+                x = net.encode(win["obs"][rows], win["prev_action"][rows], win["prev_reward"][rows])  # (M, B, D)
+            entries = torch.cat([x[None], entries])
+        valid = win["key_valid"][rows]  # (M, B)
     else:
         entries, valid = no_memory(net, batch_size, win["obs"].device), win["key_valid"][:0]
     for start in range(P - burn_in, P, M):  # segments of at most M rows, each from the memory before it (TrXL)
@@ -625,8 +635,8 @@ def main():
     target_network.load_state_dict(q_network.state_dict())
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, eps=args.adam_eps, fused=True)
     E, m, n, D = args.num_envs, args.seq_len, args.n_step, args.d_model
-    layers = args.num_layers if MEMORY_MODES[args.memory].stores_memory else 0  # stored layer inputs per row
-    rb = MemoryReplay(args.buffer_size // E, E, obs_dim, layers, D, m, args.seq_overlap, replay_lead(args), n)
+    stored_layers = args.num_layers - (not args.store_layer0) if MEMORY_MODES[args.memory].stores_memory else 0
+    rb = MemoryReplay(args.buffer_size // E, E, obs_dim, stored_layers, D, m, args.seq_overlap, replay_lead(args), n)
     epsilons = ape_x_epsilons(E, args.exploration_eps, args.exploration_alpha)  # (E,)
     eps_v = args.value_rescaling_eps
 
@@ -843,6 +853,10 @@ def parse_args() -> Args:
         raise SystemExit(
             f"error: --burn-in does not apply to --memory {args.memory}, whose burn-in is fixed (window: none, "
             "episode: from the episode start, exact: L x M rows); leave it out"
+        )
+    if not args.store_layer0 and not MEMORY_MODES[args.memory].stores_memory:
+        raise SystemExit(
+            f"error: --no-store-layer0 applies to --memory stored; --memory {args.memory} stores no memory"
         )
     if args.burn_in < 0 or args.n_step < 1 or args.num_envs < 1 or args.batch_size < 1:
         raise SystemExit("error: need --burn-in >= 0, --n-step >= 1, --num-envs >= 1, --batch-size >= 1")

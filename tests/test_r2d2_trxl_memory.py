@@ -209,7 +209,9 @@ class CounterEnv(gym.Env):
 M_TEST, BURN_IN_TEST, SEQ_LEN_TEST, N_TEST = 5, 2, 4, 2
 
 
-def fill_replay(memory="stored", num_vector_steps=200, window=SEQ_LEN_TEST + N_TEST, memory_length=M_TEST):
+def fill_replay(
+    memory="stored", num_vector_steps=200, window=SEQ_LEN_TEST + N_TEST, memory_length=M_TEST, store_layer0=True
+):
     """Drive the script's actor and replay exactly as its main loop does, on CounterEnvs (default NEXT_STEP), with
     the replay's lead and stored layers as the script sets them for --memory `memory` (2 layers)."""
     E = 4
@@ -218,7 +220,7 @@ def fill_replay(memory="stored", num_vector_steps=200, window=SEQ_LEN_TEST + N_T
     args = trxl.Args(memory=memory, memory_length=memory_length, burn_in=BURN_IN_TEST, **sizes)
     torch.manual_seed(0)
     net = trxl.build_network(args, 3, 2)
-    layers = 2 if trxl.MEMORY_MODES[memory].stores_memory else 0
+    layers = 2 - (not store_layer0) if trxl.MEMORY_MODES[memory].stores_memory else 0
     rb = trxl.MemoryReplay(4000, E, 3, layers, 16, SEQ_LEN_TEST, 1, trxl.replay_lead(args), N_TEST)
     context = trxl.initial_context(net, memory, window, E, "cpu")
     rng = np.random.default_rng(0)
@@ -293,6 +295,31 @@ def test_burn_in_refreshes_the_newest_entries_and_final_delta_q_orders_the_three
         np.testing.assert_array_equal(valid.numpy(), win["key_valid"][rb.lead - M_TEST : rb.lead].numpy())
     dq = trxl.final_delta_q_memory(net, rb, np.random.default_rng(0), 100, "cpu", BURN_IN_TEST, M_TEST)
     assert dq["first_zero"] > dq["first_stored"] > dq["first_stored_burn_in"] > 1e-5
+
+
+def test_without_layer0_stored_the_memory_recomputes_it_from_the_window_rows():
+    """--no-store-layer0: the replay keeps layers >= 1 only; layer 0's entries are the embeddings of the window's rows
+    under the current network. Unchanged network: exactly the episode recompute's Q. After a weight change: layer 0
+    fresh (= encode now), layer 1 as stored."""
+    rb, net = fill_replay(store_layer0=False)
+    assert rb.layer_inputs.shape[2] == 1
+    rb_all, _ = fill_replay()  # the same actor and envs storing both layers
+    np.testing.assert_array_equal(rb.layer_inputs[:, :, 0], rb_all.layer_inputs[:, :, 1])
+    ids = np.nonzero(rb.valid())[0][:150]
+    prefix = int((rb.seq_anchor[ids] - rb.seq_ep_start[ids]).max())
+    full, win = (trxl.to_torch(rb.gather(ids, lead=lead), "cpu") for lead in (prefix, None))
+    with torch.no_grad():
+        q_true = trxl.memory_q(net, full, prefix, "zero", prefix, M_TEST)
+        for burn_in in (0, BURN_IN_TEST):
+            assert trxl.delta_q(trxl.memory_q(net, win, rb.lead, "stored", burn_in, M_TEST), q_true).max() < 1e-5
+        for param in net.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+        entries, _ = trxl.anchor_memory(net, win, rb.lead, "stored", 0, M_TEST)
+        rows = slice(rb.lead - M_TEST, rb.lead)
+        torch.testing.assert_close(
+            entries[0], net.encode(win["obs"][rows], win["prev_action"][rows], win["prev_reward"][rows])
+        )
+        torch.testing.assert_close(entries[1], win["layer_inputs"][rows, :, 0])
 
 
 def test_episode_mode_recomputes_from_the_episode_start_in_segments():
@@ -480,11 +507,15 @@ def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
     assert 0.0 <= summary["metrics"]["eval/episodic_return"] <= spaces_env.EPISODE_LENGTH
 
 
-def test_learning_rate_zero_stored_memory_is_exact_in_the_main_loop(runs_dir):
-    """With a learning rate of 0 the network never changes: the stored memory is exact (Delta-Q 0), the empty one is
-    not (TMaze episodes are longer than a sequence when the agent wanders)."""
-    summary = run_script("r2d2_trxl_memory", *TINY, "--learning-rate", "0", runs_dir=runs_dir, timeout=120)
+@pytest.mark.parametrize("store_layer0", ["--store-layer0", "--no-store-layer0"])
+def test_learning_rate_zero_stored_memory_is_exact_in_the_main_loop(runs_dir, store_layer0):
+    """With a learning rate of 0 the network never changes: the stored memory is exact (Delta-Q 0), with layer 0
+    stored or recomputed; the empty one is not (TMaze episodes are longer than a sequence when the agent wanders)."""
+    args = (*TINY, "--learning-rate", "0", store_layer0)
+    summary = run_script("r2d2_trxl_memory", *args, runs_dir=runs_dir, timeout=120)
     metrics = summary["metrics"]
+    layers = 2 if store_layer0 == "--store-layer0" else 1  # of the 2 layers, d_model 16 floats each
+    assert metrics["replay/memory_bytes_per_sequence"] == 6 * layers * 16 * 4  # M = 6
     assert metrics["model/final_delta_q_last_stored"] < 1e-5
     assert metrics["model/final_delta_q_last_stored_burn_in"] < 1e-5
     assert metrics["model/final_delta_q_last_zero"] > 1e-3
@@ -508,6 +539,7 @@ def test_learning_rate_zero_stored_memory_is_exact_in_the_main_loop(runs_dir):
         (["--memory", "window", "--burn-in", "2"], "--burn-in does not apply to --memory window"),
         (["--memory", "episode", "--burn-in", "0"], "--burn-in does not apply to --memory episode"),
         (["--memory", "exact", "--burn-in", "8"], "--burn-in does not apply to --memory exact"),
+        (["--memory", "zero", "--no-store-layer0"], "--no-store-layer0 applies to --memory stored"),
         (
             ["--memory", "episode", "--env-id", "CartPole-v1", "--env-kwargs", "{}", "--buffer-size", "1000"],
             "CartPole-v1 episodes have up to 501 rows",
