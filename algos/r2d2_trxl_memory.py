@@ -25,12 +25,9 @@ Implementation details:
    all (e), but never before the episode start (nothing stored there: all of it is a burn-in from an empty memory).
 4. Burn-in (`anchor_memory`): without gradient, in segments of at most M rows; the M - burn_in older entries stay as
    stored, unlike an LSTM state, which a burn-in refreshes entirely.
-5. The trained rows run in one pass with the memory as (detached) keys and values: gradient trains how the memory is
-   read, never how it was written.
-6. `final_delta_q_memory`: the ablation on ONE network, the last: Q from the empty, the stored and the stored +
-   burned-in memory against the memory recomputed from the episode start.
-7. Rows encoded a sequence: (c) burn_in + M + m + n whatever the episode length, (f) <= L x M + m + n, (e) all.
-8. Long runs: `--save-every`, Ctrl-C / SIGTERM checkpoints and `--resume RUN_DIR`, bit for bit on CPU (class `Run`).
+5. Trained rows: one pass, the memory as detached keys and values: gradient trains how memory is read, not written.
+6. `final_delta_q_memory`, on the last network: Delta-Q of the empty, stored, stored + burn-in memory vs the true one.
+7. Long runs: `--save-every`, Ctrl-C / SIGTERM checkpoints and `--resume RUN_DIR`, bit for bit on CPU (class `Run`).
 Scaled down from GTrXL: 2 layers of width 64, 4 heads, a learned bias per offset; M = 32; m = 10, overlap 5, burn-in 4,
 n = 5: burn-in + trained + target rows (19) are fewer than TMaze-20's 21 steps from the cue to the junction.
 References: [1] S. Kapturowski et al., R2D2, ICLR 2019. [2] Z. Dai et al., "Transformer-XL", ACL 2019. [3] E. Parisotto
@@ -123,8 +120,7 @@ class Args:
     memory_length: int = 32
     """M: the steps of layer inputs each step attends to (memory modes)"""
     store_layer0: bool = True
-    """--memory stored: store layer 0's memory entries too; off (`--no-store-layer0`): store only layers >= 1 and
-    recompute layer 0's, the embeddings of observations inside the gathered window, with the current network"""
+    """--memory stored: store layer 0's entries too; off: only layers >= 1, layer 0's recomputed from the window"""
     window: int = 16
     """k: the steps the agent acts on in --memory window (it trains on windows of seq_len + n_step <= k steps)"""
 
@@ -366,12 +362,11 @@ class MemoryReplay:  # r2d2_rnnstate.py's SequenceReplay stores LSTM states; thi
         self.seq_ptr, self.max_priority = 0, 1.0
 
     def add(self, **row) -> None:
-        """Write one row per env (each row field but ep_step as an (E, ...) array) and register the sequences whose
-        windows are complete."""
+        """Write one row per env (each field but ep_step an (E, ...) array; of its layer inputs the last ones this
+        replay keeps: all, layers >= 1 or none) and register the sequences whose windows are complete."""
         r = self.t % self.cap
         self.ep_start[row["first"]] = self.t
-        stored = self.layer_inputs.shape[2]  # all layers, layers >= 1 (--no-store-layer0) or none (no memory)
-        row["layer_inputs"] = row["layer_inputs"][:, row["layer_inputs"].shape[1] - stored :]
+        row["layer_inputs"] = row["layer_inputs"][:, row["layer_inputs"].shape[1] - self.layer_inputs.shape[2] :]
         for name, value in (row | {"ep_step": self.t - self.ep_start}).items():
             getattr(self, name)[r] = value
         # a window is complete when its last row (t0 + m + n - 1) is written ...
@@ -459,12 +454,10 @@ def anchor_memory(net, win: dict, lead: int, memory: str, burn_in: int, memory_l
     P, M, batch_size = lead, memory_length, win["obs"].shape[1]
     if memory == "stored":
         rows = slice(P - burn_in - M, P - burn_in)
-        entries = win["layer_inputs"][rows].permute(2, 0, 1, 3)  # (L, M, B, D), or (L - 1, M, B, D) without layer 0
+        entries, valid = win["layer_inputs"][rows].permute(2, 0, 1, 3), win["key_valid"][rows]  # (L, M, B, D), (M, B)
         if len(entries) < len(net.blocks):  # --no-store-layer0: layer 0's entries are the rows' embeddings, recomputed
-            with torch.no_grad():
-                x = net.encode(win["obs"][rows], win["prev_action"][rows], win["prev_reward"][rows])  # (M, B, D)
+            x = net.encode(win["obs"][rows], win["prev_action"][rows], win["prev_reward"][rows]).detach()  # (M, B, D)
             entries = torch.cat([x[None], entries])
-        valid = win["key_valid"][rows]  # (M, B)
     else:
         entries, valid = no_memory(net, batch_size, win["obs"].device), win["key_valid"][:0]
     for start in range(P - burn_in, P, M):  # segments of at most M rows, each from the memory before it (TrXL)
@@ -732,7 +725,7 @@ def main():
 def evaluate(net, args: Args, env_kwargs: dict, seed: int, device) -> dict:
     """Greedy episodes, one after the other in a single env: the eval/ metrics (success where the env reports it)."""
     env = make_flat_env(args.env_id, env_kwargs)
-    returns, lengths, successes = [], [], []
+    episodes = []  # (return, length, success) of each episode
     for ep in range(args.eval_episodes):
         obs, _ = env.reset(seed=seed + ep)
         context = initial_context(net, args.memory, args.window, 1, device)
@@ -745,10 +738,9 @@ def evaluate(net, args: Args, env_kwargs: dict, seed: int, device) -> dict:
             if terminated or truncated:
                 success = float(info["success"]) if "success" in info else np.nan
                 break
-        returns.append(total)
-        lengths.append(length)
-        successes.append(success)
+        episodes.append((total, length, success))
     env.close()
+    returns, lengths, successes = np.array(episodes).T
     metrics = {"eval/episodic_return": np.mean(returns), "eval/episodic_return_std": np.std(returns)}
     metrics["eval/episodic_length"] = np.mean(lengths)
     if not np.isnan(successes).all():  # the env reports info["success"] (TMaze, Tiger)
