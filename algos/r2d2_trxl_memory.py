@@ -446,25 +446,25 @@ def no_memory(net, batch: int, device) -> torch.Tensor:
     return torch.zeros(len(net.blocks), 0, batch, net.d_model, device=device)
 
 
+@torch.no_grad()  # the memory gets no gradient: stored, recomputed layer 0 and burn-in alike
 def anchor_memory(net, win: dict, lead: int, memory: str, burn_in: int, memory_length: int):
     """The memory at t0 (row `lead` of the window) that `net` starts the trained rows from: the stored layer inputs
-    of rows t0 - burn_in - M .. t0 - burn_in - 1 (`memory` = "stored") or nothing ("zero"), then, without gradient, a
-    burn-in that recomputes rows t0 - burn_in .. t0 - 1 from it and replaces the burn_in newest entries. Returns
-    ((L, M', B, D), the entries' key_valid (M', B)); B is the batch of sequences."""
+    of rows t0 - burn_in - M .. t0 - burn_in - 1 (`memory` = "stored") or nothing ("zero"), then a burn-in that
+    recomputes rows t0 - burn_in .. t0 - 1 from it and replaces the burn_in newest entries. Returns ((L, M', B, D),
+    the entries' key_valid (M', B)); B is the batch of sequences."""
     P, M, batch_size = lead, memory_length, win["obs"].shape[1]
     if memory == "stored":
         rows = slice(P - burn_in - M, P - burn_in)
         entries, valid = win["layer_inputs"][rows].permute(2, 0, 1, 3), win["key_valid"][rows]  # (L, M, B, D), (M, B)
         if len(entries) < len(net.blocks):  # --no-store-layer0: layer 0's entries are the rows' embeddings, recomputed
-            x = net.encode(win["obs"][rows], win["prev_action"][rows], win["prev_reward"][rows]).detach()  # (M, B, D)
+            x = net.encode(win["obs"][rows], win["prev_action"][rows], win["prev_reward"][rows])  # (M, B, D)
             entries = torch.cat([x[None], entries])
     else:
         entries, valid = no_memory(net, batch_size, win["obs"].device), win["key_valid"][:0]
     for start in range(P - burn_in, P, M):  # segments of at most M rows, each from the memory before it (TrXL)
         rows = slice(start, min(start + M, P))
-        with torch.no_grad():
-            x = net.encode(win["obs"][rows], win["prev_action"][rows], win["prev_reward"][rows])  # (rows, B, D)
-            _, fresh = net(x, entries, torch.cat([valid, win["key_valid"][rows]]))  # (L, rows, B, D)
+        x = net.encode(win["obs"][rows], win["prev_action"][rows], win["prev_reward"][rows])  # (rows, B, D)
+        _, fresh = net(x, entries, torch.cat([valid, win["key_valid"][rows]]))  # (L, rows, B, D)
         entries = torch.cat([entries, fresh], dim=1)[:, -M:]
         valid = torch.cat([valid, win["key_valid"][rows]])[-M:]
     return entries, valid
