@@ -195,7 +195,7 @@ HEADLINES=$(cat <<'EOF'
 ppo_recurrent | ppo_cartpole_gru | eval/episodic_return | memory restores the Markov property: PPO with a GRU balances MaskedCartPole
 dqn_framestack | dqn_cartpole_k4 | eval/episodic_return | a 4-frame stack recovers MaskedCartPole's velocities for DQN
 r2d2_rnnstate | r2d2_cartpole | eval/episodic_return | R2D2: recurrent Q-learning from replay with stored states and a burn-in
-r2d2_trxl_memory | trxl_tmaze20 | eval/success_rate | a Transformer-XL memory stored in replay carries the TMaze cue past every window
+r2d2_trxl_memory | trxl_tmaze20 | eval/success_rate | a Transformer-XL memory stored in replay carries the TMaze cue past its trained windows (so does an exact recompute)
 ssm_vae_q | ssm_twodoors | eval/episodic_return | Q-learning on a latent belief state beats the best memoryless policy (TwoDoors)
 rlhf_reward_model | rlhf_rm | eval/preference_accuracy | a Bradley-Terry reward model learns the labeler's preferences
 rlhf_ppo_kl | rlhf_kl_sweep0.1 | eval/gold_reward | PPO with a KL penalty raises the hidden gold reward without over-optimizing
@@ -218,6 +218,7 @@ curve | maskedcartpole | MaskedCartPole: memory recovers the velocities | PPO GR
 curve | tiger | Tiger: PPO with a GRU vs memoryless | GRU=ppo_tiger_gru, memoryless=ppo_tiger_none | charts/episodic_return | 5.01 optimum
 curve | r2d2_ablation | R2D2 on TMaze-20: stored state + burn-in vs stored vs zero state | stored + burn-in=r2d2_tmaze20, stored=r2d2_tmaze20_stored_noburnin, zero state=r2d2_tmaze20_zero | charts/episodic_return | 2.0 optimum
 curve | trxl_tmaze20 | TMaze-20, Transformer-XL Q: stored memory vs empty vs DTQN | stored memory + burn-in=trxl_tmaze20, empty memory=trxl_tmaze20_zero, window 16=trxl_tmaze20_window | charts/episodic_return | 2.0 optimum
+curve | trxl_recompute | TMaze-20, Transformer-XL Q: stored memory vs exact recompute vs a DTQN window of 32 | stored memory + burn-in=trxl_tmaze20, exact recompute=trxl_tmaze20_exact, window 32=trxl_tmaze20_window32 | charts/episodic_return | 2.0 optimum
 curve | trxl_tmaze50 | TMaze-50, Transformer-XL Q, memory M = 64: stored memory + burn-in | M = 64=trxl_tmaze50 | charts/episodic_return | -1.0 optimum
 bar | cost | Learner ms per update along L x M = 64, 128, 192 (c: stored memory, f: exact recompute, e: episode re-encode; corridor 200) | c 64=cost_stored_layers2:perf/learner_ms_per_update, f 64=cost_exact_layers2:perf/learner_ms_per_update, c 128=cost_stored_layers4:perf/learner_ms_per_update, f 128=cost_exact_layers4:perf/learner_ms_per_update, c 192=cost_stored_layers6:perf/learner_ms_per_update, f 192=cost_exact_layers6:perf/learner_ms_per_update, e 2 layers=cost_episode_layers2:perf/learner_ms_per_update, LSTM=cost_lstm:perf/learner_ms_per_update | ms per update | -
 bar | tmaze_window | TMaze, 4-frame DQN: success against corridor length | 1=dqn_tmaze_k4_corridor_sweep1:eval/success_rate, 2=dqn_tmaze_k4_corridor_sweep2:eval/success_rate, 4=dqn_tmaze_k4_corridor_sweep4:eval/success_rate, 8=dqn_tmaze_k4_corridor_sweep8:eval/success_rate | success rate | 0.5 chance
