@@ -26,7 +26,7 @@ Implementation details:
 4. Burn-in (`anchor_memory`): without gradient, in segments of at most M rows; the M - burn_in older entries stay as
    stored, unlike an LSTM state, which a burn-in refreshes entirely.
 5. Trained rows: one pass, the memory as detached keys and values: gradient trains how memory is read, not written.
-6. `final_delta_q_memory`, on the last network: Delta-Q of the empty, stored, stored + burn-in memory vs the true one.
+6. `final_delta_q_memory`, last network: Delta-Q of the empty (+ burn-in), stored (+ burn-in) memory vs the true one.
 7. Long runs: `--save-every`, Ctrl-C / SIGTERM checkpoints and `--resume RUN_DIR`, bit for bit on CPU (class `Run`).
 Scaled down from GTrXL: 2 layers of width 64, 4 heads, a learned bias per offset; M = 32; m = 10, overlap 5, burn-in 4,
 n = 5: burn-in + trained + target rows (19) are fewer than TMaze-20's 21 steps from the cue to the junction.
@@ -754,8 +754,9 @@ def evaluate(net, args: Args, env_kwargs: dict, seed: int, device) -> dict:
 def final_delta_q_memory(net, rb, rng: np.random.Generator, num_sequences: int, device, burn_in, memory_length) -> dict:
     """The ablation on ONE network: Delta-Q of the same replayed sequences started three ways. On up to
     `num_sequences` sequences that start mid-episode and whose episode start is stored, Q at the first and last
-    trained row from an empty memory at t0 (`zero`), the memory stored at t0 (`stored`), or the memory stored at
-    t0 - burn_in and the burn-in (`stored_burn_in`), against Q from the memory recomputed from the episode start.
+    trained row from an empty memory at t0 (`zero`) or at t0 - burn_in and the burn-in (`zero_burn_in`: mode (a)),
+    the memory stored at t0 (`stored`), or the memory stored at t0 - burn_in and the burn-in (`stored_burn_in`: mode
+    (c)), against Q from the memory recomputed from the episode start.
     {} where the replay stores no memory (--memory stored only)."""
     mid_episode = rb.seq_anchor > rb.seq_ep_start
     ok = np.nonzero(rb.valid() & mid_episode & (rb.seq_ep_start >= rb.t - rb.cap))[0]
@@ -767,12 +768,17 @@ def final_delta_q_memory(net, rb, rng: np.random.Generator, num_sequences: int, 
     # the true memory: the whole prefix as a burn-in from the episode start (m + n, b, A)
     q_true = memory_q(net, full, prefix, "zero", prefix, memory_length)
     win, lead = to_torch(rb.gather(ids), device), int(rb.lead_rows(ids).max())
-    variants = {"zero": ("zero", 0), "stored": ("stored", 0), "stored_burn_in": ("stored", burn_in)}
+    variants = {  # (memory, burn-in): zero_burn_in starts where mode (a) trains from, an empty memory at t0 - burn_in
+        "zero": ("zero", 0),
+        "zero_burn_in": ("zero", burn_in),
+        "stored": ("stored", 0),
+        "stored_burn_in": ("stored", burn_in),
+    }
     mask = torch.cumprod(1.0 - win["final"][lead : lead + rb.m].float(), dim=0)  # (m, b) trained rows
     last, col = (mask.sum(0).long() - 1).clamp(min=0), torch.arange(len(ids), device=device)
     out = {"count": float(len(ids))}
     for name, (memory, burn) in variants.items():
-        if name == "stored_burn_in" and burn_in == 0:
+        if name.endswith("_burn_in") and burn_in == 0:
             continue
         q = memory_q(net, win, lead, memory, burn, memory_length)
         out[f"first_{name}"] = delta_q(q[0], q_true[0]).mean().item()

@@ -282,7 +282,7 @@ def test_burn_in_refreshes_the_newest_entries_and_final_delta_q_orders_the_three
     dq = trxl.final_delta_q_memory(net, rb, np.random.default_rng(0), 100, "cpu", BURN_IN_TEST, M_TEST)
     assert dq["count"] == 100
     assert max(dq["first_stored"], dq["last_stored"], dq["first_stored_burn_in"], dq["last_stored_burn_in"]) < 1e-5
-    assert dq["first_zero"] > 1e-3
+    assert dq["first_zero"] > 1e-3 and dq["first_zero_burn_in"] > 1e-3  # mid-episode: an empty memory is wrong
     ids = np.nonzero(rb.valid())[0][:50]
     win = trxl.to_torch(rb.gather(ids), "cpu")
     with torch.no_grad():
