@@ -198,3 +198,32 @@ def test_publish_writes_the_page_the_json_the_figures_and_the_readme_table(tmp_p
     assert run(tree, "--publish", str(trained)).returncode == 0
     data = json.loads((tree / "docs" / "results.json").read_text())
     assert {c["status"] for c in data["claims"]} == {"not run"}
+
+
+def test_a_figure_comes_from_the_folder_that_the_claims_use_for_most_of_its_series(tmp_path):
+    """Each figure is copied from one folder: the one that the published claims use for most of its series (the
+    first given on a tie), never one whose runs no published claim uses (an older command)."""
+    tree = copy_tree(tmp_path)
+    data = json.loads((tree / "docs" / "results.json").read_text())
+    ids = ("ppo_cartpole_gru", "ppo_cartpole_lstm", "ppo_cartpole_none")  # series of the maskedcartpole figure
+    line = {
+        c["id"]: " | ".join([c["id"], c["claim"], c["command"], ",".join(c["metrics"]), c["prediction"], c["check"]])
+        for c in data["claims"]
+        if c["id"] in ids
+    }
+    values = {1: {"eval/episodic_return": 500.0, "charts/late_episodic_return": 500.0}}
+    stale_line = line["ppo_cartpole_gru"].replace("--rnn gru", "--rnn gru --ent-coef 0.5")
+    specs = [  # (folder, its lines, the ids it ran): listed in this order
+        ("20260101-100000", [stale_line, line["ppo_cartpole_none"]], ("ppo_cartpole_gru",)),
+        ("20260101-110000", [line["ppo_cartpole_none"]], ("ppo_cartpole_none",)),
+        ("20260101-120000", list(line.values()), ids),
+    ]
+    folders = []
+    for name, lines, ran in specs:
+        out = make_folder(tmp_path, lines, {i: values for i in ran}, seeds=(1,)).rename(tmp_path / name)
+        (out / "maskedcartpole.png").write_bytes(name.encode())
+        folders.append(str(out))
+    assert run(tree, "--publish", *folders).returncode in (0, 1)
+    assert (tree / "docs" / "figures" / "maskedcartpole.png").read_bytes() == b"20260101-120000"  # 2 series of 3
+    assert run(tree, "--publish", *folders[:2]).returncode in (0, 1)
+    assert (tree / "docs" / "figures" / "maskedcartpole.png").read_bytes() == b"20260101-110000"  # not the stale one
