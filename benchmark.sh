@@ -801,13 +801,18 @@ def plot(out: Path, summaries, seeds, metric_of):
             print(f"figure {fields[1] if len(fields) > 1 else fields}: not drawn ({type(err).__name__}: {err})")
 
 
+def series_pairs(series: str) -> list[list[str]]:
+    """A figure's series, "label=id, ..." (a bar: "label=id:metric, ..."), as [label, id or id:metric] pairs."""
+    return [s.strip().rsplit("=", 1) for s in series.split(",")]
+
+
 def draw(out: Path, summaries, seeds, metric_of, kind, name, title, series, ylabel, reference):
     """One figure of figures.txt (see FIGURES in benchmark.sh)."""
     import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.ticker import EngFormatter
 
-    pairs = [s.strip().rsplit("=", 1) for s in series.split(",")] if kind != "overopt" else []
+    pairs = series_pairs(series) if kind != "overopt" else []
     fig = None
     if kind == "curve":
         fig, ax = plt.subplots(figsize=(6.4, 4))
@@ -1043,16 +1048,17 @@ def publish(spec: Path, figures_file: Path, headlines_file: Path, paths: list[Pa
     figures = read_table(figures_file, 6, "FIGURES", "kind | file | title | series | y | reference")
     drawn, source = {}, {c["id"]: c["folder"] for c in claims if c["folder"]}  # id -> the folder its claims come from
     for kind, name, _, series, _, _ in figures:  # from the folder that its claims use for most of its series
-        ids = [s.strip().rsplit("=", 1)[-1].split(":")[0] for s in series.split(",")]
         if kind == "overopt":  # every id that starts with the series' prefix
             ids = [i for i in source if i.startswith(series)]
+        else:
+            ids = [ref.split(":")[0] for _, ref in series_pairs(series)]
         ran = [
             (sum(source.get(i) == folder_name(f.out) for i in ids), -k, f)
             for k, f in enumerate(trained)
             if (f.out / f"{name}.png").is_file()
         ]
-        if ran and max(ran, key=lambda r: r[:2])[0] > 0:  # the first given on a tie
-            folder = max(ran, key=lambda r: r[:2])[2]
+        uses, _, folder = max(ran, key=lambda r: r[:2], default=(0, 0, None))  # the first given on a tie
+        if uses > 0:
             shutil.copyfile(folder.out / f"{name}.png", figure_dir / f"{name}.png")
             drawn[f"{name}.png"] = folder_name(folder.out)
     data = {
