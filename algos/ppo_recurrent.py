@@ -342,11 +342,14 @@ def make_vec_env(env_id: str, env_kwargs: dict, num_envs: int) -> gym.vector.Syn
     """`num_envs` copies that autoreset in the SAME step. FlattenObservation makes Discrete and each MultiDiscrete
     component one-hot, flattens Box, concatenates the parts of a Tuple/Dict (POPGym's tasks observe MultiDiscrete)."""
 
-    def thunk():
-        env = gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs))
-        return gym.wrappers.DtypeObservation(env, np.float32)
+    thunks = [lambda: make_env(env_id, env_kwargs)] * num_envs
+    return gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
-    return gym.vector.SyncVectorEnv([thunk] * num_envs, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+def make_env(env_id: str, env_kwargs: dict) -> gym.Env:
+    """One env with the wrappers every copy of `make_vec_env` has (float32 observations, flattened)."""
+    env = gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs))
+    return gym.wrappers.DtypeObservation(env, np.float32)
 
 
 def main():
@@ -541,10 +544,15 @@ def main():
 
 @torch.no_grad()
 def evaluate(agent, env_id: str, env_kwargs: dict, episodes: int, seed: int, greedy: bool, reward_scale: float):
-    """Play one episode in each of `episodes` parallel envs; return per-episode arrays (only first episodes count)."""
-    envs = make_vec_env(env_id, env_kwargs, episodes)
+    """Play one episode in each of `episodes` envs side by side; return per-episode arrays.
+
+    A plain list of envs, not a vector env: a vector env steps every copy each step, and where lengths have a long
+    tail (ShortCorridor's stochastic optimum: mean 12 steps, a few 100) that is 8x the steps that count; here only the
+    unfinished episodes step (measured in docs/ppo_recurrent.md, detail 9). The network still reads every row, so
+    sampling draws the same random numbers, and the results equal a vector env's."""
+    envs = [make_env(env_id, env_kwargs) for _ in range(episodes)]
     device = agent.actor.weight.device
-    obs, _ = envs.reset(seed=seed)
+    obs = np.stack([env.reset(seed=seed + i)[0] for i, env in enumerate(envs)])  # (E, D), as a vector env seeds
     start, prev_reward = torch.ones(episodes, device=device), torch.zeros(episodes, device=device)
     state, prev_action = agent.initial_state(episodes), torch.zeros(episodes, dtype=torch.long, device=device)
     finished, entropies = np.zeros(episodes, dtype=bool), []
@@ -556,25 +564,28 @@ def evaluate(agent, env_id: str, env_kwargs: dict, episodes: int, seed: int, gre
         logits, _, state = agent(obs_t[None], prev_action[None], prev_reward[None], state, start[None])
         dist = Categorical(logits=logits[0], validate_args=False)
         action = logits[0].argmax(-1) if greedy else dist.sample()
+        actions = action.cpu().numpy()
         if len(first_probs) < 2:
             first_probs.append(dist.probs.cpu().numpy())
-            first_actions.append(action.cpu().numpy())
+            first_actions.append(actions)
         active = ~finished
         entropies.append(dist.entropy().cpu().numpy()[active])
-        obs, reward, terminated, truncated, infos = envs.step(action.cpu().numpy())
-        done = terminated | truncated
-        ret[active] += reward[active]
+        reward, done = np.zeros(episodes), np.zeros(episodes, dtype=bool)
+        for i in np.flatnonzero(active):  # finished episodes stay where they ended (their rows are never read)
+            obs[i], reward[i], terminated, truncated, info = envs[i].step(actions[i])
+            done[i] = terminated or truncated
+            if done[i] and "success" in info:
+                success[i] = info["success"]
+        ret += reward
         length[active] += 1
-        counts[active, action.cpu().numpy()[active]] += 1
-        if "final_info" in infos and "success" in infos["final_info"]:
-            ended = active & done & infos["final_info"]["_success"]
-            success[ended] = infos["final_info"]["success"][ended]
+        counts[active, actions[active]] += 1
         finished |= done
         if finished.all():
             break
         start, prev_action = torch.as_tensor(done, dtype=torch.float32, device=device), action
         prev_reward = torch.as_tensor(reward * reward_scale, dtype=torch.float32, device=device)
-    envs.close()
+    for env in envs:
+        env.close()
     switched = first_actions[1] != first_actions[0] if len(first_actions) > 1 else np.zeros(episodes, dtype=bool)
     result = dict(ret=ret, length=length, success=success, counts=counts, entropy=np.concatenate(entropies).mean())
     return result | dict(probs0=first_probs[0], switched=switched[length > 1])  # switched: episodes of >= 2 steps
