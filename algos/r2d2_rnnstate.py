@@ -41,7 +41,7 @@ References: [1] S. Kapturowski et al., "Recurrent Experience Replay in Distribut
 "Prioritized Experience Replay", ICLR 2016. [4] T. Pohlen et al., "Observe and Look Further", 2018 (h(x)).
 [5] CleanRL dqn.py and ppo_atari_lstm.py: the loop layout, done-masked LSTM state. Details: docs/r2d2_rnnstate.md.
 Reproduce: python algos/r2d2_rnnstate.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}'
-    --buffer-size 30000 --total-timesteps 250000
+    --buffer-size 30000 --total-timesteps 150000
 """
 
 import dataclasses
