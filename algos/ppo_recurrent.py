@@ -94,6 +94,9 @@ class Args:
     """the folder where run directories (tensorboard, summary.json, model) are written"""
     eval_episodes: int = 100
     """number of evaluation episodes at the end of training (each in its own env, run in parallel)"""
+    greedy_eval_episodes: int | None = None
+    """episodes of the greedy evaluation (`eval/greedy_`); None = --eval-episodes. Fewer where the greedy policy and
+    the env are deterministic, so that every episode is the same (ShortCorridor)"""
     eval_only: bool = False
     """skip training: load `--checkpoint` and evaluate it"""
     checkpoint: str | None = None
@@ -534,7 +537,8 @@ def main():
     metrics = {}
     for greedy, prefix in [(False, "eval/"), (True, "eval/greedy_")]:
         seed = EVAL_SEED_STRIDE * (args.seed + 1)
-        result = evaluate(agent, args.env_id, env_kwargs, args.eval_episodes, seed, greedy, args.reward_scale)
+        episodes = args.greedy_eval_episodes if greedy and args.greedy_eval_episodes else args.eval_episodes
+        result = evaluate(agent, args.env_id, env_kwargs, episodes, seed, greedy, args.reward_scale)
         metrics.update(eval_metrics(result, args.env_id, prefix))
     if late_returns:  # what the training curve shows at its end, to compare with the evaluation
         metrics["charts/late_episodic_return"] = float(np.mean(late_returns))
@@ -622,6 +626,9 @@ def parse_args() -> Args:
     args = tyro.cli(Args)
     if args.threads < 1:
         raise SystemExit(f"error: --threads must be at least 1, got {args.threads}")
+    for name in ("eval_episodes", "greedy_eval_episodes"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.eval_only:
         if args.checkpoint is None:
             raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or a model.safetensors file)")
