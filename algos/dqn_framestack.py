@@ -139,8 +139,8 @@ class Args:
     tau: float = 1.0
     """target network update rate (1 = hard copy)"""
     target_network_frequency: int = 256
-    """environment steps between target network updates (256 = after every training phase of 128 gradient steps,
-    zoo's effective CartPole setting [5])"""
+    """environment steps between target network updates (256 = after every training phase, zoo's effective CartPole
+    setting [5])"""
     batch_size: int = 128
     """minibatch size sampled from the replay (128 instead of zoo's 64: less noisy targets)"""
     start_e: float = 1.0
@@ -153,8 +153,9 @@ class Args:
     """environment steps collected with the schedule before the first gradient step"""
     train_frequency: int = 64
     """vector steps (of num_envs env steps each) between training phases"""
-    gradient_steps: int = 128
-    """gradient steps per training phase (per env step: gradient_steps / (train_frequency * num_envs))"""
+    gradient_steps: int = 64
+    """gradient steps per training phase (per env step: gradient_steps / (train_frequency * num_envs)); zoo's 128
+    also holds MaskedCartPole, at 1.5x the run's time"""
     n_step: int = 10
     """n of the n-step target r_t + ... + gamma^(n-1) r_{t+n-1} + gamma^n Q_target(s_{t+n}, a*), cut at the episode
     end (1 = the DQN target; 10 carries the cost of a cart drifting off the track back ten steps a copy, detail 7)"""
