@@ -564,3 +564,49 @@ def test_anneal_clip_shrinks_the_surrogate_epsilon_linearly(runs_dir, monkeypatc
     flags = ["--anneal-clip"] if anneal else []
     g = run_main(monkeypatch, "--runs-dir", str(runs_dir), "--clip-coef", "0.2", *flags, *TINY)  # 4 iterations
     assert g["clip_now"] == pytest.approx(0.2 * (1 - 3 / 4) if anneal else 0.2)
+
+
+@torch.no_grad()
+def vector_env_evaluate(agent, env_id, env_kwargs, episodes, seed, greedy, reward_scale):
+    """The evaluation as it was with a gymnasium vector env (every copy stepped each step), the reference."""
+    envs = ppo.make_vec_env(env_id, env_kwargs, episodes)
+    obs, _ = envs.reset(seed=seed)
+    start, prev_reward = torch.ones(episodes), torch.zeros(episodes)
+    state, prev_action = agent.initial_state(episodes), torch.zeros(episodes, dtype=torch.long)
+    finished, ret, length = np.zeros(episodes, dtype=bool), np.zeros(episodes), np.zeros(episodes, dtype=int)
+    success, entropies = np.full(episodes, np.nan), []
+    while not finished.all():
+        logits, _, state = agent(torch.as_tensor(obs)[None], prev_action[None], prev_reward[None], state, start[None])
+        dist = torch.distributions.Categorical(logits=logits[0], validate_args=False)
+        action = logits[0].argmax(-1) if greedy else dist.sample()
+        active = ~finished
+        entropies.append(dist.entropy().numpy()[active])
+        obs, reward, terminated, truncated, infos = envs.step(action.numpy())
+        done = terminated | truncated
+        ret[active] += reward[active]
+        length[active] += 1
+        if "final_info" in infos and "success" in infos["final_info"]:
+            ended = active & done & infos["final_info"]["_success"]
+            success[ended] = infos["final_info"]["success"][ended]
+        finished |= done
+        start, prev_action = torch.as_tensor(done, dtype=torch.float32), action
+        prev_reward = torch.as_tensor(reward * reward_scale, dtype=torch.float32)
+    return dict(ret=ret, length=length, success=success, entropy=np.concatenate(entropies).mean())
+
+
+@pytest.mark.parametrize("env_id,rnn", [("seqrl/ShortCorridor-v0", "none"), ("seqrl/Tiger-v0", "gru")])
+def test_evaluation_of_unfinished_episodes_only_equals_a_vector_envs(env_id, rnn):
+    """`evaluate` steps only unfinished episodes (a list of envs); on a policy with a long tail of episode lengths
+    (ShortCorridor) and on one whose env reports success (Tiger), every per-episode result equals the vector env's."""
+    env = ppo.make_env(env_id, {})
+    agent = ppo.Agent(env.observation_space.shape[0], env.action_space.n, rnn, 16, True, True, False)
+    for greedy in (False, True):
+        torch.manual_seed(3)
+        got = ppo.evaluate(agent, env_id, {}, 64, 100, greedy, 1.0)
+        torch.manual_seed(3)
+        want = vector_env_evaluate(agent, env_id, {}, 64, 100, greedy, 1.0)
+        for key in ("ret", "length", "success"):
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{key}, greedy={greedy}")
+        assert got["entropy"] == want["entropy"]
+        if not greedy:  # the tail that makes stepping finished envs wasteful
+            assert want["length"].max() > 3 * want["length"].min()
