@@ -95,8 +95,7 @@ class Args:
     eval_episodes: int = 100
     """number of evaluation episodes at the end of training (each in its own env, run in parallel)"""
     greedy_eval_episodes: int | None = None
-    """episodes of the greedy evaluation (`eval/greedy_`); None = --eval-episodes. Fewer where the greedy policy and
-    the env are deterministic, so that every episode is the same (ShortCorridor)"""
+    """episodes of the greedy evaluation (None = --eval-episodes): fewer where greedy episodes are all the same"""
     eval_only: bool = False
     """skip training: load `--checkpoint` and evaluate it"""
     checkpoint: str | None = None
@@ -345,14 +344,11 @@ def make_vec_env(env_id: str, env_kwargs: dict, num_envs: int) -> gym.vector.Syn
     """`num_envs` copies that autoreset in the SAME step. FlattenObservation makes Discrete and each MultiDiscrete
     component one-hot, flattens Box, concatenates the parts of a Tuple/Dict (POPGym's tasks observe MultiDiscrete)."""
 
-    thunks = [lambda: make_env(env_id, env_kwargs)] * num_envs
-    return gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    def thunk():
+        env = gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs))
+        return gym.wrappers.DtypeObservation(env, np.float32)
 
-
-def make_env(env_id: str, env_kwargs: dict) -> gym.Env:
-    """One env with the wrappers every copy of `make_vec_env` has (float32 observations, flattened)."""
-    env = gym.wrappers.FlattenObservation(gym.make(env_id, **env_kwargs))
-    return gym.wrappers.DtypeObservation(env, np.float32)
+    return gym.vector.SyncVectorEnv([thunk] * num_envs, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
 def main():
@@ -535,10 +531,9 @@ def main():
     # 5. evaluate (sampling, then greedy), then summary.json and the saved model
     agent.eval()
     metrics = {}
-    for greedy, prefix in [(False, "eval/"), (True, "eval/greedy_")]:
+    for greedy, prefix, n in [(False, "eval/", args.eval_episodes), (True, "eval/greedy_", args.greedy_eval_episodes)]:
         seed = EVAL_SEED_STRIDE * (args.seed + 1)
-        episodes = args.greedy_eval_episodes if greedy and args.greedy_eval_episodes else args.eval_episodes
-        result = evaluate(agent, args.env_id, env_kwargs, episodes, seed, greedy, args.reward_scale)
+        result = evaluate(agent, args.env_id, env_kwargs, n, seed, greedy, args.reward_scale)
         metrics.update(eval_metrics(result, args.env_id, prefix))
     if late_returns:  # what the training curve shows at its end, to compare with the evaluation
         metrics["charts/late_episodic_return"] = float(np.mean(late_returns))
@@ -548,21 +543,15 @@ def main():
 
 @torch.no_grad()
 def evaluate(agent, env_id: str, env_kwargs: dict, episodes: int, seed: int, greedy: bool, reward_scale: float):
-    """Play one episode in each of `episodes` envs side by side; return per-episode arrays.
-
-    A plain list of envs, not a vector env: a vector env steps every copy each step, and where lengths have a long
-    tail (ShortCorridor's stochastic optimum: mean 12 steps, a few 100) that is 8x the steps that count; here only the
-    unfinished episodes step (measured in docs/ppo_recurrent.md, detail 9). The network still reads every row, so
-    sampling draws the same random numbers, and the results equal a vector env's."""
-    envs = [make_env(env_id, env_kwargs) for _ in range(episodes)]
-    device = agent.actor.weight.device
-    obs = np.stack([env.reset(seed=seed + i)[0] for i, env in enumerate(envs)])  # (E, D), as a vector env seeds
+    """One episode in each of `episodes` envs; only unfinished ones step, results as a vector env's (docs detail 9)."""
+    vec_env = make_vec_env(env_id, env_kwargs, episodes)  # its copies (.envs) stepped one by one
+    envs, device = vec_env.envs, agent.actor.weight.device
+    obs = np.stack([env.reset(seed=seed + i)[0] for i, env in enumerate(envs)])  # (E, D), as vec_env.reset seeds
     start, prev_reward = torch.ones(episodes, device=device), torch.zeros(episodes, device=device)
     state, prev_action = agent.initial_state(episodes), torch.zeros(episodes, dtype=torch.long, device=device)
-    finished, entropies = np.zeros(episodes, dtype=bool), []
     ret, length, success = np.zeros(episodes), np.zeros(episodes, dtype=int), np.full(episodes, np.nan)
-    counts = np.zeros((episodes, agent.num_actions))  # how often each action was taken per episode
-    first_probs, first_actions = [], []  # action probabilities (episodes, A) and actions at episode steps 0, 1
+    finished, counts = np.zeros(episodes, dtype=bool), np.zeros((episodes, agent.num_actions))  # counts: per action
+    entropies, first_probs, first_actions = [], [], []  # first_*: probabilities (E, A) and actions at steps 0, 1
     for _ in range(MAX_EVAL_STEPS):
         obs_t = torch.as_tensor(obs, dtype=torch.float32, device=device)
         logits, _, state = agent(obs_t[None], prev_action[None], prev_reward[None], state, start[None])
@@ -578,18 +567,15 @@ def evaluate(agent, env_id: str, env_kwargs: dict, episodes: int, seed: int, gre
         for i in np.flatnonzero(active):  # finished episodes stay where they ended (their rows are never read)
             obs[i], reward[i], terminated, truncated, info = envs[i].step(actions[i])
             done[i] = terminated or truncated
-            if done[i] and "success" in info:
-                success[i] = info["success"]
-        ret += reward
-        length[active] += 1
+            success[i] = info["success"] if done[i] and "success" in info else success[i]
+        ret, length = ret + reward, length + active  # finished episodes add nothing
         counts[active, actions[active]] += 1
         finished |= done
         if finished.all():
             break
         start, prev_action = torch.as_tensor(done, dtype=torch.float32, device=device), action
         prev_reward = torch.as_tensor(reward * reward_scale, dtype=torch.float32, device=device)
-    for env in envs:
-        env.close()
+    vec_env.close()
     switched = first_actions[1] != first_actions[0] if len(first_actions) > 1 else np.zeros(episodes, dtype=bool)
     result = dict(ret=ret, length=length, success=success, counts=counts, entropy=np.concatenate(entropies).mean())
     return result | dict(probs0=first_probs[0], switched=switched[length > 1])  # switched: episodes of >= 2 steps
@@ -644,6 +630,7 @@ def parse_args() -> Args:
     if args.num_envs % args.num_minibatches != 0:
         raise SystemExit(f"error: --num-envs {args.num_envs} not divisible by --num-minibatches {args.num_minibatches}")
     args.batch_size = args.num_envs * args.num_steps
+    args.greedy_eval_episodes = args.greedy_eval_episodes or args.eval_episodes
     args.num_iterations = 0 if args.eval_only else args.total_timesteps // args.batch_size
     if not args.eval_only and args.total_timesteps != 0 and args.num_iterations < 1:
         raise SystemExit(f"error: --total-timesteps {args.total_timesteps} < one rollout ({args.batch_size} steps)")

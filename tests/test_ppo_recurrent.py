@@ -598,7 +598,7 @@ def vector_env_evaluate(agent, env_id, env_kwargs, episodes, seed, greedy, rewar
 def test_evaluation_of_unfinished_episodes_only_equals_a_vector_envs(env_id, rnn):
     """`evaluate` steps only unfinished episodes (a list of envs); on a policy with a long tail of episode lengths
     (ShortCorridor) and on one whose env reports success (Tiger), every per-episode result equals the vector env's."""
-    env = ppo.make_env(env_id, {})
+    env = ppo.make_vec_env(env_id, {}, 1).envs[0]
     agent = ppo.Agent(env.observation_space.shape[0], env.action_space.n, rnn, 16, True, True, False)
     for greedy in (False, True):
         torch.manual_seed(3)
