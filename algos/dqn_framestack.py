@@ -154,8 +154,8 @@ class Args:
     train_frequency: int = 64
     """vector steps (of num_envs env steps each) between training phases"""
     gradient_steps: int = 64
-    """gradient steps per training phase (per env step: gradient_steps / (train_frequency * num_envs)); zoo's 128
-    also holds MaskedCartPole, at 1.5x the run's time"""
+    """gradient steps per training phase (per env step: gradient_steps / (train_frequency * num_envs)); half of zoo's
+    128, enough for MaskedCartPole (docs/tuning.md)"""
     n_step: int = 10
     """n of the n-step target r_t + ... + gamma^(n-1) r_{t+n-1} + gamma^n Q_target(s_{t+n}, a*), cut at the episode
     end (1 = the DQN target; 10 carries the cost of a cart drifting off the track back ten steps a copy, detail 7)"""

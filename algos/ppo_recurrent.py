@@ -543,7 +543,7 @@ def main():
 
 @torch.no_grad()
 def evaluate(agent, env_id: str, env_kwargs: dict, episodes: int, seed: int, greedy: bool, reward_scale: float):
-    """One episode in each of `episodes` envs; only unfinished ones step, results as a vector env's (docs detail 9)."""
+    """One episode in each of `episodes` envs, stepping only unfinished ones (docs/ppo_recurrent.md, detail 9)."""
     vec_env = make_vec_env(env_id, env_kwargs, episodes)  # its copies (.envs) stepped one by one
     envs, device = vec_env.envs, agent.actor.weight.device
     obs = np.stack([env.reset(seed=seed + i)[0] for i, env in enumerate(envs)])  # (E, D), as vec_env.reset seeds

@@ -482,6 +482,8 @@ def test_structured_observation_spaces_are_flattened(runs_dir, monkeypatch, env_
         (["--env-kwargs", '{"no_such_kwarg": 1}'], "cannot make env"),
         (["--env-kwargs", "[1]"], "must be a JSON object"),
         (["--num-envs", "6", "--num-minibatches", "4"], "not divisible"),
+        (["--eval-episodes", "0"], "--eval-episodes must be at least 1"),
+        (["--greedy-eval-episodes", "0"], "--greedy-eval-episodes must be at least 1"),
         (["--eval-only"], "needs --checkpoint"),
         (["--eval-only", "--checkpoint", "/no/such/run"], "not found"),
     ],
@@ -596,8 +598,9 @@ def vector_env_evaluate(agent, env_id, env_kwargs, episodes, seed, greedy, rewar
 
 @pytest.mark.parametrize("env_id,rnn", [("seqrl/ShortCorridor-v0", "none"), ("seqrl/Tiger-v0", "gru")])
 def test_evaluation_of_unfinished_episodes_only_equals_a_vector_envs(env_id, rnn):
-    """`evaluate` steps only unfinished episodes (a list of envs); on a policy with a long tail of episode lengths
-    (ShortCorridor) and on one whose env reports success (Tiger), every per-episode result equals the vector env's."""
+    """`evaluate` steps only unfinished episodes (the vector env's copies one by one); on a policy with a long tail
+    of episode lengths (ShortCorridor) and on one whose env reports success (Tiger), every per-episode result equals
+    the vector env's step() loop."""
     env = ppo.make_vec_env(env_id, {}, 1).envs[0]
     agent = ppo.Agent(env.observation_space.shape[0], env.action_space.n, rnn, 16, True, True, False)
     for greedy in (False, True):
