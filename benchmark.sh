@@ -72,7 +72,9 @@ for s in $SEEDS; do [[ "$s" =~ ^[0-9]+$ ]] || { echo "benchmark.sh: --seeds take
 # The experiments, one claim per line:
 #   mode: id | claim | script and arguments | metrics shown | prediction in words | check
 # `quick:` lines run in --quick mode too, `full:` lines only in full mode. Several lines may share an id (one run,
-# several claims; their commands must be the same: only the first line's runs). The check is evaluated by the
+# several claims; their commands must be the same: only the first line's runs). `{run:<id>}` in a command is the run
+# dir of an earlier experiment's run of the same seed (the run waits for it; `--only` must select both). The check is
+# evaluated by the
 # aggregation on every seed: conditions separated by ` ; `, each a comparison (chains allowed: 0.45 <= x <= 0.55) of
 # arithmetic (+ - * and abs/min/max) over numbers and metric refs, `metric/name` (this experiment's summary.json) or
 # `other_id:metric/name` (another experiment, same seed). A condition prefixed `mean:` is judged once, on the means over
@@ -146,13 +148,13 @@ quick: rlhf_rm | The reward model orders completions like the hidden gold utilit
 quick: rlhf_rm | sigma(r1 - r2) is calibrated against the labeler's true preference probabilities | rlhf_reward_model | eval/calibration_error | small (tuning seeds 101-103: 0.017-0.037) | eval/calibration_error <= 0.05
 full: rlhf_rm_budget | With 4x the preference data (12,000 ranked comparisons instead of 3,000) the reward model reaches the labeler's ceiling on average | rlhf_reward_model --n-train-prompts 12000 | eval/preference_accuracy,eval/bayes_accuracy,eval/spearman_gold_within_prompt,eval/calibration_error | within 1 point of the ceiling on average, within 3.5 on every seed; within-prompt Spearman >= 0.8, calibration error <= 0.03 (tuning seeds 101-105: 2.4 / 1.0 / 0.24 points below on average at 3,000 / 6,000 / 12,000 comparisons, at most 4.5 / 2.6 / 2.4; Spearman at 12,000 0.87-0.96, calibration 0.006-0.023) | mean: eval/preference_accuracy >= eval/bayes_accuracy - 0.01 ; eval/preference_accuracy >= eval/bayes_accuracy - 0.035 ; eval/spearman_gold_within_prompt >= 0.8 ; eval/calibration_error <= 0.03
 quick: rlhf_kl_sweep0.0 | RLHF without a KL penalty (beta=0): the proxy reward rises while the gold reward peaks and falls back, below SFT on average (over-optimization) | rlhf_ppo_kl --kl-coef 0.0 --num-updates 200 | eval/gold_reward,eval/max_gold_reward,eval/sft_gold_reward,eval/proxy_reward,eval/sft_proxy_reward,eval/kl | on every seed the final gold at least 0.4 below its peak and the proxy up by >= 0.3; on average the final gold 0.5 below SFT (tuning seeds 111-120: peak - final 0.56-3.1, proxy +0.52 to +1.51, final - SFT -2.25 to +0.25, mean -1.05) | eval/gold_reward <= eval/max_gold_reward - 0.4 ; eval/proxy_reward >= eval/sft_proxy_reward + 0.3 ; mean: eval/gold_reward <= eval/sft_gold_reward - 0.5
-quick: rlhf_kl_sweep0.1 | RLHF with a KL penalty (beta=0.1): gold reward ends well above SFT at a small KL, no collapse | rlhf_ppo_kl --kl-coef 0.1 | eval/gold_reward,eval/sft_gold_reward,eval/kl,eval/eos_rate | on average gold >= SFT + 0.6 at KL <= 4; on every seed gold >= SFT + 0.2 at KL <= 6 (tuning seeds 111-120: gold - SFT 0.36-1.13, mean 0.86; KL 1.4-4.6, mean 2.4) | eval/gold_reward >= eval/sft_gold_reward + 0.2 ; eval/kl <= 6 ; eval/eos_rate >= 0.95 ; mean: eval/gold_reward >= eval/sft_gold_reward + 0.6 ; mean: eval/kl <= 4
-quick: rlhf_kl_sweep0.1 | Best-of-n from SFT at the PPO policy's KL (n from log n - (n-1)/n, same objective) is about as good as PPO | rlhf_ppo_kl --kl-coef 0.1 | eval/bon_gold_reward,eval/bon_n,eval/gold_reward,eval/sft_gold_reward | on average well above SFT; on every seed above it and within 0.4 of PPO's gold (tuning seeds 111-120: best-of-n - SFT 0.23-1.38, mean 0.94; best-of-n - PPO -0.13 to +0.28) | eval/bon_gold_reward >= eval/sft_gold_reward + 0.15 ; abs(eval/bon_gold_reward - eval/gold_reward) <= 0.4 ; mean: eval/bon_gold_reward >= eval/sft_gold_reward + 0.5
-full: rlhf_kl_offset | Problem 21.3(c): a per-prompt constant c(s) ~ U(-2, 2) added to r_psi leaves the optimum unchanged; the value baseline absorbs it once learned, so learning still works but the final gold is never better and usually lower | rlhf_ppo_kl --kl-coef 0.1 --reward-offset 2 | eval/gold_reward,eval/sft_gold_reward,eval/kl | gold still >= SFT + 0.3 and not above the no-offset run + 0.1 (tuning seeds: 0.02-0.68 lower) | eval/gold_reward >= eval/sft_gold_reward + 0.3 ; eval/gold_reward <= rlhf_kl_sweep0.1:eval/gold_reward + 0.1
-full: rlhf_kl_sweep0.01 | RLHF, beta=0.01 | rlhf_ppo_kl --kl-coef 0.01 | eval/gold_reward,eval/kl | between beta=0 and beta=0.1 | info
-full: rlhf_kl_sweep0.03 | RLHF, beta=0.03 | rlhf_ppo_kl --kl-coef 0.03 | eval/gold_reward,eval/kl | between beta=0 and beta=0.1 | info
-full: rlhf_kl_sweep0.3 | RLHF, beta=0.3 | rlhf_ppo_kl --kl-coef 0.3 | eval/gold_reward,eval/kl | small KL, gold above SFT | info
-full: rlhf_bandit | RLHF, sequence-level (bandit) advantages instead of per-token GAE | rlhf_ppo_kl --advantage bandit | eval/gold_reward,eval/sft_gold_reward,eval/kl | about the same as GAE | info
+quick: rlhf_kl_sweep0.1 | RLHF with a KL penalty (beta=0.1): gold reward ends well above SFT at a small KL, no collapse | rlhf_ppo_kl --kl-coef 0.1 RLHF_SHARED_SETUP | eval/gold_reward,eval/sft_gold_reward,eval/kl,eval/eos_rate | on average gold >= SFT + 0.6 at KL <= 4; on every seed gold >= SFT + 0.2 at KL <= 6 (tuning seeds 111-120: gold - SFT 0.36-1.13, mean 0.86; KL 1.4-4.6, mean 2.4) | eval/gold_reward >= eval/sft_gold_reward + 0.2 ; eval/kl <= 6 ; eval/eos_rate >= 0.95 ; mean: eval/gold_reward >= eval/sft_gold_reward + 0.6 ; mean: eval/kl <= 4
+quick: rlhf_kl_sweep0.1 | Best-of-n from SFT at the PPO policy's KL (n from log n - (n-1)/n, same objective) is about as good as PPO | rlhf_ppo_kl --kl-coef 0.1 RLHF_SHARED_SETUP | eval/bon_gold_reward,eval/bon_n,eval/gold_reward,eval/sft_gold_reward | on average well above SFT; on every seed above it and within 0.4 of PPO's gold (tuning seeds 111-120: best-of-n - SFT 0.23-1.38, mean 0.94; best-of-n - PPO -0.13 to +0.28) | eval/bon_gold_reward >= eval/sft_gold_reward + 0.15 ; abs(eval/bon_gold_reward - eval/gold_reward) <= 0.4 ; mean: eval/bon_gold_reward >= eval/sft_gold_reward + 0.5
+full: rlhf_kl_offset | Problem 21.3(c): a per-prompt constant c(s) ~ U(-2, 2) added to r_psi leaves the optimum unchanged; the value baseline absorbs it once learned, so learning still works but the final gold is never better and usually lower | rlhf_ppo_kl --kl-coef 0.1 --reward-offset 2 RLHF_SHARED_SETUP | eval/gold_reward,eval/sft_gold_reward,eval/kl | gold still >= SFT + 0.3 and not above the no-offset run + 0.1 (tuning seeds: 0.02-0.68 lower) | eval/gold_reward >= eval/sft_gold_reward + 0.3 ; eval/gold_reward <= rlhf_kl_sweep0.1:eval/gold_reward + 0.1
+full: rlhf_kl_sweep0.01 | RLHF, beta=0.01 | rlhf_ppo_kl --kl-coef 0.01 RLHF_SHARED_SETUP | eval/gold_reward,eval/kl | between beta=0 and beta=0.1 | info
+full: rlhf_kl_sweep0.03 | RLHF, beta=0.03 | rlhf_ppo_kl --kl-coef 0.03 RLHF_SHARED_SETUP | eval/gold_reward,eval/kl | between beta=0 and beta=0.1 | info
+full: rlhf_kl_sweep0.3 | RLHF, beta=0.3 | rlhf_ppo_kl --kl-coef 0.3 RLHF_SHARED_SETUP | eval/gold_reward,eval/kl | small KL, gold above SFT | info
+full: rlhf_bandit | RLHF, sequence-level (bandit) advantages instead of per-token GAE | rlhf_ppo_kl --advantage bandit RLHF_SHARED_SETUP | eval/gold_reward,eval/sft_gold_reward,eval/kl | about the same as GAE | info
 full: ilql | GuessTheImage: per-token ILQL beats BC (the beta = 0 head of the ILQL network, `eval/bc_episodic_return`) and filtered BC, approaching the optimal questioner | ilql_per_token | eval/episodic_return,eval/bc_episodic_return,eval/success_rate,eval/episodic_length,eval/normalized_score | > filtered BC >= BC (the beta = 0 head, about 0.41), toward 0.783 | eval/episodic_return >= ilql_filtered_bc:eval/episodic_return + 0.1 ; eval/episodic_return >= eval/bc_episodic_return + 0.1
 full: ilql | GuessTheImage: the behavior mixture and the optimal questioner (anchors) | ilql_per_token | dataset/mean_return,ref/optimal_episodic_return | 0.412 and 0.783 | info
 full: ilql | Problem 21.4: per token the RL horizon is several times longer and each step chooses among ~10^2 tokens; per utterance the horizon is the number of turns and the action space is astronomically large (the data's numbers, the same on every seed) | ilql_per_token | timestep/rl_steps_per_dialogue,timestep/action_space_log10 | per token ~28 steps of ~10^2 actions (per utterance: the cql_utterance row below) | info
@@ -176,6 +178,10 @@ EXPERIMENTS="${EXPERIMENTS//R2D2_CARTPOLE_ARGS/$R2D2_CARTPOLE_ARGS}"
 # otherwise idle machine).
 COST_ARGS="--buffer-size 30000 --batch-size 32 --total-timesteps 12000 --learning-starts 8000 --eval-episodes 1 --final-delta-q-sequences 64 --save-every 0"
 EXPERIMENTS="${EXPERIMENTS//COST_ARGS/$COST_ARGS}"
+# The RLHF PPO runs after beta = 0 load its SFT policy and reward model (same seed: STEP 4 re-seeds, so the run is
+# the one that makes its own, as the tests check), instead of repeating STEPS 1-3 (about 45 s a run).
+RLHF_SHARED_SETUP="--sft-model-path {run:rlhf_kl_sweep0.0}/sft_model --reward-model-path {run:rlhf_kl_sweep0.0}/reward_model"
+EXPERIMENTS="${EXPERIMENTS//RLHF_SHARED_SETUP/$RLHF_SHARED_SETUP}"
 # Settings shared by the small discrete-observation DQN runs (TMaze, ThreeStateLine), substituted above.
 DQN_SMALL_ARGS="--n-step 1 --difference-scale 0 --learning-rate 5e-4 --train-frequency 1 --gradient-steps 1 --batch-size 128 --exploration-fraction 0.5 --end-e 0.05 --hidden-size 128 --target-network-frequency 500"
 EXPERIMENTS="${EXPERIMENTS//DQN_SMALL_ARGS/$DQN_SMALL_ARGS}"
@@ -256,6 +262,7 @@ REF_RE = re.compile(r"(?:(?P<exp>[A-Za-z_][\w.\-]*):)?(?P<metric>[A-Za-z_]\w*/\w
 CONSISTENCY_PREFIX = "consistency:"  # a figure-vs-evaluation check: judged when trained, left out untrained
 NEGATIVE_RE = re.compile(r"negative\((?P<pair>[^)]*)\):(?P<check>.*)")  # `negative(<id>): <check>`
 ID_RE = re.compile(r"[A-Za-z_][\w.\-]*")
+RUN_REF_RE = re.compile(r"\{run:([^}]*)\}")  # in a command: the run dir of an earlier line's run, same seed
 FUNCS = {"abs": abs, "min": min, "max": max}
 ALLOWED = (
     ast.Expression,
@@ -379,6 +386,12 @@ def parse_experiments(lines: list[tuple[str, str]], strict: bool = True) -> list
     ids = {e["id"] for e in experiments}
     first = {}  # id -> its first line: the one whose command runs
     for e in experiments:
+        for dep in RUN_REF_RE.findall(e["cmd"]):  # its run must have started (so finish) before this one waits on it
+            if dep not in first or dep == e["id"]:
+                raise CheckError(
+                    f"{e['where']} (id {e['id']}): {{run:{dep}}} names no experiment of an earlier line (a command "
+                    "may read the run dir of an earlier experiment's run of the same seed)"
+                )
         f = first.setdefault(e["id"], e)
         if e["cmd"] != f["cmd"]:
             raise CheckError(
@@ -1128,8 +1141,10 @@ def stale_reasons(experiments: list[dict], headlines: list[dict]) -> list[str]:
 
 
 def python_command(cmd: str) -> str:
-    """An experiment's command as a reader types it (benchmark.sh adds `--seed S` and the run directory)."""
+    """An experiment's command as a reader types it (benchmark.sh adds `--seed S` and the run directory; `{run:X}`
+    reads as `<X run>`: the run dir of experiment X's run of the same seed)."""
     script, _, args = cmd.partition(" ")
+    args = RUN_REF_RE.sub(r"<\1 run>", args)
     return f"python algos/{script}.py {args}".rstrip()
 
 
@@ -1386,6 +1401,12 @@ else
     echo "$spec" >>"$OUT/experiments.txt"
   done
   printf '%s\n' "$FIGURES" >"$OUT/figures.txt"
+  for dep in $(grep -o '{run:[^}]*}' "$OUT/experiments.txt" | sort -u | sed 's/^{run:\(.*\)}$/\1/'); do
+    if ! cut -d'|' -f1 "$OUT/experiments.txt" | tr -d ' ' | grep -qxF "$dep"; then
+      echo "benchmark.sh: a selected experiment reads the runs of $dep ({run:$dep}): select it too (--only)" >&2
+      rm -r "$OUT"; exit 2
+    fi
+  done
   N_EXP=$(tail -n +2 "$OUT/experiments.txt" | cut -d'|' -f1 | sort -u | wc -l)
   [ "$N_EXP" -gt 0 ] || { echo "benchmark.sh: no experiment id matches --only '$ONLY'" >&2; rm -r "$OUT"; exit 2; }
   N_SEEDS=$(echo $SEEDS | wc -w)
@@ -1402,11 +1423,29 @@ else
   run_one() {  # id seed script args... ; prints one progress line
     local id="$1" seed="$2"; shift 2
     local script="$1"; shift
-    local start=$SECONDS rc
-    python3 "algos/$script.py" --seed "$seed" --runs-dir "$OUT/runs/$id/seed$seed" --exp-name "$id" "$@" \
-      </dev/null >"$OUT/logs/${id}_seed${seed}.log" 2>&1
-    rc=$?
-    local status="ok"; [ $rc -eq 0 ] || status="CRASHED (exit $rc, see logs/${id}_seed${seed}.log)"
+    local start=$SECONDS rc=0 args=() a dep dir status
+    for a in "$@"; do  # {run:<dep>}: the run dir of dep's run of this seed, once that run has ended
+      while [[ "$a" =~ \{run:([^}]*)\} ]]; do
+        dep="${BASH_REMATCH[1]}"
+        while [ ! -f "$OUT/logs/${dep}_seed${seed}.exit" ]; do sleep 1; done
+        dir=$(ls -d "$OUT/runs/$dep/seed$seed"/*/summary.json 2>/dev/null | head -1)
+        if [ -z "$dir" ]; then
+          mkdir -p "$OUT/runs/$id/seed$seed"
+          echo "$dep seed=$seed did not finish: no run dir for {run:$dep}" >"$OUT/logs/${id}_seed${seed}.log"
+          rc=1; break 2
+        fi
+        a="${a//"{run:$dep}"/$(dirname "$dir")}"
+      done
+      args+=("$a")
+    done
+    start=$SECONDS  # the run's own time, not the wait
+    if [ $rc -eq 0 ]; then
+      python3 "algos/$script.py" --seed "$seed" --runs-dir "$OUT/runs/$id/seed$seed" --exp-name "$id" "${args[@]}" \
+        </dev/null >"$OUT/logs/${id}_seed${seed}.log" 2>&1
+      rc=$?
+    fi
+    echo "$rc" >"$OUT/logs/${id}_seed${seed}.exit"
+    status="ok"; [ $rc -eq 0 ] || status="CRASHED (exit $rc, see logs/${id}_seed${seed}.log)"
     echo "[$(date +%H:%M:%S)] $id seed=$seed $status in $((SECONDS - start))s" | tee -a "$OUT/log.txt"
   }
 

@@ -34,6 +34,7 @@ Implementation details:
  10. torchrun: each rank generates its shard of the global batch; its loss is scaled by its share of the global
      minibatch's tokens (`token_share`), so the ranks' summed gradients (`run.sync_grads`) are the global ones.
  11. Checkpoints and `--resume` continue a run exactly (RUN MANAGEMENT); STEPS 1-3 are saved once.
+ 12. STEP 4 re-seeds, so a run given another run's `sft_model/` and `reward_model/` (same seed) continues as it did.
 Problem 21.3(c), --reward-offset: a constant c(s) per prompt keeps the optimum; the value head absorbs it once learned.
 
 References:
@@ -715,6 +716,11 @@ def main():
     rm = rm.to(device).eval()
     run.broadcast_params(rm)
     rm.requires_grad_(False)
+    # STEP 4 starts from the seed again: loaded (--sft-model-path, --reward-model-path) or made here, the same SFT
+    # policy and reward model give the same run (a KL sweep can share one pair, details 12)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
     norm = None  # a resume restores the run's own (run.restore)
     if not run.resuming:  # normalize r_psi to mean 0, std 1 on SFT samples of the training prompts (details 5)
         norm_prompts = run.shard([train_prompts[i % len(train_prompts)] for i in range(NORM_SAMPLES)])  # this rank's
