@@ -327,3 +327,76 @@ def test_a_consistency_check_is_judged_when_trained_and_left_out_untrained(tmp_p
     assert "no training curve" in rows_of(text, "Consistency checks")[0]
     proc = validate(tmp_path, [line.replace("consistency: abs(charts/late - eval/r) <= 0.5", "consistency: info")])
     assert proc.returncode == 2 and "empty check" in proc.stdout + proc.stderr
+
+
+FAKE_SCRIPT = '''"""A training script's stand-in: eval/x = --value + seed, or 1 + the eval/x of the run dir --read."""
+import argparse, json, sys, time
+from pathlib import Path
+
+p = argparse.ArgumentParser()
+for flag in ("--seed", "--runs-dir", "--exp-name", "--read"):
+    p.add_argument(flag)
+p.add_argument("--value", type=float, default=1.0)
+p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--crash", action="store_true")
+a = p.parse_args()
+time.sleep(a.sleep)
+if a.crash:
+    sys.exit(3)
+x = a.value + int(a.seed)
+if a.read:
+    x = json.loads((Path(a.read) / "summary.json").read_text())["metrics"]["eval/x"] + 1
+run_dir = Path(a.runs_dir) / f"run{a.seed}"
+run_dir.mkdir(parents=True)
+summary = {"script": "fake", "run_dir": str(run_dir), "args": {"seed": int(a.seed)}, "metrics": {"eval/x": x}}
+(run_dir / "summary.json").write_text(json.dumps(summary))
+'''
+
+
+def fake_benchmark(tmp_path: Path, base_args: str) -> Path:
+    """A copy of benchmark.sh with two more quick lines run by algos/fake.py: fake_base, and fake_child, which reads
+    fake_base's run dir of its seed through `{run:fake_base}`."""
+    text = (ROOT / "benchmark.sh").read_text()
+    lines = (
+        f"quick: fake_base | the base | fake {base_args} | eval/x | 5 | eval/x >= 5\n"
+        "quick: fake_child | reads the base's run | fake --read {run:fake_base} | eval/x | 6 | "
+        "eval/x >= 6 ; eval/x > fake_base:eval/x\n"
+    )
+    text = text.replace("EXPERIMENTS=$(cat <<'EOF'\n", "EXPERIMENTS=$(cat <<'EOF'\n" + lines, 1)
+    text = text.replace("UNTRAINED_TABLE=$(cat <<'EOF'\n", "UNTRAINED_TABLE=$(cat <<'EOF'\nfake | --value 0 | -\n", 1)
+    text = text.replace("HEADLINES=$(cat <<'EOF'\n", "HEADLINES=$(cat <<'EOF'\nfake | fake_child | eval/x | -\n", 1)
+    (tmp_path / "algos").mkdir(parents=True)
+    (tmp_path / "algos" / "fake.py").write_text(FAKE_SCRIPT)
+    (tmp_path / "benchmark.sh").write_text(text)
+    return tmp_path / "benchmark.sh"
+
+
+def test_a_command_reads_an_earlier_experiments_run_dir_of_the_same_seed(tmp_path):
+    # validation: {run:X} must name an experiment of an earlier line (it runs, and so ends, first)
+    good = ["a | A | s | eval/x | - | eval/x >= 0", "b | B | s {run:a}/m | eval/x | - | info"]
+    assert validate(tmp_path / "ok", good).returncode == 0
+    for lines in (
+        ["b | B | s {run:a}/m | eval/x | - | info", "a | A | s | eval/x | - | eval/x >= 0"],
+        ["a | A | s {run:a} | eval/x | - | eval/x >= 0"],
+    ):
+        proc = validate(tmp_path / "bad", lines)
+        assert proc.returncode == 2 and "{run:a} names no experiment of an earlier line" in proc.stderr, proc.stderr
+    # two seeds, three runs at a time: the child of seed 1 starts beside the two bases; it waits for its own seed's
+    script = fake_benchmark(tmp_path / "good", "--value 5 --sleep 2")
+    run = ["bash", str(script), "--quick", "--only", "^fake_", "--seeds", "1 2", "--jobs", "3"]
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = next((tmp_path / "good" / "results").iterdir())
+    for seed in (1, 2):
+        child = json.loads(next((out / "runs" / "fake_child" / f"seed{seed}").glob("*/summary.json")).read_text())
+        assert child["metrics"]["eval/x"] == 5 + seed + 1
+    assert "python algos/fake.py --read <fake_base run>" in (out / "results.md").read_text()
+    # --only without the experiment a command reads: a one-line error before any run
+    proc = subprocess.run([*run[:4], "^fake_child$"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "reads the runs of fake_base" in proc.stderr and "select it too" in proc.stderr
+    # the base crashed: the child is reported crashed, not run
+    script = fake_benchmark(tmp_path / "crash", "--crash")
+    proc = subprocess.run(["bash", str(script), *run[2:]], capture_output=True, text=True, timeout=300)
+    out = next((tmp_path / "crash" / "results").iterdir())
+    assert proc.returncode == 1 and "fake_child seed=1 CRASHED" in (out / "log.txt").read_text()
+    assert "did not finish" in (out / "logs" / "fake_child_seed1.log").read_text()

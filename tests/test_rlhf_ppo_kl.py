@@ -366,22 +366,15 @@ def test_smoke_run_writes_summary_curve_and_models(runs_dir):
     assert summary["args"]["max_new_tokens"] == M.longest_demonstration(M.build_tokenizer(), M.Args(sft_examples=128))
     for sub in ("policy", "sft_model", "reward_model"):
         assert (run_dir / sub / "config.json").exists() and (run_dir / sub / "tokenizer.json").exists()
-    # STEPS 1-3 skipped: load the saved SFT policy and reward model (as written by another run); a per-prompt reward
-    # offset changes the training objective only, never the evaluation
-    again = run_script(
-        "rlhf_ppo_kl",
-        *SMOKE,
-        "--sft-model-path",
-        str(run_dir / "sft_model"),
-        "--reward-model-path",
-        str(run_dir / "reward_model"),
-        "--reward-offset",
-        "2.0",
-        runs_dir=runs_dir,
-        timeout=300,
-    )
+    # STEPS 1-3 skipped: load the saved SFT policy and reward model (as written by another run, same seed). STEP 4
+    # re-seeds, so the run is the one that made them (what lets benchmark.sh's KL sweep share them); a per-prompt
+    # reward offset changes the training objective only, never the evaluation
+    loaded = ("--sft-model-path", str(run_dir / "sft_model"), "--reward-model-path", str(run_dir / "reward_model"))
+    again = run_script("rlhf_ppo_kl", *SMOKE, *loaded, runs_dir=runs_dir, timeout=300)
+    assert again["metrics"] == m
+    offset = run_script("rlhf_ppo_kl", *SMOKE, *loaded, "--reward-offset", "2.0", runs_dir=runs_dir, timeout=300)
     # same SFT policy, same eval noise: the same SFT gold reward
-    assert again["metrics"]["eval/sft_gold_reward"] == pytest.approx(m["eval/sft_gold_reward"])
+    assert offset["metrics"]["eval/sft_gold_reward"] == m["eval/sft_gold_reward"]
     # --eval-only on the run dir reproduces the final policy's evaluation
     ev = run_script("rlhf_ppo_kl", *SMOKE, "--eval-only", "--checkpoint", str(run_dir), runs_dir=runs_dir)
     assert ev["metrics"]["eval/gold_reward"] == pytest.approx(m["eval/gold_reward"])
