@@ -85,6 +85,7 @@ EPS = 1e-8  # numerical floor for variances in whitening
 BETA_STEP_CLIP = 0.2  # Ziegler et al.'s clip of the proportional adaptive-KL error
 LOG_STD_FLOOR = 1e-6  # floor for the reward-normalization std
 NORM_SAMPLES = 512  # SFT samples (cycling over the training prompts) that set the reward normalization
+LATE_FRACTION = 0.2  # eval/late_gold_reward: the mean gold of the evaluations in the last 20% of the updates
 # logit of a token that is not text (pad, bos, unk, ...): exp underflows to exactly 0 at any temperature <= 1e6, yet it
 # is finite, so the log-prob of the padding after an EOS stays finite and masked losses never compute inf - inf
 NOT_TEXT_LOGIT = -1e9
@@ -862,6 +863,9 @@ def main():
         "eval/bon_n": float(bon_n),
         "eval/bon_kl": bon_kl(bon_n),
         "eval/max_gold_reward": max(point["gold_reward"] for point in state.curve),
+        "eval/late_gold_reward": float(
+            np.mean([p["gold_reward"] for p in state.curve if p["step"] >= (1 - LATE_FRACTION) * num_updates])
+        ),  # where the run ends, less noisy than its last evaluation alone
         "model/final_kl_coef": float(state.beta),
     }
     run.log(num_updates, {k: summary_metrics[k] for k in ("eval/bon_gold_reward", "eval/bon_n", "eval/bon_kl")})

@@ -361,6 +361,7 @@ def test_smoke_run_writes_summary_curve_and_models(runs_dir):
     assert m["eval/sft_gold_reward"] == curve[0]["gold_reward"] and m["eval/gold_reward"] == curve[-1]["gold_reward"]
     assert m["eval/episodic_return"] == m["eval/gold_reward"] and m["eval/kl"] == curve[-1]["kl"]
     assert m["eval/max_gold_reward"] == max(c["gold_reward"] for c in curve)
+    assert m["eval/late_gold_reward"] == curve[-1]["gold_reward"]  # the last 20% of 2 updates: update 2
     assert m["eval/bon_n"] == M.matched_bon_n(m["eval/kl"], 4) and m["eval/bon_kl"] == M.bon_kl(int(m["eval/bon_n"]))
     assert math.isfinite(m["eval/bon_gold_reward"])
     assert summary["args"]["max_new_tokens"] == M.longest_demonstration(M.build_tokenizer(), M.Args(sft_examples=128))
