@@ -34,7 +34,7 @@ Implementation details:
  10. torchrun: each rank generates its shard of the global batch; its loss is scaled by its share of the global
      minibatch's tokens (`token_share`), so the ranks' summed gradients (`run.sync_grads`) are the global ones.
  11. Checkpoints and `--resume` continue a run exactly (RUN MANAGEMENT); STEPS 1-3 are saved once.
- 12. STEP 4 re-seeds, so a run given another run's `sft_model/` and `reward_model/` (same seed) continues as it did.
+ 12. STEP 4 re-seeds: a run given another run's `sft_model/` and `reward_model/` (same seed) is that run from STEP 4 on.
 Problem 21.3(c), --reward-offset: a constant c(s) per prompt keeps the optimum; the value head absorbs it once learned.
 
 References:
