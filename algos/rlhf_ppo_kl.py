@@ -677,13 +677,18 @@ class TrainState:
     curve: list = field(default_factory=list)  # one point per evaluation, as in curve.jsonl
 
 
+def seed_everything(seed: int) -> None:
+    """python's, numpy's and torch's global RNGs from `seed`: at the start, and again at STEP 4 (details 12)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def main():
     args = parse_args()
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.set_num_threads(args.threads)
+    seed_everything(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
     run = start_run(args)  # torchrun, device, the run dir (a resume: its own), tensorboard (details 10-11)
     device = run.device
     # sampling noise of rollouts and of the reward normalization: the global RNG in one process, one stream per rank
@@ -719,9 +724,7 @@ def main():
     rm.requires_grad_(False)
     # STEP 4 starts from the seed again: loaded (--sft-model-path, --reward-model-path) or made here, the same SFT
     # policy and reward model give the same run (a KL sweep can share one pair, details 12)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    seed_everything(args.seed)
     norm = None  # a resume restores the run's own (run.restore)
     if not run.resuming:  # normalize r_psi to mean 0, std 1 on SFT samples of the training prompts (details 5)
         norm_prompts = run.shard([train_prompts[i % len(train_prompts)] for i in range(NORM_SAMPLES)])  # this rank's
