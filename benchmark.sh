@@ -12,6 +12,9 @@
 #   bash benchmark.sh --publish results/<a> results/<b> ...  # publish runs: docs/results.md, docs/results.json,
 #                                                   # docs/figures/, README's results table (between its markers)
 #   bash benchmark.sh --check-published             # exit 1, a line per reason, if docs/results.* is stale
+#   bash benchmark.sh --fingerprint                 # docs/fingerprints.json: what each line's code computes (below)
+#   bash benchmark.sh --seeds drawn                 # report run: each line on its group's 5 drawn seeds (committed
+#                                                   # code only; `drawn:3` for the first 3)
 #
 # Each run is `python algos/<script>.py --seed S --runs-dir <out>/runs/<id>/seed<S> <args>`; its summary.json is read
 # back. Output goes to a new folder results/<timestamp>/ (never overwriting earlier results):
@@ -45,6 +48,7 @@ VALIDATE=0
 UNTRAINED=0
 PUBLISH=()
 CHECK_PUBLISHED=0
+FINGERPRINT=0
 JOBS=$(nproc 2>/dev/null || echo 2)
 ARGV="$*"
 while [ $# -gt 0 ]; do
@@ -60,13 +64,25 @@ while [ $# -gt 0 ]; do
       while [ $# -gt 1 ] && [[ "$2" != --* ]]; do PUBLISH+=("$2"); shift; done
       [ ${#PUBLISH[@]} -gt 0 ] || { echo "benchmark.sh: --publish needs results folders" >&2; exit 2; } ;;
     --check-published) CHECK_PUBLISHED=1 ;;
+    --fingerprint) FINGERPRINT=1 ;;
     -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;;
     *) echo "benchmark.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
   shift
 done
 [ -n "$SEEDS" ] || { [ "$QUICK" = 1 ] && SEEDS="1" || SEEDS="1 2 3"; }
-for s in $SEEDS; do [[ "$s" =~ ^[0-9]+$ ]] || { echo "benchmark.sh: --seeds takes integers, got '$s'" >&2; exit 2; }; done
+if [[ "$SEEDS" =~ ^drawn(:[1-9][0-9]*)?$ ]]; then  # report seeds: committed code and checks only
+  DIRTY=$(git status --porcelain -- algos envs benchmark.sh 2>/dev/null) || {
+    echo "benchmark.sh: --seeds drawn needs a git checkout (report seeds are drawn from committed code)" >&2; exit 2
+  }
+  [ -z "$DIRTY" ] || {
+    echo "benchmark.sh: --seeds drawn runs committed code: commit algos/, envs/ and benchmark.sh first" >&2; exit 2
+  }
+else
+  for s in $SEEDS; do
+    [[ "$s" =~ ^[0-9]+$ ]] || { echo "benchmark.sh: --seeds takes integers or drawn[:N], got '$s'" >&2; exit 2; }
+  done
+fi
 [[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || { echo "benchmark.sh: --jobs takes a positive integer, got '$JOBS'" >&2; exit 2; }
 
 # The experiments, one claim per line:
@@ -201,6 +217,23 @@ dialogue_cql_utterance | --bc-epochs 0 --critic-steps 0 | the initial proposer a
 EOF
 )
 
+# --fingerprint: per script, the arguments appended to each of its commands (the last value of a flag wins) for the
+# seconds-long run whose numbers are a line's fingerprint (AGG_PY, Fingerprints): small sizes, every periodic step
+# (selection, target updates, logging, evaluation) reached at least once, no periodic checkpoints (run management, not
+# numbers):  script | arguments
+FINGERPRINT_TABLE=$(cat <<'EOF'
+ppo_recurrent | --total-timesteps 512 --num-envs 2 --num-minibatches 2 --update-epochs 2 --eval-episodes 8 --greedy-eval-episodes 4
+dqn_framestack | --total-timesteps 600 --learning-starts 128 --buffer-size 1000 --batch-size 32 --num-envs 2 --train-frequency 16 --gradient-steps 4 --target-network-frequency 64 --select-frequency 300 --select-episodes 2 --eval-episodes 4
+ssm_vae_q | --total-timesteps 400 --learning-starts 200 --num-envs 4 --deter-size 16 --hidden-size 16 --target-network-frequency 50 --log-every 20 --select-frequency 200 --select-episodes 2 --eval-episodes 6
+r2d2_rnnstate | --total-timesteps 2400 --learning-starts 800 --num-envs 4 --buffer-size 2000 --batch-size 8 --hidden-size 16 --target-network-frequency 20 --delta-q-frequency 5 --final-delta-q-sequences 16 --select-frequency 800 --select-episodes 2 --eval-episodes 4 --save-every 0
+r2d2_trxl_memory | --total-timesteps 4000 --learning-starts 3200 --num-envs 4 --buffer-size 4000 --batch-size 8 --d-model 16 --ff-size 32 --target-network-frequency 20 --final-delta-q-sequences 16 --eval-episodes 2 --save-every 0
+rlhf_reward_model | --n-train-prompts 48 --epochs 1 --eval-episodes 16 --n-norm-samples 64 --n-center-samples 16 --sft-epochs 1 --sft-examples 64 --save-every 0
+rlhf_ppo_kl | --sft-examples 128 --sft-epochs 1 --pref-prompts 8 --rm-epochs 1 --num-updates 3 --batch-size 8 --num-minibatches 2 --update-epochs 1 --eval-every 1 --eval-episodes 8 --bon-max-n 4 --n-embd 16 --n-layer 1 --n-head 2 --save-every 0
+ilql_per_token | --dataset-size 300 --log-every 10 --batch-size 16 --n-layer 1 --n-embd 32 --eval-episodes 36 --val-episodes 18 --betas 0 4 --num-steps 20 --warmup-steps 5 --save-every 0
+dialogue_cql_utterance | --dataset-size 200 --bc-epochs 1 --critic-steps 4 --batch-size 16 --eval-episodes 18 --n-candidates 2 --n-embd 16 --critic-dim 16 --critic-hidden 16 --log-every 2 --val-episodes 18 --act-temperatures 1.0 0.5 --save-every 0
+EOF
+)
+
 # README's results table (written by --publish): per script, the experiment and metric of its headline result
 #   script | experiment id | metric | what it shows
 HEADLINES=$(cat <<'EOF'
@@ -245,13 +278,20 @@ AGG_PY=$(cat <<'PY'
 Modes: validate, aggregate, publish, check-published (see the end of this file)."""
 
 import ast
+import functools
+import hashlib
 import json
 import math
+import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
+import tempfile
+import time
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -543,7 +583,12 @@ class Folder:
     meta: dict
     summaries: dict  # id -> seed -> summary.json
     crashed: dict  # id -> seeds without a summary.json
-    seeds: list[int]
+    seeds: list[int]  # every seed that a run of the folder used
+    seeds_by_id: dict  # id -> its seeds (seeds.txt: the drawn seeds of its group), where not all of `seeds`
+    fingerprints: dict  # id -> the fingerprint of the code that ran it (fingerprints.json; none in older folders)
+
+    def seeds_of(self, exp_id: str) -> list[int]:
+        return self.seeds_by_id.get(exp_id, self.seeds)
 
     @property
     def untrained(self) -> bool:
@@ -584,25 +629,31 @@ def read_folder(out: Path) -> Folder:
                 summaries[exp_id][seed] = json.loads(found[-1].read_text())
             else:
                 crashed[exp_id].append(seed)
-    seeds = [int(s) for s in meta.get("seeds", "").split()] or sorted(
-        {s for d in summaries.values() for s in d} | {s for v in crashed.values() for s in v}
-    )
-    return Folder(out, experiments, meta, dict(summaries), dict(crashed), seeds)
+    seeds_by_id = {}
+    if (out / "seeds.txt").is_file():
+        for line in (out / "seeds.txt").read_text().splitlines():
+            exp_id, *seeds_of = line.split()
+            seeds_by_id[exp_id] = [int(s) for s in seeds_of]
+    given = meta.get("seeds", "")
+    seeds = sorted({s for v in seeds_by_id.values() for s in v}) or [int(s) for s in given.split() if s.isdigit()]
+    seeds = seeds or sorted({s for d in summaries.values() for s in d} | {s for v in crashed.values() for s in v})
+    fps = json.loads((out / "fingerprints.json").read_text()) if (out / "fingerprints.json").is_file() else {}
+    return Folder(out, experiments, meta, dict(summaries), dict(crashed), seeds, seeds_by_id, fps)
 
 
 def judge(experiments: list[dict], folder: Folder, ran: set) -> list[tuple[int, dict, dict | None]]:
     """(line number, experiment, verdict or None for `info`) of each line whose experiment is in `ran`."""
     return [
-        (n, e, evaluate_claim(e, folder.metric_of, folder.seeds, ran) if e["conditions"] else None)
+        (n, e, evaluate_claim(e, folder.metric_of, folder.seeds_of(e["id"]), ran) if e["conditions"] else None)
         for n, e in enumerate(experiments, start=1)
         if e["id"] in ran
     ]
 
 
-def untrained_kinds(rows, seeds: list[int]) -> dict:
+def untrained_kinds(rows, seeds_of) -> dict:
     """--untrained: line number -> (kind, text) of each judged row (see untrained_verdict); a negative control shows
     the state of its pair."""
-    kinds = {n: untrained_verdict(e, verdict, seeds, {}) for n, e, verdict in rows if not e["negative"]}
+    kinds = {n: untrained_verdict(e, verdict, seeds_of(e["id"]), {}) for n, e, verdict in rows if not e["negative"]}
     pair_status = {}
     for n, e, _ in rows:
         if n in kinds and kinds[n][0] in ("fails", "holds", "error"):
@@ -611,7 +662,7 @@ def untrained_kinds(rows, seeds: list[int]) -> dict:
                 pair_status[e["id"]] = state
     for n, e, verdict in rows:
         if e["negative"]:
-            kinds[n] = untrained_verdict(e, verdict, seeds, pair_status)
+            kinds[n] = untrained_verdict(e, verdict, seeds_of(e["id"]), pair_status)
     return kinds
 
 
@@ -619,7 +670,7 @@ def untrained_summary(folder: Folder) -> tuple[str, dict, dict]:
     """The untrained control's head line ("positive claims failing untrained: X of Y ..."), its rows by kind, and the
     kind of each row."""
     rows = judge(folder.experiments, folder, folder.ran)
-    kinds = untrained_kinds(rows, folder.seeds)
+    kinds = untrained_kinds(rows, folder.seeds_of)
     by_kind = defaultdict(list)
     for n, e, _ in rows:
         by_kind[kinds[n][0]].append(f"- #{n} {e['id']}: {e['claim']} — {kinds[n][1]}")
@@ -660,7 +711,10 @@ def aggregate(out: Path) -> int:
 
     claim_rows = []
     for n, e, verdict in rows:
-        cells = [f"`{m}`: {measured([folder.metric_of(e['id'], m, s) for s in seeds])}" for m in e["metrics"]]
+        cells = [
+            f"`{m}`: {measured([folder.metric_of(e['id'], m, s) for s in folder.seeds_of(e['id'])])}"
+            for m in e["metrics"]
+        ]
         check = "—" if not e["conditions"] else "`" + e["check"].replace("|", "\\|") + "`"
         if e["negative"]:
             check = f"negative control (pairs with {e['negative']}): {check}"
@@ -681,7 +735,9 @@ def aggregate(out: Path) -> int:
         if bad:
             status = f"**CRASHED** seeds {', '.join(map(str, bad))} (see logs/) · " + status
         wall = f"{sum(times) / len(times):.0f}" if times else "—"
-        run_rows.append(f"| {exp_id} | `{python_command(e['cmd'])}` | {status} | {wall} |")
+        seeds_of = " ".join(map(str, folder.seeds_of(exp_id)))
+        fp = folder.fingerprints.get(exp_id) or "—"
+        run_rows.append(f"| {exp_id} | `{python_command(e['cmd'])}` | {seeds_of} | {fp} | {status} | {wall} |")
 
     n_ok, n_runs = folder.run_counts()
     n_hold, n_fail = verdicts.count("holds"), verdicts.count("fails")
@@ -689,7 +745,8 @@ def aggregate(out: Path) -> int:
     meta = folder.meta
     minutes = f"{meta['total_s'] / 60:.1f} min" if "total_s" in meta else "unknown"
     about = [
-        f"- seeds: {' '.join(map(str, seeds))}; command: `bash benchmark.sh {meta.get('argv', '')}`; "
+        f"- seeds: {' '.join(map(str, seeds)) if not folder.seeds_by_id else 'per experiment (Runs)'}; "
+        f"command: `bash benchmark.sh {meta.get('argv', '')}`; "
         f"git: {meta.get('git', '?')}",
         f"- machine: {meta.get('cpu', '?')}, {meta.get('cores', '?')} cores; {meta.get('jobs', '?')} runs at a time, "
         "one torch thread each; total wall time " + minutes,
@@ -701,8 +758,8 @@ def aggregate(out: Path) -> int:
     runs = [
         "## Runs",
         "",
-        "| experiment | command (plus `--seed S`) | status | wall time per run (s) |",
-        "|---|---|---|---|",
+        "| experiment | command (plus `--seed S`) | seeds | fingerprint | status | wall time per run (s) |",
+        "|---|---|---|---|---|---|",
         *run_rows,
     ]
     if not untrained:
@@ -780,7 +837,7 @@ def aggregate(out: Path) -> int:
     print("\n".join(doc))
     if not untrained:  # the figures show learning: none in the untrained control
         try:
-            plot(out, folder.summaries, seeds, folder.metric_of)
+            plot(out, folder.summaries, folder.seeds_of, folder.metric_of)
         except ImportError as err:  # matplotlib or tensorboard missing: the table is still complete
             print(f"no figures: {err}")
     print(f"\n{head.replace('**', '')}\nwrote {out / 'results.md'}")
@@ -798,7 +855,7 @@ def read_curve(run_dir: str, tag: str):
     return [e.step for e in events], [e.value for e in events]
 
 
-def plot(out: Path, summaries, seeds, metric_of):
+def plot(out: Path, summaries, seeds_of, metric_of):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -809,7 +866,7 @@ def plot(out: Path, summaries, seeds, metric_of):
     ]
     for fields in figures:
         try:
-            draw(out, summaries, seeds, metric_of, *fields)
+            draw(out, summaries, seeds_of, metric_of, *fields)
         except Exception as err:  # noqa: BLE001  a broken figure must not hide the checked table
             print(f"figure {fields[1] if len(fields) > 1 else fields}: not drawn ({type(err).__name__}: {err})")
 
@@ -819,7 +876,7 @@ def series_pairs(series: str) -> list[list[str]]:
     return [s.strip().rsplit("=", 1) for s in series.split(",")]
 
 
-def draw(out: Path, summaries, seeds, metric_of, kind, name, title, series, ylabel, reference):
+def draw(out: Path, summaries, seeds_of, metric_of, kind, name, title, series, ylabel, reference):
     """One figure of figures.txt (see FIGURES in benchmark.sh)."""
     import matplotlib.pyplot as plt
     import numpy as np
@@ -832,7 +889,7 @@ def draw(out: Path, summaries, seeds, metric_of, kind, name, title, series, ylab
         drawn, windows = 0, []
         for label, exp_id in pairs:
             curves = []
-            for seed in seeds:
+            for seed in seeds_of(exp_id):
                 summary = summaries.get(exp_id, {}).get(seed)
                 got = summary and read_curve(summary["run_dir"], ylabel)
                 if got and len(got[0]) > 1:
@@ -866,7 +923,7 @@ def draw(out: Path, summaries, seeds, metric_of, kind, name, title, series, ylab
         xs, drawn = np.arange(len(pairs)), 0
         for x, (_, ref) in zip(xs, pairs, strict=True):
             exp_id, metric = ref.split(":", 1)
-            vals = [v for v in (metric_of(exp_id, metric, s) for s in seeds) if v is not None]
+            vals = [v for v in (metric_of(exp_id, metric, s) for s in seeds_of(exp_id)) if v is not None]
             if vals:
                 ax.bar(x, np.mean(vals), color="C0", alpha=0.5)
                 ax.scatter(np.full(len(vals), x), vals, color="k", s=12, zorder=3)
@@ -887,7 +944,7 @@ def draw(out: Path, summaries, seeds, metric_of, kind, name, title, series, ylab
             color = colors.setdefault(exp_id, f"C{len(colors)}")
             points = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
             kl = np.array([p["kl"] for p in points])
-            label = exp_id.replace(series, "beta=") if path.parts[-3] == f"seed{seeds[0]}" else None
+            label = exp_id.replace(series, "beta=") if path.parts[-3] == f"seed{seeds_of(exp_id)[0]}" else None
             axes[0].plot(kl, [p["gold_reward"] for p in points], ".-", color=color, alpha=0.6, label=label)
             axes[1].plot(kl, [p["proxy_reward"] for p in points], ".-", color=color, alpha=0.6)
             axes[2].plot(np.sqrt(np.maximum(kl, 0)), [p["gold_reward"] for p in points], ".-", color=color, alpha=0.6)
@@ -914,6 +971,325 @@ def draw(out: Path, summaries, seeds, metric_of, kind, name, title, series, ylab
     fig.tight_layout()
     fig.savefig(out / f"{name}.png", dpi=120)
     plt.close(fig)
+
+
+# --- Fingerprints and drawn report seeds. A line's fingerprint is what its code computes: the summary metrics,
+# TensorBoard scalars and saved weights of a seconds-long run of its command with FINGERPRINT_TABLE's arguments
+# appended (seed 1), on the code path that every x86 CPU takes (FINGERPRINT_ENV), timings left out, rounded and
+# hashed, with the full-size values of the settings that the tiny run replaces (`settings`). So an edit that computes
+# the same numbers (a refactor, a comment) keeps it; one that does not, or a changed recipe or default, changes it;
+# and it is the same on AMD and Intel, whose fast kernels round differently. docs/fingerprints.json keeps each line's
+# fingerprint under a key of its code (its script's and envs/'s syntax trees without docstrings, its command and
+# tiny arguments): a line whose key is there is not rerun. The report seeds of a group (the lines compared on the
+# same seed) are drawn from its lines' fingerprints and checks: nobody chooses them, and a new method or a changed
+# bar gets new ones.
+FINGERPRINT_ENV = {
+    "ATEN_CPU_CAPABILITY": "default",  # torch's own kernels without AVX2 / AVX-512 vectors
+    "MKL_CBWR": "COMPATIBLE",  # MKL's matrix products: one path on Intel and AMD
+    "ONEDNN_MAX_CPU_ISA": "SSE41",  # oneDNN's kernels (torch's CPU LSTM) likewise
+    "NPY_DISABLE_CPU_FEATURES": "X86_V3 X86_V4 AVX512_ICL AVX512_SPR",  # numpy's baseline loops
+    "OPENBLAS_CORETYPE": "Nehalem",  # numpy's matrix products
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+}
+FINGERPRINT_DIGITS = 6  # significant digits a value is rounded to before hashing
+FINGERPRINT_SEED = 1
+TIMING_RE = re.compile(r"^perf/|sps|wall|time_s|_ms(_|$)", re.IGNORECASE)  # timings: left out of a fingerprint
+# in every key: a change of how fingerprints are computed (raise the first number) recomputes them all
+FINGERPRINT_PROCEDURE = [2, FINGERPRINT_ENV, FINGERPRINT_DIGITS, FINGERPRINT_SEED, TIMING_RE.pattern]
+NUMERIC_PACKAGES = ("torch", "numpy", "gymnasium", "transformers", "tokenizers")  # recorded beside the fingerprints
+REPORT_SEEDS = range(1000, 10000)  # drawn report seeds; 1-6 are development seeds, 101-999 tuning seeds
+DRAWN_SEEDS = 5
+
+
+def sha(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+@functools.cache
+def code_digest(path: Path) -> str:
+    """A source file's syntax tree without docstrings and string statements (comments are not in it)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            kept = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+            node.body = kept or [ast.Pass()]
+    return sha(ast.dump(tree))
+
+
+def first_lines(experiments: list[dict]) -> dict:
+    """id -> its first line (the one whose command runs), in benchmark.sh's order."""
+    first = {}
+    for e in experiments:
+        first.setdefault(e["id"], e)
+    return first
+
+
+def line_keys(experiments: list[dict], tiny: dict) -> dict:
+    """id -> the key of its code: script and envs/ syntax trees, command (a `{run:X}` as X's key), tiny arguments."""
+    envs = [code_digest(p) for p in sorted(Path("envs").rglob("*.py"))]
+    digests, keys = {}, {}
+    for exp_id, e in first_lines(experiments).items():
+        script = e["cmd"].split()[0]
+        if script not in tiny:
+            raise CheckError(f"{e['where']} (id {exp_id}): script {script!r} has no FINGERPRINT_TABLE row")
+        if script not in digests:
+            if not (Path("algos") / f"{script}.py").is_file():
+                raise CheckError(f"{e['where']} (id {exp_id}): no algos/{script}.py")
+            digests[script] = code_digest(Path("algos") / f"{script}.py")
+        settings(e, tiny[script])  # every flag of the row is a field of the script's Args
+        cmd = RUN_REF_RE.sub(lambda m: "{run:" + keys[m[1]] + "}", e["cmd"])
+        keys[exp_id] = sha([FINGERPRINT_PROCEDURE, digests[script], envs, cmd, tiny[script]])
+    return keys
+
+
+def rounded(value):
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.{FINGERPRINT_DIGITS}g}"
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    return [rounded(v) for v in value]
+
+
+@functools.cache
+def args_defaults(script: str) -> dict:
+    """The default of each field of a script's `Args`, as written (from its syntax tree)."""
+    tree = ast.parse((Path("algos") / f"{script}.py").read_text())
+    args = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args"), None)
+    if args is None:
+        return {}
+    fields = [n for n in args.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+    return {n.target.id: ast.unparse(n.value) if n.value else None for n in fields}
+
+
+def flag_values(words: list[str]) -> dict:
+    """`--flag value ...` words -> flag -> its last values (a flag given twice: the last one wins)."""
+    values, flag = {}, None
+    for word in words:
+        if word.startswith("--"):
+            flag, _, inline = word.partition("=")
+            values[flag] = [inline] if inline else []
+        elif flag is not None:
+            values[flag].append(word)
+    return values
+
+
+def settings(e: dict, tiny: str) -> dict:
+    """The full-size values of the settings that the tiny run replaces: flag -> the line's value, else the default."""
+    script, *words = shlex.split(e["cmd"])
+    defaults, given = args_defaults(script), flag_values(words)
+    out = {}
+    for flag in flag_values(shlex.split(tiny)):
+        field = flag[2:].replace("-", "_")
+        if defaults and field not in defaults:
+            raise CheckError(f"FINGERPRINT_TABLE row {script}: {flag} is not a field of its Args")
+        out[flag] = " ".join(given[flag]) if flag in given else defaults.get(field)
+    return out
+
+
+def weight_stats(run_dir: Path) -> dict:
+    """Per saved tensor (file / name): the sums of |w| and w^2, in float64."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    stats = {}
+    for path in sorted(run_dir.rglob("*.safetensors")):
+        for name, w in sorted(load_file(path).items()):
+            w = w.astype(np.float64)
+            stats[f"{path.relative_to(run_dir)}/{name}"] = [float(np.abs(w).sum()), float((w * w).sum())]
+    return stats
+
+
+def fingerprint_run(e: dict, tiny: str, dep_dirs: dict, tmp: Path) -> tuple[str, str]:
+    """(fingerprint, run dir) of one tiny run of line `e`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    words = shlex.split(RUN_REF_RE.sub(lambda m: dep_dirs[m[1]], e["cmd"]))
+    out = tmp / e["id"]
+    argv = [sys.executable, f"algos/{words[0]}.py", "--seed", str(FINGERPRINT_SEED), "--runs-dir", str(out)]
+    argv += ["--exp-name", e["id"], *words[1:], *shlex.split(tiny)]
+    proc = subprocess.run(
+        argv, env={**os.environ, **FINGERPRINT_ENV}, stdin=subprocess.DEVNULL, capture_output=True, text=True
+    )
+    found = sorted(out.glob("*/summary.json"))
+    if proc.returncode != 0 or not found:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-5:])
+        raise CheckError(f"the fingerprint run of {e['id']} failed (exit {proc.returncode}): {' '.join(argv)}\n{tail}")
+    run_dir = found[0].parent
+    metrics = json.loads(found[0].read_text())["metrics"]
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    scalars = {
+        tag: [[ev.step, ev.value] for ev in acc.Scalars(tag)]
+        for tag in sorted(acc.Tags().get("scalars", []))
+        if not TIMING_RE.search(tag)
+    }
+    kept = {k: v for k, v in metrics.items() if not TIMING_RE.search(k)}
+    numbers = rounded({"metrics": kept, "scalars": scalars, "weights": weight_stats(run_dir)})
+    return sha({"numbers": numbers, "settings": settings(e, tiny)})[:16], str(run_dir)
+
+
+def read_fingerprint_table(path: Path) -> dict:
+    rows = read_table(path, 2, "FINGERPRINT_TABLE", "script | --arguments")
+    return {script: args for script, args in rows}
+
+
+def compute_fingerprints(experiments: list[dict], tiny: dict, ids: list[str], jobs: int, cache: dict) -> tuple:
+    """(id -> fingerprint, id -> why its tiny run failed) for `ids`: from `cache` (id -> {key, fingerprint}) where
+    its key is there, else run (with the runs of the lines whose run dir it reads), `jobs` at a time."""
+    first, keys = first_lines(experiments), line_keys(experiments, tiny)
+    done = {i: cache[i]["fingerprint"] for i in ids if cache.get(i, {}).get("key") == keys[i]}
+    todo, stack = set(), [i for i in ids if i not in done]
+    while stack:  # a line that reads another's run dir needs that run too
+        i = stack.pop()
+        if i not in todo:
+            todo.add(i)
+            stack += RUN_REF_RE.findall(first[i]["cmd"])
+    order = [i for i in first if i in todo]
+    if not order:
+        return done, {}
+    print(f"fingerprints: {len(order)} tiny runs ({', '.join(order)}), {jobs} at a time", flush=True)
+    with tempfile.TemporaryDirectory(prefix="seqrl-fingerprint-") as tmp, ThreadPoolExecutor(jobs) as pool:
+        futures = {}
+
+        def one(exp_id):
+            dirs = {}
+            for dep in RUN_REF_RE.findall(first[exp_id]["cmd"]):
+                if futures[dep].exception() is not None:
+                    raise KeyError(dep)
+                dirs[dep] = futures[dep].result()[1]
+            start = time.monotonic()
+            got = fingerprint_run(first[exp_id], tiny[first[exp_id]["cmd"].split()[0]], dirs, Path(tmp))
+            print(f"  {exp_id}: {got[0]} ({time.monotonic() - start:.0f} s)", flush=True)
+            return got
+
+        for exp_id in order:  # a dependency is submitted (so started) before the lines that wait on it
+            futures[exp_id] = pool.submit(one, exp_id)
+        errors = {}
+        for exp_id in order:
+            try:
+                fp = futures[exp_id].result()[0]
+            except (CheckError, KeyError) as err:  # KeyError: a line whose dependency failed
+                errors[exp_id] = str(err) if isinstance(err, CheckError) else f"its {{run:{err}}} failed"
+                continue
+            if exp_id in ids:
+                done[exp_id] = fp
+    return done, {i: why for i, why in errors.items() if i in ids}
+
+
+def read_fingerprint_cache() -> dict:
+    path = DOCS / "fingerprints.json"
+    return json.loads(path.read_text())["lines"] if path.is_file() else {}
+
+
+def package_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {"python": sys.version.split()[0]}
+    for name in NUMERIC_PACKAGES:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def write_fingerprints(spec: Path, table: Path, jobs: int, only: str) -> int:
+    """--fingerprint: docs/fingerprints.json for every line of benchmark.sh (or those --only selects), reusing the
+    entries whose code key is unchanged; says for each line run again whether its fingerprint changed."""
+    experiments, tiny = read_benchmark_lines(spec), read_fingerprint_table(table)
+    old = read_fingerprint_cache()
+    ids = [i for i in first_lines(experiments) if re.search(only, i)] if only else list(first_lines(experiments))
+    keys = line_keys(experiments, tiny)
+    fps, errors = compute_fingerprints(experiments, tiny, ids, jobs, old)
+    for exp_id, why in errors.items():
+        print(f"benchmark.sh: {exp_id}: {why}", file=sys.stderr)
+    ids = [i for i in ids if i not in errors]
+    lines = {i: old[i] for i in first_lines(experiments) if i in old and i not in ids}  # kept as they were
+    changed = []
+    for i in first_lines(experiments):
+        if i in ids:
+            lines[i] = {"key": keys[i], "fingerprint": fps[i]}
+            if i in old and old[i]["key"] != keys[i]:
+                same = old[i]["fingerprint"] == fps[i]
+                print(f"{i}: code changed, fingerprint {'the same' if same else 'CHANGED'} ({fps[i]})")
+                changed += [] if same else [i]
+    data = {
+        "about": "written by `bash benchmark.sh --fingerprint`: per experiment id, the key of its code and the "
+        "fingerprint of what it computes (benchmark.sh, Fingerprints)",
+        "versions": package_versions(),
+        "lines": {i: lines[i] for i in first_lines(experiments) if i in lines},
+    }
+    path = DOCS / "fingerprints.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+    print(f"wrote {path}: {len(ids)} lines fingerprinted, {len(changed)} changed: {' '.join(changed) or 'none'}")
+    return 1 if errors else 0
+
+
+def seed_groups(experiments: list[dict]) -> dict:
+    """id -> the ids compared with it on the same seed (linked by a check's `other_id:metric`, a `{run:X}` or a
+    negative control's pair), sorted: one group, one draw."""
+    parent = {e["id"]: e["id"] for e in experiments}
+
+    def root(i):
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for e in experiments:
+        linked = [x for c in e["conditions"] for x, _ in c["refs"] if x] + RUN_REF_RE.findall(e["cmd"])
+        for other in linked + ([e["negative"]] if e["negative"] else []):
+            if other in parent:
+                parent[root(other)] = root(e["id"])
+    members = defaultdict(list)
+    for i in parent:
+        members[root(i)].append(i)
+    return {i: sorted(members[root(i)]) for i in parent}
+
+
+def drawn_seeds(experiments: list[dict], fingerprints: dict, group: list[str], n: int) -> list[int]:
+    """The first `n` report seeds of a group: drawn from a hash of its lines' ids, fingerprints and checks."""
+    key = sha(sorted([e["id"], fingerprints[e["id"]], e["check_as_written"]] for e in experiments if e["id"] in group))
+    seeds, i = [], 0
+    while len(seeds) < n:
+        seed = REPORT_SEEDS[int(sha([key, i]), 16) % len(REPORT_SEEDS)]
+        seeds += [] if seed in seeds else [seed]
+        i += 1
+    return seeds
+
+
+def prepare(spec: Path, table: Path, out: Path, seeds: str, jobs: int) -> int:
+    """Before a benchmark run: fingerprint the selected lines (docs/fingerprints.json as a cache) into
+    <out>/fingerprints.json, and write each id's seeds to <out>/seeds.txt (`drawn[:N]`: its group's first N drawn
+    seeds, the first one only in an --untrained run)."""
+    experiments, tiny = read_benchmark_lines(spec), read_fingerprint_table(table)
+    folder = read_folder(out)
+    selected = list(dict.fromkeys(e["id"] for e in folder.experiments))
+    groups = seed_groups(experiments)
+    drawn = seeds.startswith("drawn")
+    needed = sorted({g for i in selected for g in groups[i]}) if drawn else selected
+    fps, errors = compute_fingerprints(experiments, tiny, needed, jobs, read_fingerprint_cache())
+    for exp_id, why in errors.items():  # its runs still run (and crash, or not), stamped with no fingerprint
+        print(f"benchmark.sh: no fingerprint for {exp_id}: {why}", file=sys.stderr)
+    if drawn and errors:
+        raise CheckError(f"--seeds drawn: no fingerprint, so no report seeds, for {' '.join(errors)}")
+    (out / "fingerprints.json").write_text(json.dumps({i: fps.get(i) for i in selected}, indent=1) + "\n")
+    rows = []
+    for i in selected:
+        if drawn:
+            n = int(seeds.partition(":")[2] or DRAWN_SEEDS)
+            got = drawn_seeds(experiments, fps, groups[i], n)
+            rows.append(f"{i} {' '.join(map(str, got[:1] if folder.untrained else got))}")
+        else:
+            rows.append(f"{i} {seeds}")
+    (out / "seeds.txt").write_text("\n".join(rows) + "\n")
+    return 0
 
 
 # --publish: docs/results.json holds what was published (per claim line of benchmark.sh: its id, command and check as
@@ -1024,12 +1400,14 @@ def published_claim(e: dict, first_cmd: dict, trained: list[Folder]) -> dict:
         ran = {x["id"] for x in folder.experiments if first_cmd.get(x["id"]) == x["cmd"]} & folder.ran
         if e["id"] not in ran:
             continue
-        verdict = evaluate_claim(e, folder.metric_of, folder.seeds, ran) if e["conditions"] else None
-        values = {m: [folder.metric_of(e["id"], m, s) for s in folder.seeds] for m in e["metrics"]}
+        seeds = folder.seeds_of(e["id"])
+        verdict = evaluate_claim(e, folder.metric_of, seeds, ran) if e["conditions"] else None
+        values = {m: [folder.metric_of(e["id"], m, s) for s in seeds] for m in e["metrics"]}
         got = {m: [v for v in vals if v is not None] for m, vals in values.items()}
         return claim | {
             "folder": folder_name(folder.out),
-            "seeds": folder.seeds,
+            "seeds": seeds,
+            "fingerprint": folder.fingerprints.get(e["id"]),
             "values": values,
             "mean": {m: sum(v) / len(v) if v else None for m, v in got.items()},
             "range": {m: [min(v), max(v)] if v else None for m, v in got.items()},
@@ -1093,15 +1471,49 @@ def publish(spec: Path, figures_file: Path, headlines_file: Path, paths: list[Pa
     return 0
 
 
-def check_published(spec: Path, headlines_file: Path) -> int:
+def check_published(spec: Path, headlines_file: Path, table: Path) -> int:
     experiments = read_benchmark_lines(spec)
     reasons = stale_reasons(experiments, read_headlines(headlines_file, experiments))
-    for reason in reasons:
+    more, unstamped = fingerprint_reasons(experiments, read_fingerprint_table(table))
+    for reason in reasons + more:
         print(f"benchmark.sh: stale: {reason}", file=sys.stderr)
-    if reasons:
+    if reasons or more:
         return 1
     print(f"{DOCS / 'results.json'} and {DOCS / 'results.md'} carry every claim line of benchmark.sh as it is")
+    if unstamped:
+        print(f"benchmark.sh: note: {len(unstamped)} published experiments carry no fingerprint (published before "
+              "fingerprints), so their numbers are not checked against the code as it is")
     return 0
+
+
+def fingerprint_reasons(experiments: list[dict], tiny: dict) -> tuple[list[str], list[str]]:
+    """(why the published numbers are not the code at HEAD's, the published ids that carry no fingerprint): HEAD's
+    fingerprints missing from docs/fingerprints.json, a published fingerprint that HEAD's code does not compute, seeds
+    that are not the group's drawn report seeds."""
+    keys, cache = line_keys(experiments, tiny), read_fingerprint_cache()
+    missing = [i for i in keys if cache.get(i, {}).get("key") != keys[i]]
+    if missing:
+        return [
+            f"{DOCS / 'fingerprints.json'} lacks the fingerprints of the code as it is for {' '.join(missing)} (run "
+            "`bash benchmark.sh --fingerprint`: an edit that computes the same numbers keeps them)"
+        ], []
+    fps, groups = {i: cache[i]["fingerprint"] for i in keys}, seed_groups(experiments)
+    path = DOCS / "results.json"
+    claims = json.loads(path.read_text())["claims"] if path.is_file() else []
+    reasons, unstamped = {}, {}
+    for c in claims:
+        if c["folder"] is None or c["id"] not in fps:
+            continue
+        if not c.get("fingerprint"):
+            unstamped[c["id"]] = True
+        elif c["fingerprint"] != fps[c["id"]]:
+            reasons[c["id"]] = (
+                f"{c['id']} was published from code whose fingerprint is {c['fingerprint']}; the code as it is "
+                f"computes {fps[c['id']]}: rerun it (`--seeds drawn`) and publish"
+            )
+        elif c["seeds"] != (drawn := drawn_seeds(experiments, fps, groups[c["id"]], len(c["seeds"]))):
+            reasons[c["id"]] = f"{c['id']} was published on seeds {c['seeds']}, not its drawn report seeds {drawn}"
+    return list(reasons.values()), list(unstamped)
 
 
 def stale_reasons(experiments: list[dict], headlines: list[dict]) -> list[str]:
@@ -1174,6 +1586,8 @@ def claim_group(claim: dict) -> list[str]:
         info += f" · **{NOT_RUN}**"
     else:
         info += f" · from `{claim['folder']}`, seeds {' '.join(map(str, claim['seeds']))}"
+        fp = claim.get("fingerprint")
+        info += f" · fingerprint `{fp}`" if fp else " · **no fingerprint** (published before fingerprints)"
         if claim["crashed_seeds"]:
             info += f" · **CRASHED** seeds {', '.join(map(str, claim['crashed_seeds']))}"
         times = claim["wall_time_s"]
@@ -1216,6 +1630,8 @@ def render_page(data: dict) -> str:
     if n_unchecked:
         head += f" ({n_unchecked} not checked: an experiment they compare with was not run)"
     head += f" · claim lines {NOT_RUN}: {statuses.count('not run')} of {len(claims)}"
+    published = {c["id"]: c.get("fingerprint") for c in claims if c["folder"]}
+    head += f" · experiments with a fingerprint: {sum(map(bool, published.values()))} of {len(published)}"
     doc = [
         "# seqrl benchmark results",
         "",
@@ -1339,13 +1755,19 @@ if __name__ == "__main__":
                 check_untrained_table(args[1], experiments)
             if len(args) > 2:
                 read_headlines(args[2], experiments)
+            if len(args) > 3:
+                line_keys(experiments, read_fingerprint_table(args[3]))
             sys.exit(0)
         if mode == "publish":  # the caller's directory (relative folders), lines, figures, headlines, folders
             caller, spec, figures_file, headlines_file, *paths = args
             folders = [p if p.is_absolute() or not (caller / p).is_dir() else caller / p for p in paths]
             sys.exit(publish(spec, figures_file, headlines_file, folders))
         if mode == "check-published":
-            sys.exit(check_published(args[0], args[1]))
+            sys.exit(check_published(args[0], args[1], args[2]))
+        if mode == "fingerprint":  # lines, fingerprint table, jobs, --only regex
+            sys.exit(write_fingerprints(args[0], args[1], int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else ""))
+        if mode == "prepare":  # lines, fingerprint table, results folder, seeds, jobs
+            sys.exit(prepare(args[0], args[1], args[2], sys.argv[5], int(sys.argv[6])))
         sys.exit(aggregate(args[0]))
     except CheckError as err:
         print(f"benchmark.sh: {err}", file=sys.stderr)
@@ -1360,10 +1782,15 @@ printf '%s\n' "$EXPERIMENTS" | grep -v '^\s*$' >"$TABLES/experiments"
 printf '%s\n' "$UNTRAINED_TABLE" >"$TABLES/untrained"
 printf '%s\n' "$HEADLINES" >"$TABLES/headlines"
 printf '%s\n' "$FIGURES" >"$TABLES/figures"
-python3 -c "$AGG_PY" validate "$TABLES/experiments" "$TABLES/untrained" "$TABLES/headlines" || exit $?
+printf '%s\n' "$FINGERPRINT_TABLE" >"$TABLES/fingerprint"
+python3 -c "$AGG_PY" validate "$TABLES/experiments" "$TABLES/untrained" "$TABLES/headlines" "$TABLES/fingerprint" \
+  || exit $?
 if [ "$VALIDATE" = 1 ]; then echo "benchmark.sh: every experiment line and check parses"; exit 0; fi
 if [ "$CHECK_PUBLISHED" = 1 ]; then
-  python3 -c "$AGG_PY" check-published "$TABLES/experiments" "$TABLES/headlines"; exit $?
+  python3 -c "$AGG_PY" check-published "$TABLES/experiments" "$TABLES/headlines" "$TABLES/fingerprint"; exit $?
+fi
+if [ "$FINGERPRINT" = 1 ]; then
+  python3 -c "$AGG_PY" fingerprint "$TABLES/experiments" "$TABLES/fingerprint" "$JOBS" "$ONLY"; exit $?
 fi
 if [ ${#PUBLISH[@]} -gt 0 ]; then
   python3 -c "$AGG_PY" publish "$CALLER_DIR" "$TABLES/experiments" "$TABLES/figures" "$TABLES/headlines" "${PUBLISH[@]}"
@@ -1409,15 +1836,19 @@ else
   done
   N_EXP=$(tail -n +2 "$OUT/experiments.txt" | cut -d'|' -f1 | sort -u | wc -l)
   [ "$N_EXP" -gt 0 ] || { echo "benchmark.sh: no experiment id matches --only '$ONLY'" >&2; rm -r "$OUT"; exit 2; }
-  N_SEEDS=$(echo $SEEDS | wc -w)
-  TOTAL=$((N_EXP * N_SEEDS))
   CPU=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)
   GIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
   [ -z "$(git status --porcelain 2>/dev/null)" ] || GIT="$GIT (with uncommitted changes)"
   python3 -c 'import json,sys; print(json.dumps(dict(zip(["argv","seeds","jobs","cpu","cores","git","untrained","date"],
     sys.argv[1:]))))' "$ARGV" "$SEEDS" "$JOBS" "${CPU:-unknown}" "$(nproc --all)" "$GIT" "$UNTRAINED" \
     "$(date '+%Y-%m-%d %H:%M')" >"$OUT/meta.json"
-  echo "benchmark: $N_EXP experiments x $N_SEEDS seed(s) = $TOTAL runs, $JOBS at a time -> $OUT"
+  # every run stamped with its line's fingerprint (fingerprints.json); each id's seeds (seeds.txt)
+  python3 -c "$AGG_PY" prepare "$TABLES/experiments" "$TABLES/fingerprint" "$OUT" "$SEEDS" "$JOBS" \
+    || { rc=$?; rm -r "$OUT"; exit $rc; }
+  declare -A SEEDS_OF=()
+  while read -r id seeds_of; do SEEDS_OF[$id]=$seeds_of; done <"$OUT/seeds.txt"
+  TOTAL=$(cut -d' ' -f2- "$OUT/seeds.txt" | wc -w)
+  echo "benchmark: $N_EXP experiments, $TOTAL runs, $JOBS at a time -> $OUT"
   export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1
 
   run_one() {  # id seed script args... ; prints one progress line
@@ -1457,7 +1888,7 @@ else
     id=$(echo "$id" | xargs)
     [ -z "${SEEN[$id]:-}" ] || continue  # several claims (lines) may read the same run
     SEEN[$id]=1
-    for seed in $SEEDS; do
+    for seed in ${SEEDS_OF[$id]}; do
       i=$((i + 1))
       while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
       echo "[$(date +%H:%M:%S)] start $i/$TOTAL: $id seed=$seed"
