@@ -974,7 +974,13 @@ def validate(args):
         (args.eval_episodes >= 1, f"--eval-episodes must be >= 1, got {args.eval_episodes}"),
         (args.critic_steps >= 0 and args.bc_epochs >= 0, "--critic-steps and --bc-epochs must be >= 0"),
         (args.save_every >= 0, f"--save-every must be >= 0 (0 = no periodic checkpoints), got {args.save_every}"),
-        (args.n_embd % args.n_head == 0, f"--n-embd {args.n_embd} not divisible by --n-head {args.n_head}"),
+        (args.seed >= 0, f"--seed must be >= 0, got {args.seed}"),
+        (min(args.n_layer, args.n_embd, args.n_head) >= 1, "--n-layer, --n-embd and --n-head must be >= 1"),
+        (args.n_embd % max(args.n_head, 1) == 0, f"--n-embd {args.n_embd} not divisible by --n-head {args.n_head}"),
+        (min(args.critic_dim, args.critic_hidden) >= 1, "--critic-dim and --critic-hidden must be >= 1"),
+        (min(args.bc_lr, args.critic_lr) >= 0.0, "--bc-lr and --critic-lr must be >= 0"),
+        (args.max_grad_norm > 0.0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}"),
+        (args.log_every >= 1, f"--log-every must be >= 1, got {args.log_every}"),
     ]
     for ok, msg in checks:
         if not ok:

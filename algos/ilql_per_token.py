@@ -10,10 +10,11 @@ reliable, ILQL stitches hasty's questions with thorough's patience and beats BC 
 
 Key equations (s = a token prefix whose next token is the agent's, a = that token, s' = the next such prefix):
   Q loss:   Σ_{i=1,2} (Q_i(s, a) - y)^2,  y = r + γ (1 - done) V(s')   (s' skips reply tokens; V(s') detached)
-  V loss:   L_τ(min_i Q̂_i(s, a) - V(s)),  L_τ(u) = |τ - 1(u < 0)| u^2           (Q̂: Polyak target heads)
+  V loss:   L_κ(min_i Q̂_i(s, a) - V(s)),  L_κ(u) = |κ - 1(u < 0)| u^2           (Q̂: Polyak target heads)
   CQL:      Σ_i logsumexp_a' Q_i(s, a') - Q_i(s, a) = Σ_i CE(Q_i(s, ·), a)           (CE: cross-entropy)
-  total:    L_Q + L_V + α_cql L_CQL + CE(π_BC(s, ·), a) + λ_b CE(W h(s), secret);   θ̂ <- α θ + (1 - α) θ̂
+  total:    L_Q + L_V + α L_CQL + CE(π_BC(s, ·), a) + λ_b CE(W h(s), secret);   θ̂ <- τ θ + (1 - τ) θ̂
   decoding: π(a | s) ∝ top-k( exp(log π_BC(a | s) + β (min_i Q̂_i(s, a) - V(s))) ),  β = 0 is BC
+  flags:    κ = --expectile (IQL writes τ), α = --cql-alpha, τ = --tau (a target update rate in every script)
 
 Implementation details:
   1. Layout <bos> a1 <sep> r1 <sep> ... aT <sep> rT <eos>; `next_state_indices` maps each action position to the
@@ -27,7 +28,7 @@ Implementation details:
   8. Minibatches of dialogues of similar length (`--group-by-length`) cut the padding by about 40%.
   9. Belief auxiliary (`--belief-coef`, not in ILQL): a head predicts the logged secret from every prefix, which
      trains the backbone to read the answers (next-token losses alone did so only on some seeds).
- 10. Polyak α = 0.05, ten times Snell's: each token of the ~40-token backup chain waits ~1/α steps for its target,
+ 10. Polyak τ = 0.05, ten times Snell's: each token of the ~40-token backup chain waits ~1/τ steps for its target,
      and with 0.005 the start value had barely moved by the end of training.
  11. Real checkpoints (`--model-name-or-path`) keep their tokenizer; "<sep>" and "<pad>" are added when missing.
  12. Problem 21.4: `timestep/*` logs the RL horizon and the action space per step of the data.
@@ -145,18 +146,18 @@ class Args:
     # ILQL
     gamma: float = 1.0
     """per-token discount γ (Snell's per-token default; the task return is undiscounted)"""
-    tau: float = 0.7
-    """expectile τ of the V regression (trlx default; 0.5 = SARSA-like mean, -> 1 = max over data tokens)"""
-    cql_weight: float = 0.1
-    """α_cql, weight of the per-token CQL (cross-entropy of Q-as-logits) term (trlx cql_scale)"""
+    expectile: float = 0.7
+    """expectile κ of the V regression (IQL's τ; trlx default; 0.5 = SARSA-like mean, -> 1 = max over data tokens)"""
+    cql_alpha: float = 0.1
+    """α, weight of the per-token CQL (cross-entropy of Q-as-logits) term (trlx cql_scale)"""
     bc_weight: float = 1.0
     """weight of the BC cross-entropy on the LM head (trlx awac_scale with awac β = 0)"""
     lm_all_tokens: bool = True
     """train the LM head on every next token, the answerer's replies too (as trlx's awac loss does); the reply
     tokens are a world-model auxiliary that teaches the backbone to read the answers. False = agent tokens only"""
-    polyak: float = 0.05
-    """Polyak rate α of the target Q heads, applied every step (Snell 0.005, trlx 0.001 every 5 steps; larger here
-    because each token of the ~40-token backup chain waits ~1/α steps for its target; details 10)"""
+    tau: float = 0.05
+    """Polyak rate τ of the target Q heads, applied every step (Snell 0.005, trlx 0.001 every 5 steps; larger here
+    because each token of the ~40-token backup chain waits ~1/τ steps for its target; details 10)"""
     belief_coef: float = 1.0
     """weight of the belief auxiliary: a linear head on the last hidden state predicts the logged secret object
     from every prefix (cross-entropy; its minimizer is the posterior over the 18 objects, the belief state). The
@@ -199,9 +200,10 @@ class Args:
 # ---------------------------------------------------------------------------------------------------------------
 # ALGO LOGIC: small pure functions (tests import these)
 # ---------------------------------------------------------------------------------------------------------------
-def expectile_loss(diff: torch.Tensor, tau: float) -> torch.Tensor:
-    """L_τ(u) = |τ - 1(u < 0)| u^2 elementwise, u = Q - V (IQL eq. 1; τ > 0.5 weighs Q above V more)."""
-    weight = torch.where(diff < 0, 1.0 - tau, tau)
+def expectile_loss(diff: torch.Tensor, expectile: float) -> torch.Tensor:
+    """L_κ(u) = |κ - 1(u < 0)| u^2 elementwise, u = Q - V, κ = `expectile` (IQL eq. 1, its τ; κ > 0.5 weighs Q
+    above V more)."""
+    weight = torch.where(diff < 0, 1.0 - expectile, expectile)
     return weight * diff.pow(2)
 
 
@@ -284,7 +286,7 @@ def ilql_losses(out: dict, batch: dict, args) -> dict:
     y = q_targets(batch["rewards"], batch["dones"], out["v"], batch["next_idx"], args.gamma)  # (B, L-1)
     loss_q = sum(((at_actions(out[k]) - y).pow(2) * mask).sum() / n for k in ("q1", "q2"))
     target_q = torch.minimum(at_actions(out["tq1"]), at_actions(out["tq2"])).detach()  # (B, L-1)
-    loss_v = (expectile_loss(target_q - out["v"][:, :-1], args.tau) * mask).sum() / n
+    loss_v = (expectile_loss(target_q - out["v"][:, :-1], args.expectile) * mask).sum() / n
     loss_cql = sum((token_cql_penalty(out[k][:, :-1], actions) * mask).sum() / n for k in ("q1", "q2"))
     token_ce = F.cross_entropy(out["logits"][:, :-1].transpose(1, 2), actions, reduction="none")  # (B, L-1)
     loss_bc = (token_ce * mask).sum() / n  # BC: the agent's tokens only
@@ -300,7 +302,7 @@ def ilql_losses(out: dict, batch: dict, args) -> dict:
     if args.bc_only:
         total = args.bc_weight * loss_pi
     else:
-        total = loss_q + loss_v + args.cql_weight * loss_cql + args.bc_weight * loss_pi
+        total = loss_q + loss_v + args.cql_alpha * loss_cql + args.bc_weight * loss_pi
     total = total + args.belief_coef * loss_belief
     return {
         "loss": total,
@@ -479,10 +481,10 @@ class ILQLHeads(nn.Module):
             "belief": self.belief(hidden),
         }
 
-    def sync_targets(self, polyak: float) -> None:
-        """θ̂ <- α θ + (1 - α) θ̂ with α = `polyak` (trlx `_sync_target_q_heads`)."""
-        polyak_update(self.target_q1, self.q1, polyak)
-        polyak_update(self.target_q2, self.q2, polyak)
+    def sync_targets(self, tau: float) -> None:
+        """θ̂ <- τ θ + (1 - τ) θ̂ (trlx `_sync_target_q_heads`)."""
+        polyak_update(self.target_q1, self.q1, tau)
+        polyak_update(self.target_q2, self.q2, tau)
 
 
 def forward_all(lm, heads: ILQLHeads, input_ids, attention_mask, position_ids=None, cache=None, last_only=False):
@@ -751,7 +753,7 @@ def main():
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         optimizer.step()
         scheduler.step()
-        heads.sync_targets(args.polyak)  # CRUCIAL: target heads trail the online Q heads (Polyak)
+        heads.sync_targets(args.tau)  # CRUCIAL: target heads trail the online Q heads (Polyak)
         # 4. log the means over --log-every steps (torchrun: losses summed over ranks, the global minibatch's values)
         step_losses = torch.tensor([float(v.detach()) for v in losses.values()], dtype=torch.float64)
         for k, v in zip(losses, run.global_sum(step_losses.to(run.device)).tolist(), strict=True):
@@ -881,16 +883,22 @@ def parse_args() -> Args:
         raise SystemExit(f"error: --filter-top-frac must be in (0, 1], got {args.filter_top_frac}")
     if not 0.0 <= args.decay_frac <= 1.0:
         raise SystemExit(f"error: --decay-frac must be in [0, 1], got {args.decay_frac}")
-    if not 0.0 < args.tau < 1.0:
-        raise SystemExit(f"error: --tau must be in (0, 1), got {args.tau}")
-    if args.belief_coef < 0:
-        raise SystemExit(f"error: --belief-coef must be >= 0, got {args.belief_coef}")
-    if not 0.0 <= args.gamma <= 1.0 or not 0.0 < args.polyak <= 1.0:
-        raise SystemExit(f"error: need 0 <= --gamma <= 1 and 0 < --polyak <= 1, got {args.gamma}, {args.polyak}")
+    if args.seed < 0:
+        raise SystemExit(f"error: --seed must be >= 0, got {args.seed}")
+    if not 0.0 < args.expectile < 1.0:
+        raise SystemExit(f"error: --expectile must be in (0, 1), got {args.expectile}")
+    if min(args.belief_coef, args.cql_alpha, args.bc_weight) < 0:
+        raise SystemExit("error: --belief-coef/--cql-alpha/--bc-weight must be >= 0")
+    if not 0.0 <= args.gamma <= 1.0 or not 0.0 < args.tau <= 1.0:
+        raise SystemExit(f"error: need 0 <= --gamma <= 1 and 0 < --tau <= 1, got {args.gamma}, {args.tau}")
     if not args.betas or any(b < 0 for b in args.betas):
         raise SystemExit(f"error: --betas must be a non-empty list of values >= 0, got {args.betas}")
     if min(args.eval_episodes, args.val_episodes, args.batch_size) < 1 or args.num_steps < 0 or args.top_k < 0:
         raise SystemExit("error: --eval-episodes/--val-episodes/--batch-size must be >= 1, --num-steps/--top-k >= 0")
+    if min(args.dataset_size, args.log_every, args.n_layer, args.n_embd, args.n_head) < 1:
+        raise SystemExit("error: --dataset-size/--log-every/--n-layer/--n-embd/--n-head must be >= 1")
+    if min(args.learning_rate, args.warmup_steps, args.weight_decay) < 0 or args.max_grad_norm <= 0:
+        raise SystemExit("error: --learning-rate/--warmup-steps/--weight-decay must be >= 0, --max-grad-norm > 0")
     if args.arch not in ("gpt2", "llama"):
         raise SystemExit(f"error: --arch must be gpt2 or llama, got {args.arch!r}")
     if args.model_name_or_path is None and args.n_embd % args.n_head:
@@ -1263,8 +1271,9 @@ def latest_checkpoint(run_dir: Path) -> tuple[dict, Path]:
 
 def read_resume(args, world_size: int):
     """--resume RUN_DIR: refuse (one-line error) a finished run, another script's run, a run without a checkpoint,
-    a corrupt state.json, a different number of processes, or arguments that differ from the run's; return the
-    run's arguments, its state.json and the newest complete step dir."""
+    a corrupt state.json, a different number of processes, arguments of an older version (--polyak, --cql-weight:
+    now --tau, --cql-alpha) or arguments that differ from the run's; return the run's arguments, its state.json and
+    the newest complete step dir."""
     run_dir = Path(args.resume)
     state, step_dir = latest_checkpoint(run_dir)
     if state.get("script") != SCRIPT:
@@ -1273,6 +1282,10 @@ def read_resume(args, world_size: int):
         raise SystemExit(f"error: --resume '{run_dir}' ran on {state['world_size']} process(es), not {world_size}")
     plain = lambda v: json.loads(json.dumps(v))  # noqa: E731  (tuples -> lists, as in state.json)
     given, default, saved = asdict(args), asdict(Args()), state["args"]
+    if set(saved) - set(default):
+        raise SystemExit(
+            f"error: --resume '{run_dir}' has arguments {sorted(set(saved) - set(default))} of an older version"
+        )
     for k, v in given.items():
         if k not in RESUME_FREE_FIELDS and plain(v) != plain(default[k]) and plain(v) != saved.get(k):
             flag = "--" + k.replace("_", "-")

@@ -977,6 +977,8 @@ def parse_args() -> Args:
             raise SystemExit(f"error: the run used {saved['world_size']} processes; resume it with as many")
         setup = Path(args.resume) / "checkpoints" / "setup"  # STEPS 1-3 as the run saved them when its PPO started
         args.sft_model_path, args.reward_model_path = str(setup / "sft_model"), str(setup / "reward_model")
+    if min(args.batch_size, args.num_minibatches, args.update_epochs) < 1:
+        raise SystemExit("error: --batch-size, --num-minibatches and --update-epochs must be >= 1")
     if args.batch_size % args.num_minibatches != 0:
         raise SystemExit(
             f"error: --batch-size {args.batch_size} not divisible by --num-minibatches {args.num_minibatches}"
@@ -998,6 +1000,26 @@ def parse_args() -> Args:
         raise SystemExit("error: --temperature must be > 0, --kl-coef >= 0 and --reward-offset >= 0")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise SystemExit("error: --max-new-tokens must be >= 1")
+    if args.seed < 0 or min(args.sft_epochs, args.rm_epochs, args.num_updates) < 0:
+        raise SystemExit("error: --seed, --sft-epochs, --rm-epochs and --num-updates must be >= 0")
+    if min(args.eval_episodes, args.eval_every, args.bon_max_n, args.kl_horizon) < 1:
+        raise SystemExit("error: --eval-episodes, --eval-every, --bon-max-n and --kl-horizon must be >= 1")
+    if min(args.sft_examples, args.sft_batch_size, args.pref_prompts, args.rm_batch_size) < 1:
+        raise SystemExit("error: --sft-examples, --sft-batch-size, --pref-prompts and --rm-batch-size must be >= 1")
+    if args.pref_k < 2:
+        raise SystemExit(f"error: --pref-k must be >= 2 (a ranking gives C(K, 2) pairs), got {args.pref_k}")
+    if min(args.n_embd, args.n_layer, args.n_head, args.n_positions) < 1 or args.n_embd % args.n_head:
+        raise SystemExit(
+            "error: --n-embd, --n-layer, --n-head, --n-positions must be >= 1, --n-embd divisible by --n-head"
+        )
+    if args.labeler_temperature <= 0 or not 0 <= args.labeler_flip_prob <= 1:
+        raise SystemExit("error: --labeler-temperature must be > 0 and --labeler-flip-prob in [0, 1]")
+    if not 0 <= args.gamma <= 1 or not 0 <= args.lam <= 1:
+        raise SystemExit(f"error: --gamma and --lam must be in [0, 1], got {args.gamma}, {args.lam}")
+    if min(args.sft_lr, args.rm_lr, args.learning_rate, args.vf_coef, args.missing_eos_penalty) < 0:
+        raise SystemExit("error: --sft-lr, --rm-lr, --learning-rate, --vf-coef and --missing-eos-penalty must be >= 0")
+    if min(args.cliprange, args.cliprange_value, args.max_grad_norm, args.target_kl) <= 0:
+        raise SystemExit("error: --cliprange, --cliprange-value, --max-grad-norm and --target-kl must be > 0")
     if args.eval_only:  # a run dir of this script: its policy, SFT reference and reward model
         ckpt = Path(args.checkpoint)
         args.sft_model_path = args.sft_model_path or str(ckpt / "sft_model")

@@ -764,6 +764,18 @@ def parse_args() -> Args:
         raise SystemExit("error: need --temperature > 0 and 0 <= --flip-prob <= 1")
     if args.loss == "kwise" and args.kwise_form == "softmax" and args.margin != 0:
         raise SystemExit("error: --margin is defined for pairwise / kwise-pairs losses, not --kwise-form softmax")
+    if not 0 <= args.head_only_fraction <= 1:
+        raise SystemExit(f"error: --head-only-fraction must be in [0, 1], got {args.head_only_fraction}")
+    if args.val_prompts < 0:
+        raise SystemExit(f"error: --val-prompts must be >= 0 (0 = none), got {args.val_prompts}")
+    if args.seed < 0 or args.n_norm_samples < 2 or not 0 <= args.dropout < 1:
+        raise SystemExit("error: need --seed >= 0, --n-norm-samples >= 2 and 0 <= --dropout < 1")
+    if min(args.n_layer, args.n_embd, args.n_head) < 1 or args.n_embd % args.n_head:
+        raise SystemExit("error: need positive --n-layer, --n-embd, --n-head, and --n-embd divisible by --n-head")
+    if min(args.sft_learning_rate, args.learning_rate, args.weight_decay, args.center_coef) < 0:
+        raise SystemExit("error: need --sft-learning-rate, --learning-rate, --weight-decay, --center-coef >= 0")
+    if args.max_grad_norm <= 0:
+        raise SystemExit(f"error: --max-grad-norm must be > 0, got {args.max_grad_norm}")
     for flag, n, batch in (
         ("--sft-batch-size", args.sft_examples, args.sft_batch_size),
         ("--batch-size", n_train_examples(args), args.batch_size),

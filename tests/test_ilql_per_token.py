@@ -72,12 +72,12 @@ def tiny_model(seed=0, d=16):
 
 def test_expectile_loss_matches_hand_computation():
     diff = torch.tensor([2.0, -1.0, 0.5, 0.0])  # u = Q - V
-    expected = [0.7 * 4.0, 0.3 * 1.0, 0.7 * 0.25, 0.0]  # |τ - 1(u<0)| u^2 with τ = 0.7
+    expected = [0.7 * 4.0, 0.3 * 1.0, 0.7 * 0.25, 0.0]  # |κ - 1(u<0)| u^2 with κ = 0.7
     assert M.expectile_loss(diff, 0.7).tolist() == pytest.approx(expected)
-    assert M.expectile_loss(diff, 0.5).tolist() == pytest.approx((0.5 * diff**2).tolist())  # τ = 0.5: half MSE
+    assert M.expectile_loss(diff, 0.5).tolist() == pytest.approx((0.5 * diff**2).tolist())  # κ = 0.5: half MSE
 
 
-def test_expectile_minimizer_is_above_the_mean_for_tau_above_half():
+def test_expectile_minimizer_is_above_the_mean_for_expectile_above_half():
     q = torch.tensor([0.0, 0.0, 0.0, 1.0])  # mean 0.25; the 0.9-expectile solves 0.9*(1-v) = 0.1*3v -> v = 0.75
     v = torch.zeros(1, requires_grad=True)
     opt = torch.optim.SGD([v], lr=0.1)
@@ -169,7 +169,7 @@ def test_lm_loss_covers_answerer_tokens_and_bc_only_agent_tokens():
     args = type(
         "A",
         (),
-        dict(gamma=1.0, tau=0.7, cql_weight=0.1, bc_weight=1.0, bc_only=True, lm_all_tokens=True, belief_coef=0.0),
+        dict(gamma=1.0, expectile=0.7, cql_alpha=0.1, bc_weight=1.0, bc_only=True, lm_all_tokens=True, belief_coef=0.0),
     )
     losses = M.ilql_losses(out, batch, args)
     assert losses["bc"].item() == pytest.approx(ce[batch["action_mask"]].mean().item(), rel=1e-5)
@@ -427,6 +427,36 @@ def test_bad_input_gives_one_line_errors(runs_dir, tmp_path):
     assert "--belief-coef > 0 needs the logged secret_id" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--expectile", "1"], "--expectile must be in (0, 1)"),
+        (["--tau", "0"], "0 < --tau <= 1"),
+        (["--tau", "1.5"], "0 < --tau <= 1"),
+        (["--cql-alpha", "-0.1"], "--cql-alpha"),
+        (["--bc-weight", "-1"], "--bc-weight"),
+        (["--belief-coef", "-1"], "--belief-coef"),
+        (["--decay-frac", "1.5"], "--decay-frac must be in [0, 1]"),
+        (["--betas"], "--betas must be a non-empty list"),
+        (["--seed", "-1"], "--seed must be >= 0"),
+        (["--dataset-size", "0"], "--dataset-size"),
+        (["--log-every", "0"], "--log-every"),
+        (["--n-head", "0"], "--n-head"),
+        (["--n-layer", "0"], "--n-layer"),
+        (["--learning-rate", "-1e-3"], "--learning-rate"),
+        (["--warmup-steps", "-1"], "--warmup-steps"),
+        (["--weight-decay", "-0.1"], "--weight-decay"),
+        (["--max-grad-norm", "0"], "--max-grad-norm > 0"),
+    ],
+)
+def test_parse_args_rejects_bad_values(argv, message, monkeypatch, tmp_path):
+    """Every bad value is a one-line error before any work (the CLI path of these checks is the one above)."""
+    monkeypatch.setattr("sys.argv", ["ilql_per_token.py", "--runs-dir", str(tmp_path), *argv])
+    with pytest.raises(SystemExit) as err:
+        M.parse_args()
+    assert str(err.value.code).startswith("error: ") and message in str(err.value.code)
+
+
 @pytest.mark.slow
 def test_ilql_value_backup_carries_the_final_reward_to_the_start(runs_dir):
     """~2 min. The behavioral claim (ILQL > BC) needs the full run (benchmark.sh): at this budget the tiny model
@@ -435,7 +465,7 @@ def test_ilql_value_backup_carries_the_final_reward_to_the_start(runs_dir):
     the first tokens' reward is 0), and the Q regression fits."""
     summary = run_script("ilql_per_token", *SLOW, runs_dir=runs_dir, timeout=600)
     m = summary["metrics"]
-    assert 0.2 < m["model/v_start"] < 1.0, m  # dataset mean return 0.41; the τ = 0.7 expectile sits above it
+    assert 0.2 < m["model/v_start"] < 1.0, m  # dataset mean return 0.41; the κ = 0.7 expectile sits above it
     assert m["model/final_q_loss"] < 0.1 and m["model/final_lm_loss"] < 0.5, m
     check_evaluation_bookkeeping(m, betas=(0.0, 4.0))
     assert m["eval/bc_valid_utterance_rate"] > 0.9, m  # the BC head already speaks the task's language

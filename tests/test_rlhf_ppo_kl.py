@@ -425,6 +425,45 @@ def test_missing_reward_model_dir_is_a_clear_error(runs_dir, tmp_path, monkeypat
     assert "error: --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num-minibatches", "0"], "--num-minibatches"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--update-epochs", "0"], "--update-epochs"),
+        (["--batch-size", "6"], "not divisible by --num-minibatches"),
+        (["--seed", "-1"], "--seed"),
+        (["--num-updates", "-1"], "--num-updates"),
+        (["--eval-episodes", "0"], "--eval-episodes"),
+        (["--eval-every", "0"], "--eval-every"),
+        (["--bon-max-n", "0"], "--bon-max-n"),
+        (["--kl-horizon", "0"], "--kl-horizon"),
+        (["--rm-batch-size", "0"], "--rm-batch-size"),
+        (["--pref-prompts", "0"], "--pref-prompts"),
+        (["--pref-k", "1"], "--pref-k must be >= 2"),
+        (["--n-head", "0"], "--n-head"),
+        (["--n-embd", "30"], "divisible by --n-head"),
+        (["--labeler-temperature", "0"], "--labeler-temperature"),
+        (["--labeler-flip-prob", "1.5"], "--labeler-flip-prob"),
+        (["--gamma", "1.5"], "--gamma and --lam must be in [0, 1]"),
+        (["--lam", "-0.1"], "--gamma and --lam must be in [0, 1]"),
+        (["--learning-rate", "-1e-4"], "--learning-rate"),
+        (["--vf-coef", "-1"], "--vf-coef"),
+        (["--cliprange", "0"], "--cliprange"),
+        (["--max-grad-norm", "0"], "--max-grad-norm"),
+        (["--target-kl", "0"], "--target-kl"),
+        (["--temperature", "0"], "--temperature must be > 0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+    ],
+)
+def test_parse_args_rejects_bad_values(argv, message, monkeypatch, tmp_path):
+    """Every bad value is a one-line error before any work (the CLI path of these checks is the one above)."""
+    monkeypatch.setattr("sys.argv", ["rlhf_ppo_kl.py", "--runs-dir", str(tmp_path), *argv])
+    with pytest.raises(SystemExit) as err:
+        M.parse_args()
+    assert str(err.value.code).startswith("error: ") and message in str(err.value.code)
+
+
 @pytest.mark.slow
 def test_kl_penalized_ppo_beats_sft_on_gold(runs_dir):
     """The default run (beta = 0.1, about 2-3 CPU minutes): the final policy's gold reward beats SFT's clearly."""

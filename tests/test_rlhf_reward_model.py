@@ -280,6 +280,33 @@ def test_bad_input_gives_clear_error(runs_dir, tmp_path, monkeypatch):
     assert "error: need --n-center-samples >= 1" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--head-only-fraction", "1.5"], "--head-only-fraction must be in [0, 1]"),
+        (["--head-only-fraction", "-0.1"], "--head-only-fraction must be in [0, 1]"),
+        (["--val-prompts", "-3"], "--val-prompts must be >= 0"),
+        (["--seed", "-1"], "--seed >= 0"),
+        (["--n-norm-samples", "1"], "--n-norm-samples >= 2"),
+        (["--dropout", "1.0"], "--dropout < 1"),
+        (["--n-head", "0"], "positive --n-layer, --n-embd, --n-head"),
+        (["--n-embd", "30"], "divisible by --n-head"),
+        (["--learning-rate", "-1e-3"], "--learning-rate"),
+        (["--weight-decay", "-0.01"], "--weight-decay"),
+        (["--center-coef", "-1"], "--center-coef"),
+        (["--max-grad-norm", "0"], "--max-grad-norm must be > 0"),
+        (["--flip-prob", "1.5"], "0 <= --flip-prob <= 1"),
+        (["--k", "1"], "--k >= 2"),
+    ],
+)
+def test_parse_args_rejects_bad_values(argv, message, monkeypatch, tmp_path):
+    """Every bad value is a one-line error before any work (the CLI path of these checks is the one above)."""
+    monkeypatch.setattr("sys.argv", ["rlhf_reward_model.py", "--runs-dir", str(tmp_path), *argv])
+    with pytest.raises(SystemExit) as err:
+        rm.parse_args()
+    assert str(err.value.code).startswith("error: ") and message in str(err.value.code)
+
+
 @pytest.mark.slow
 def test_reward_model_learns_near_the_bayes_ceiling(runs_dir):
     # the default run (benchmark.sh's rlhf_rm claim, at its line): ~1.5 min alone on 2 cores. Tuning seeds 101-110:

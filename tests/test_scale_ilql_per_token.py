@@ -216,6 +216,11 @@ def test_resume_refuses_other_scripts_and_bad_dirs(tmp_path):
     ):
         with pytest.raises(SystemExit, match=message):
             M.read_resume(M.Args(resume=str(run_dir)), 1)
+    old = {k: v for k, v in vars(M.Args()).items() if k not in ("tau", "expectile", "cql_alpha")}
+    old.update(tau=0.7, polyak=0.05, cql_weight=0.1)  # a run of the version before the renames (tau: the expectile)
+    (other / "step_5" / "state.json").write_text(json.dumps({"script": "ilql_per_token", "world_size": 1, "args": old}))
+    with pytest.raises(SystemExit, match=r"has arguments \['cql_weight', 'polyak'\] of an older version"):
+        M.read_resume(M.Args(resume=str(other.parent)), 1)
     (other / "step_5" / "state.json").write_text('{"script": "ilql_per_')  # truncated
     with pytest.raises(SystemExit, match="state.json' is missing, truncated or corrupt"):
         M.read_resume(M.Args(resume=str(other.parent)), 1)
