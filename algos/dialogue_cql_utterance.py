@@ -916,7 +916,7 @@ def headline_charts(metrics: dict) -> dict:
     }
 
 
-# === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+# === RUN MANAGEMENT (not the algorithm: validation, run dir, checkpoints and --resume, Ctrl-C, summary) ===
 # Long runs: RUN_DIR/checkpoints gets a checkpoint at the end of the BC phase, at the end of the candidate phase and
 # every `--save-every` critic steps (and at the critic's end), and Ctrl-C or SIGTERM writes one at the next of these
 # points, then the run exits: the proposer's weights (safetensors), the candidate sets and the utterance table they

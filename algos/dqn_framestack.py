@@ -594,102 +594,64 @@ def evaluate(q_network, args: Args, env_kwargs: dict, device, episodes: int = 0,
     return metrics
 
 
-# === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+# === RUN MANAGEMENT (not the algorithm: validation, run dir, tensorboard, summary, the saved model) ===
 SCRIPT = Path(__file__).stem  # the script's name in summary.json
-# Args that `--eval-only` takes from the checkpoint's args.json: they fix the env, the network and its inputs
+# the Args that `--eval-only` takes from the checkpoint's args.json: the env, the network and its inputs
 ARCH_FIELDS = ("env_id", "env_kwargs", "frame_stack", "stack_actions", "scale_obs", "hidden_size", "difference_scale")
 
 
 def parse_args() -> Args:
-    """tyro.cli(Args) and every check (one-line `error:` exits), the env's included; with `--eval-only`, the env and
-    the architecture come from the checkpoint's args.json (ARCH_FIELDS)."""
+    """tyro.cli(Args), each check a one-line `error:` before any work; `--eval-only`: ARCH_FIELDS of the checkpoint."""
     args = tyro.cli(Args)
-    if args.threads < 1:
-        raise SystemExit(f"error: --threads must be at least 1, got {args.threads}")
-    if args.eval_only:  # rebuild the env and the network the checkpoint was trained with
-        if args.checkpoint is None:
-            raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or a model.safetensors file)")
-        _, saved_args = load_checkpoint(args.checkpoint)
-        if saved_args:  # runs saved before --difference-scale existed read the raw stack
-            saved_args.setdefault("difference_scale", 0.0)
-        for field in ARCH_FIELDS:
-            setattr(args, field, saved_args.get(field, getattr(args, field)))
-    env_kwargs = parse_env_kwargs(args.env_kwargs)
-    if args.frame_stack < 1 or args.n_step < 1:
-        raise SystemExit(f"error: --frame-stack and --n-step must be >= 1, got {args.frame_stack} and {args.n_step}")
-    if not 0 <= args.difference_scale < float("inf"):  # also rejects nan
-        raise SystemExit(f"error: --difference-scale must be a finite number >= 0, got {args.difference_scale}")
-    if args.num_envs < 1 or not 1 <= args.eval_episodes <= EVAL_SEED_STRIDE:
-        raise SystemExit(f"error: need --num-envs >= 1 and 1 <= --eval-episodes <= {EVAL_SEED_STRIDE}")
-    if not 0.0 <= args.eval_epsilon <= 1.0:
-        raise SystemExit(f"error: --eval-epsilon must be in [0, 1], got {args.eval_epsilon}")
-    if not args.eval_only and args.learning_starts < args.batch_size:
-        raise SystemExit(f"error: --learning-starts ({args.learning_starts}) must be >= --batch-size")
-    if (
-        args.select_frequency < 0
-        or not 1 <= args.select_episodes <= EVAL_SEED_STRIDE
-        or args.total_timesteps >= SELECT_SEED_STRIDE // 2
-    ):
-        raise SystemExit(
-            f"error: need --select-frequency >= 0, 1 <= --select-episodes <= {EVAL_SEED_STRIDE} and "
-            f"--total-timesteps < {SELECT_SEED_STRIDE // 2}"
-        )
-    if args.keep_best and args.select_frequency < 1:
-        raise SystemExit("error: --keep-best needs --select-frequency > 0")
-    check_env(args.env_id, env_kwargs)
-    check_writable_dir(Path(args.runs_dir), "--runs-dir")
+    for ok, message in [
+        (args.checkpoint or not args.eval_only, "--eval-only needs --checkpoint PATH (a run dir or model.safetensors)"),
+        (args.threads >= 1, f"--threads must be at least 1, got {args.threads}"),
+        (min(args.frame_stack, args.n_step) >= 1, "--frame-stack and --n-step must be >= 1"),
+        (0 <= args.difference_scale < float("inf"), "--difference-scale must be a finite number >= 0"),  # not nan
+        (args.num_envs >= 1, f"--num-envs must be >= 1, got {args.num_envs}"),
+        (1 <= args.eval_episodes <= EVAL_SEED_STRIDE, f"need 1 <= --eval-episodes <= {EVAL_SEED_STRIDE}"),
+        (0.0 <= args.eval_epsilon <= 1.0, f"--eval-epsilon must be in [0, 1], got {args.eval_epsilon}"),
+        (args.eval_only or args.learning_starts >= args.batch_size, "--learning-starts must be >= --batch-size"),
+        (args.select_frequency >= 0, f"--select-frequency must be >= 0, got {args.select_frequency}"),
+        (1 <= args.select_episodes <= EVAL_SEED_STRIDE, f"need 1 <= --select-episodes <= {EVAL_SEED_STRIDE}"),
+        (args.total_timesteps < SELECT_SEED_STRIDE // 2, f"--total-timesteps must be < {SELECT_SEED_STRIDE // 2}"),
+        (args.select_frequency > 0 or not args.keep_best, "--keep-best needs --select-frequency > 0"),
+    ]:
+        if not ok:
+            raise SystemExit(f"error: {message}")
+    if args.eval_only:  # the env and the network the checkpoint was trained with
+        saved = load_checkpoint(args.checkpoint)[1]
+        saved = {"difference_scale": 0.0, **saved} if saved else {}  # runs saved before --difference-scale: 0
+        vars(args).update({field: saved[field] for field in ARCH_FIELDS if field in saved})
+    check_env(args.env_id, args.env_kwargs)
     return args
 
 
-def parse_env_kwargs(text: str) -> dict:
-    """Parse the `--env-kwargs` JSON string into a dict, with a one-line error otherwise."""
+def check_env(env_id: str, env_kwargs: str) -> int:
+    """The env made once: a bad id, module, JSON kwargs or space is a one-line error. Returns the number of actions."""
     try:
-        kwargs = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"error: --env-kwargs is not valid JSON ({e}): {text!r}") from None
-    if not isinstance(kwargs, dict):
-        raise SystemExit(f"error: --env-kwargs must be a JSON object like '{{\"corridor_length\": 4}}', got {text!r}")
-    return kwargs
-
-
-FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
-
-
-def check_env(env_id: str, env_kwargs: dict) -> int:
-    """Make the env once: a bad id, module or kwargs, or a space the script cannot take, is a one-line error.
-    Returns the number of actions."""
-    try:
-        probe = gym.make(env_id, **env_kwargs)
-    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # bad id, module, kwargs
-        raise SystemExit(f"error: cannot make env {env_id!r} with kwargs {env_kwargs}: {err}") from None
-    obs_space, act_space = probe.observation_space, probe.action_space
-    probe.close()
+        with gym.make(env_id, **json.loads(env_kwargs)) as probe:
+            obs_space, act_space = probe.observation_space, probe.action_space
+    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # id, module, JSON, kwargs
+        raise SystemExit(f"error: cannot make env {env_id!r} with --env-kwargs {env_kwargs}: {err}") from None
     if not isinstance(act_space, gym.spaces.Discrete):
         raise SystemExit(f"error: {env_id} has action space {act_space}; only Discrete action spaces are supported")
     if not flattenable(obs_space):
-        raise SystemExit(
-            f"error: {env_id} has observation space {obs_space}; supported: Box, Discrete, MultiBinary, "
-            "MultiDiscrete, and Tuple/Dict of these"
-        )
+        spaces = "Box, Discrete, MultiBinary, MultiDiscrete, and Tuple/Dict of these"
+        raise SystemExit(f"error: {env_id} has observation space {obs_space}; supported: {spaces}")
     return int(act_space.n)
 
 
 def flattenable(space: gym.spaces.Space) -> bool:
-    """True for the spaces gymnasium's `spaces.flatten` turns into one vector: Box, Discrete, MultiBinary,
-    MultiDiscrete, and Tuple/Dict of these (nested)."""
-    if isinstance(space, gym.spaces.Tuple):
-        return all(flattenable(sub) for sub in space.spaces)
-    if isinstance(space, gym.spaces.Dict):
-        return all(flattenable(sub) for sub in space.spaces.values())
-    return isinstance(space, FLAT_SPACES)
+    """What FlattenObservation makes one vector of: Box, Discrete, MultiBinary, MultiDiscrete, Tuple/Dict of these."""
+    if isinstance(space, gym.spaces.Tuple | gym.spaces.Dict):
+        return all(map(flattenable, space.spaces.values() if isinstance(space, gym.spaces.Dict) else space.spaces))
+    return isinstance(space, gym.spaces.Box | gym.spaces.Discrete | gym.spaces.MultiBinary | gym.spaces.MultiDiscrete)
 
 
-def load_checkpoint(path_str: str) -> tuple[dict, dict]:
-    """(state_dict, saved args or {}) from a run dir or a .safetensors file; clear errors for bad paths/files."""
-    path = Path(path_str)
-    model_path = path / "model.safetensors" if path.is_dir() else path
-    if not model_path.is_file():
-        raise SystemExit(f"error: checkpoint {model_path} not found (give a run dir or a model.safetensors file)")
+def load_checkpoint(path: str) -> tuple[dict, dict]:
+    """(state_dict, the run's args.json or {}) from a run dir or a .safetensors file; a one-line error otherwise."""
+    model_path = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
     try:
         state_dict = load_file(str(model_path))
     except (SafetensorError, OSError, ValueError) as err:
@@ -699,107 +661,56 @@ def load_checkpoint(path_str: str) -> tuple[dict, dict]:
 
 
 class Run:
-    """What main() uses of run management: the device, the run dir and its tensorboard writer, log(), load_model()
-    and finish()."""
+    """The device, a new run dir (made after every check) with tensorboard and args.json; log, load_model, finish."""
 
-    def __init__(self, args: Args, device: torch.device, run_dir: Path, writer: SummaryWriter):
-        self.args, self.device, self.run_dir, self.writer = args, device, run_dir, writer
-        self.start_time = time.time()
+    def __init__(self, args: Args):
+        self.args, self.start_time = args, time.time()
+        self.device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+        name = f"{args.env_id.replace('/', '-').replace(':', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        for suffix in range(10**6):  # a new run dir (mkdir is atomic): runs in the same second get -1, -2, ...
+            self.run_dir = Path(args.runs_dir) / (f"{name}-{suffix}" if suffix else name)
+            try:
+                self.run_dir.mkdir(parents=True)
+                break
+            except FileExistsError:  # taken: the next suffix
+                continue
+            except OSError as err:
+                raise SystemExit(f"error: --runs-dir {args.runs_dir}: {err.strerror}") from None
+        self.writer = SummaryWriter(str(self.run_dir))
+        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+        self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        (self.run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
 
     def log(self, step: int, metrics: dict) -> None:
         """tensorboard at env step `step`: each tag -> value as a scalar (a str value as text)."""
         for tag, value in metrics.items():
-            if isinstance(value, str):
-                self.writer.add_text(tag, value, step)
-            else:
-                self.writer.add_scalar(tag, value, step)
+            (self.writer.add_text if isinstance(value, str) else self.writer.add_scalar)(tag, value, step)
 
     def load_model(self, module: nn.Module) -> None:
-        """`--checkpoint`'s weights into `module` (the Q-network main built); a one-line error, and no run dir left
-        behind, if they do not fit."""
+        """`--checkpoint`'s weights into `module`; if they do not fit, a one-line error and no run dir left behind."""
         try:
             module.load_state_dict(load_checkpoint(self.args.checkpoint)[0])
-        except RuntimeError as e:
+        except RuntimeError as err:
             self.writer.close()
             shutil.rmtree(self.run_dir)
-            first = str(e).strip().splitlines()[0]
-            raise SystemExit(
-                "error: checkpoint does not fit this architecture "
-                f"(same --env-id/--frame-stack/--hidden-size/--difference-scale?): {first}"
-            ) from None
+            arch = " ".join(f"--{field.replace('_', '-')} {getattr(self.args, field)}" for field in ARCH_FIELDS)
+            raise SystemExit(f"error: checkpoint does not fit {arch}: {str(err).strip().splitlines()[0]}") from None
 
     def finish(self, metrics: dict, models: dict[str, nn.Module], samples: int) -> None:
-        """`{name}.safetensors` for each of `models`, summary.json (`sps` = samples / wall time); close tensorboard."""
-        args, run_dir = self.args, self.run_dir
+        """`{name}.safetensors` per model, then summary.json (written last and atomically: a finished run has it)."""
         for name, module in models.items():
-            save_file(module.state_dict(), str(run_dir / f"{name}.safetensors"))
+            save_file(module.state_dict(), str(self.run_dir / f"{name}.safetensors"))
         wall_time = time.time() - self.start_time
-        summary = {
-            "script": SCRIPT,
-            "run_name": run_dir.name,
-            "run_dir": str(run_dir),
-            "args": asdict(args),
-            "metrics": metrics,
-            "wall_time_s": wall_time,
-            "sps": samples / wall_time,
-        }
-        write_json_atomic(run_dir / "summary.json", summary)
+        summary = {"script": SCRIPT, "run_name": self.run_dir.name, "run_dir": str(self.run_dir)}
+        summary |= {"args": asdict(self.args), "metrics": metrics, "wall_time_s": wall_time, "sps": samples / wall_time}
+        (self.run_dir / ".summary.json").write_text(json.dumps(summary, indent=2))  # then renamed: never half written
+        os.replace(self.run_dir / ".summary.json", self.run_dir / "summary.json")
         self.writer.close()
-        print(json.dumps(metrics))
-        print(f"run dir: {run_dir}")
+        print(json.dumps(metrics, indent=2), f"run dir: {self.run_dir}", sep="\n")
 
 
 def start_run(args: Args) -> Run:
-    """The device and a new run dir with its tensorboard writer and args.json (after every check of parse_args, so a
-    failed start leaves no run dir)."""
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    run_dir = new_run_dir(args.runs_dir, args.env_id, args.exp_name, args.seed)
-    writer = open_writer(run_dir, args)
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-    return Run(args, device, run_dir, writer)
-
-
-def check_writable_dir(path: Path, flag: str) -> None:
-    """A one-line error, before any work, if `path` is a file, cannot be created, or is not writable."""
-    if path.exists() and not path.is_dir():
-        raise SystemExit(f"error: {flag} {path} is a file, not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise SystemExit(f"error: cannot create {flag} {path}: {err.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SystemExit(f"error: {flag} {path} is not writable")
-
-
-def new_run_dir(runs_dir: str, task: str, exp_name: str, seed: int) -> Path:
-    """Create and return runs_dir/{task}__{exp_name}__{seed}__{unix time}; never an existing directory: mkdir is
-    atomic, so runs started in the same second get -1, -2, ..."""
-    run_name = f"{task.replace('/', '-').replace(':', '-')}__{exp_name}__{seed}__{int(time.time())}"
-    run_dir, suffix = Path(runs_dir) / run_name, 0
-    while True:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=False)
-            return run_dir
-        except FileExistsError:
-            suffix += 1
-            run_dir = Path(runs_dir) / f"{run_name}-{suffix}"
-
-
-def open_writer(run_dir: Path, args, purge_step: int | None = None) -> SummaryWriter:
-    """tensorboard in the run dir with the hyperparameters as a markdown table (CleanRL). On a resume, purge_step (the
-    checkpoint's step + 1) drops what the killed run logged after its checkpoint, and the table is already there."""
-    writer = SummaryWriter(str(run_dir), purge_step=purge_step)
-    if purge_step is None:
-        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    return writer
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
-    tmp = path.with_name(f".tmp_{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+    return Run(args)  # the device, a new run dir, tensorboard
 
 
 if __name__ == "__main__":

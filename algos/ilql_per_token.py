@@ -856,7 +856,7 @@ def beta_metrics(results: dict, betas) -> dict:
     return metrics
 
 
-# === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+# === RUN MANAGEMENT (not the algorithm: validation, run dir, torchrun, checkpoints and --resume, Ctrl-C, summary) ===
 SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
 HEADS_FILE = "ilql_heads.safetensors"  # Q1, Q2, target Q1, target Q2, V heads, next to the save_pretrained model
 SEED_STRIDE = 10_000  # torchrun: rank r reseeds its global torch RNG (dropout of real checkpoints) with seed + r * this

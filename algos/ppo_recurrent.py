@@ -598,88 +598,64 @@ def eval_metrics(result: dict, env_id: str, prefix: str) -> dict:
     return {f"{prefix}{key}": float(value) for key, value in m.items()}
 
 
-# === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+# === RUN MANAGEMENT (not the algorithm: validation, run dir, tensorboard, summary, the saved model) ===
 SCRIPT = Path(__file__).stem  # the script's name in summary.json
-# Args that `--eval-only` takes from the checkpoint's args.json: they fix the env, the network and its inputs
-ARCH_FIELDS = tuple(
-    "env_id env_kwargs rnn hidden_size prev_action prev_reward norm_obs shared_torso reward_scale".split()
-)
+# the Args that `--eval-only` takes from the checkpoint's args.json: the env, the network and its inputs
+ARCH_FIELDS = "env_id env_kwargs rnn hidden_size prev_action prev_reward norm_obs shared_torso reward_scale".split()
 
 
 def parse_args() -> Args:
-    """tyro.cli(Args), every check that needs no model (one-line `error:` exits), the derived sizes; with
-    `--eval-only`, the env and the architecture come from the checkpoint's args.json (ARCH_FIELDS)."""
+    """tyro.cli(Args), each check a one-line `error:` before any work, the derived sizes; `--eval-only`: ARCH_FIELDS."""
     args = tyro.cli(Args)
-    if args.threads < 1:
-        raise SystemExit(f"error: --threads must be at least 1, got {args.threads}")
-    for name in ("eval_episodes", "greedy_eval_episodes"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.eval_only:
-        if args.checkpoint is None:
-            raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or a model.safetensors file)")
-        _, ckpt_args = load_checkpoint(args.checkpoint)
-        for field in ARCH_FIELDS:  # rebuild the env and the architecture the checkpoint was trained with
-            setattr(args, field, ckpt_args.get(field, getattr(args, field)))
-    try:
-        env_kwargs = json.loads(args.env_kwargs)
-    except json.JSONDecodeError:
-        env_kwargs = None
-    if not isinstance(env_kwargs, dict):
-        raise SystemExit(f"error: --env-kwargs must be a JSON object, got {args.env_kwargs!r}")
-    if args.num_envs % args.num_minibatches != 0:
-        raise SystemExit(f"error: --num-envs {args.num_envs} not divisible by --num-minibatches {args.num_minibatches}")
     args.batch_size = args.num_envs * args.num_steps
-    args.greedy_eval_episodes = args.greedy_eval_episodes or args.eval_episodes
     args.num_iterations = 0 if args.eval_only else args.total_timesteps // args.batch_size
-    if not args.eval_only and args.total_timesteps != 0 and args.num_iterations < 1:
-        raise SystemExit(f"error: --total-timesteps {args.total_timesteps} < one rollout ({args.batch_size} steps)")
-    check_writable_dir(Path(args.runs_dir), "--runs-dir")
-    num_actions = check_env(args.env_id, env_kwargs)
+    if args.greedy_eval_episodes is None:
+        args.greedy_eval_episodes = args.eval_episodes
+    for ok, message in [
+        (args.checkpoint or not args.eval_only, "--eval-only needs --checkpoint PATH (a run dir or model.safetensors)"),
+        (
+            min(args.threads, args.eval_episodes, args.greedy_eval_episodes) >= 1,
+            "--threads, --eval-episodes and --greedy-eval-episodes must be at least 1",
+        ),
+        (args.num_envs % args.num_minibatches == 0, f"--num-envs {args.num_envs} not divisible by --num-minibatches"),
+        (args.eval_only or args.num_iterations or not args.total_timesteps, "--total-timesteps < one rollout"),
+    ]:
+        if not ok:
+            raise SystemExit(f"error: {message}")
+    if args.eval_only:  # the env and the architecture the checkpoint was trained with
+        saved = load_checkpoint(args.checkpoint)[1]
+        vars(args).update({field: saved[field] for field in ARCH_FIELDS if field in saved})
+    num_actions = check_env(args.env_id, args.env_kwargs)
     if args.init_action_bias and len(args.init_action_bias) != num_actions:
-        got = len(args.init_action_bias)
-        raise SystemExit(f"error: --init-action-bias takes {num_actions} numbers (one per action), got {got}")
+        raise SystemExit(f"error: --init-action-bias takes {num_actions} numbers (one per action)")
     return args
 
 
-FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
-
-
-def check_env(env_id: str, env_kwargs: dict) -> int:
-    """Make the env once: a bad id, module or kwargs, or a space the script cannot take, is a one-line error.
-    Returns the number of actions."""
+def check_env(env_id: str, env_kwargs: str) -> int:
+    """The env made once: a bad id, module, JSON kwargs or space is a one-line error. Returns the number of actions."""
     try:
-        probe = gym.make(env_id, **env_kwargs)
-    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # bad id, module, kwargs
-        raise SystemExit(f"error: cannot make env {env_id!r} with kwargs {env_kwargs}: {err}") from None
-    obs_space, act_space = probe.observation_space, probe.action_space
-    probe.close()
+        with gym.make(env_id, **json.loads(env_kwargs)) as probe:
+            obs_space, act_space = probe.observation_space, probe.action_space
+    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # id, module, JSON, kwargs
+        raise SystemExit(f"error: cannot make env {env_id!r} with --env-kwargs {env_kwargs}: {err}") from None
     if not isinstance(act_space, gym.spaces.Discrete):
         raise SystemExit(f"error: {env_id} has action space {act_space}; only Discrete action spaces are supported")
     if not flattenable(obs_space):
-        raise SystemExit(
-            f"error: {env_id} has observation space {obs_space}; supported: Box, Discrete, MultiBinary, "
-            "MultiDiscrete, and Tuple/Dict of these"
-        )
+        spaces = "Box, Discrete, MultiBinary, MultiDiscrete, and Tuple/Dict of these"
+        raise SystemExit(f"error: {env_id} has observation space {obs_space}; supported: {spaces}")
     return int(act_space.n)
 
 
 def flattenable(space: gym.spaces.Space) -> bool:
-    """True for the spaces gymnasium's `spaces.flatten` turns into one vector: Box, Discrete, MultiBinary,
-    MultiDiscrete, and Tuple/Dict of these (nested)."""
-    if isinstance(space, gym.spaces.Tuple):
-        return all(flattenable(sub) for sub in space.spaces)
-    if isinstance(space, gym.spaces.Dict):
-        return all(flattenable(sub) for sub in space.spaces.values())
-    return isinstance(space, FLAT_SPACES)
+    """What FlattenObservation makes one vector of: Box, Discrete, MultiBinary, MultiDiscrete, Tuple/Dict of these."""
+    if isinstance(space, gym.spaces.Tuple | gym.spaces.Dict):
+        return all(map(flattenable, space.spaces.values() if isinstance(space, gym.spaces.Dict) else space.spaces))
+    return isinstance(space, gym.spaces.Box | gym.spaces.Discrete | gym.spaces.MultiBinary | gym.spaces.MultiDiscrete)
 
 
-def load_checkpoint(path_str: str) -> tuple[dict, dict]:
-    """(state_dict, saved args or {}) from a run dir or a .safetensors file; clear errors for bad paths/files."""
-    path = Path(path_str)
-    model_path = path / "model.safetensors" if path.is_dir() else path
-    if not model_path.is_file():
-        raise SystemExit(f"error: checkpoint {model_path} not found (give a run dir or a model.safetensors file)")
+def load_checkpoint(path: str) -> tuple[dict, dict]:
+    """(state_dict, the run's args.json or {}) from a run dir or a .safetensors file; a one-line error otherwise."""
+    model_path = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
     try:
         state_dict = load_file(str(model_path))
     except (SafetensorError, OSError, ValueError) as err:
@@ -689,105 +665,56 @@ def load_checkpoint(path_str: str) -> tuple[dict, dict]:
 
 
 class Run:
-    """What main() uses of run management: the device, the run dir and its tensorboard writer, log(), load_model()
-    and finish()."""
+    """The device, a new run dir (made after every check) with tensorboard and args.json; log, load_model, finish."""
 
-    def __init__(self, args: Args, device: torch.device, run_dir: Path, writer: SummaryWriter):
-        self.args, self.device, self.run_dir, self.writer = args, device, run_dir, writer
-        self.start_time = time.time()
+    def __init__(self, args: Args):
+        self.args, self.start_time = args, time.time()
+        self.device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+        name = f"{args.env_id.replace('/', '-').replace(':', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        for suffix in range(10**6):  # a new run dir (mkdir is atomic): runs in the same second get -1, -2, ...
+            self.run_dir = Path(args.runs_dir) / (f"{name}-{suffix}" if suffix else name)
+            try:
+                self.run_dir.mkdir(parents=True)
+                break
+            except FileExistsError:  # taken: the next suffix
+                continue
+            except OSError as err:
+                raise SystemExit(f"error: --runs-dir {args.runs_dir}: {err.strerror}") from None
+        self.writer = SummaryWriter(str(self.run_dir))
+        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+        self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        (self.run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
 
     def log(self, step: int, metrics: dict) -> None:
         """tensorboard at env step `step`: each tag -> value as a scalar (a str value as text)."""
         for tag, value in metrics.items():
-            if isinstance(value, str):
-                self.writer.add_text(tag, value, step)
-            else:
-                self.writer.add_scalar(tag, value, step)
+            (self.writer.add_text if isinstance(value, str) else self.writer.add_scalar)(tag, value, step)
 
     def load_model(self, module: nn.Module) -> None:
-        """`--checkpoint`'s weights into `module` (the agent main built); a one-line error, and no run dir left behind,
-        if they do not fit."""
+        """`--checkpoint`'s weights into `module`; if they do not fit, a one-line error and no run dir left behind."""
         try:
             module.load_state_dict(load_checkpoint(self.args.checkpoint)[0])
         except RuntimeError as err:
             self.writer.close()
             shutil.rmtree(self.run_dir)
-            flags = f"--rnn {self.args.rnn} --hidden-size {self.args.hidden_size}"
-            arch = f"{flags}, {module.obs_mean.shape[0]}-dim obs, {module.num_actions} actions"
-            raise SystemExit(f"error: checkpoint does not fit {arch}: {str(err).splitlines()[0]}") from None
+            arch = " ".join(f"--{field.replace('_', '-')} {getattr(self.args, field)}" for field in ARCH_FIELDS)
+            raise SystemExit(f"error: checkpoint does not fit {arch}: {str(err).strip().splitlines()[0]}") from None
 
     def finish(self, metrics: dict, models: dict[str, nn.Module], samples: int) -> None:
-        """summary.json (metrics = the evaluation's, `sps` = samples / wall time), args.json and `{name}.safetensors`
-        for each of `models`; close tensorboard."""
-        args, run_dir = self.args, self.run_dir
-        wall_time = time.time() - self.start_time
-        summary = {
-            "script": SCRIPT,
-            "run_name": run_dir.name,
-            "run_dir": str(run_dir),
-            "args": asdict(args),
-            "metrics": metrics,
-            "wall_time_s": wall_time,
-            "sps": samples / wall_time,
-        }
-        write_json_atomic(run_dir / "summary.json", summary)
-        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+        """`{name}.safetensors` per model, then summary.json (written last and atomically: a finished run has it)."""
         for name, module in models.items():
-            save_file(module.state_dict(), str(run_dir / f"{name}.safetensors"))
+            save_file(module.state_dict(), str(self.run_dir / f"{name}.safetensors"))
+        wall_time = time.time() - self.start_time
+        summary = {"script": SCRIPT, "run_name": self.run_dir.name, "run_dir": str(self.run_dir)}
+        summary |= {"args": asdict(self.args), "metrics": metrics, "wall_time_s": wall_time, "sps": samples / wall_time}
+        (self.run_dir / ".summary.json").write_text(json.dumps(summary, indent=2))  # then renamed: never half written
+        os.replace(self.run_dir / ".summary.json", self.run_dir / "summary.json")
         self.writer.close()
-        print(json.dumps(metrics, indent=2))
-        print(f"run dir: {run_dir}")
+        print(json.dumps(metrics, indent=2), f"run dir: {self.run_dir}", sep="\n")
 
 
 def start_run(args: Args) -> Run:
-    """The device and a new run dir with its tensorboard writer (after every check of parse_args, so a failed start
-    leaves no run dir)."""
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    run_dir = new_run_dir(args.runs_dir, args.env_id, args.exp_name, args.seed)
-    return Run(args, device, run_dir, open_writer(run_dir, args))
-
-
-def check_writable_dir(path: Path, flag: str) -> None:
-    """A one-line error, before any work, if `path` is a file, cannot be created, or is not writable."""
-    if path.exists() and not path.is_dir():
-        raise SystemExit(f"error: {flag} {path} is a file, not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise SystemExit(f"error: cannot create {flag} {path}: {err.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SystemExit(f"error: {flag} {path} is not writable")
-
-
-def new_run_dir(runs_dir: str, task: str, exp_name: str, seed: int) -> Path:
-    """Create and return runs_dir/{task}__{exp_name}__{seed}__{unix time}; never an existing directory: mkdir is
-    atomic, so runs started in the same second get -1, -2, ..."""
-    run_name = f"{task.replace('/', '-').replace(':', '-')}__{exp_name}__{seed}__{int(time.time())}"
-    run_dir, suffix = Path(runs_dir) / run_name, 0
-    while True:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=False)
-            return run_dir
-        except FileExistsError:
-            suffix += 1
-            run_dir = Path(runs_dir) / f"{run_name}-{suffix}"
-
-
-def open_writer(run_dir: Path, args, purge_step: int | None = None) -> SummaryWriter:
-    """tensorboard in the run dir with the hyperparameters as a markdown table (CleanRL). On a resume, purge_step (the
-    checkpoint's step + 1) drops what the killed run logged after its checkpoint, and the table is already there."""
-    writer = SummaryWriter(str(run_dir), purge_step=purge_step)
-    if purge_step is None:
-        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    return writer
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
-    tmp = path.with_name(f".tmp_{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+    return Run(args)  # the device, a new run dir, tensorboard
 
 
 if __name__ == "__main__":

@@ -537,8 +537,8 @@ def main():
     target_network = RecurrentQNetwork(obs_dim, num_actions, args.hidden_size).to(device)
     target_network.load_state_dict(q_network.state_dict())
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate, eps=args.adam_eps, fused=True)
-    E, H, B, L, m, n = args.num_envs, args.hidden_size, args.batch_size, args.burn_in, args.seq_len, args.n_step
-    rb = SequenceReplay(args.buffer_size // E, E, obs_dim, H, m, args.seq_overlap, L, n)
+    E, H, B, burn_in, m, n = args.num_envs, args.hidden_size, args.batch_size, args.burn_in, args.seq_len, args.n_step
+    rb = SequenceReplay(args.buffer_size // E, E, obs_dim, H, m, args.seq_overlap, burn_in, n)
     epsilons = ape_x_epsilons(E, args.exploration_eps, args.exploration_alpha)  # (E,)
     eps_v = args.value_rescaling_eps
 
@@ -594,17 +594,17 @@ def main():
                 state0 = (win["h0"], win["c0"])
             else:
                 state0 = (torch.zeros(B, H, device=device), torch.zeros(B, H, device=device))
-            q_all, _ = unroll(q_network, win, state0, L)  # (m + n, B, A) online Q of anchor .. end
+            q_all, _ = unroll(q_network, win, state0, burn_in)  # (m + n, B, A) online Q of anchor .. end
             with torch.no_grad():
-                q_target_all, _ = unroll(target_network, win, state0, L)  # (m + n, B, A)
+                q_target_all, _ = unroll(target_network, win, state0, burn_in)  # (m + n, B, A)
                 best = q_all.argmax(-1, keepdim=True)  # double Q: online argmax, target evaluation
                 boot_values = inverse_value_rescale(q_target_all.gather(-1, best).squeeze(-1), eps_v)  # (m + n, B)
-                final_f, terminal_f = win["final"][L:].float(), win["terminal"][L:].float()
+                final_f, terminal_f = win["final"][burn_in:].float(), win["terminal"][burn_in:].float()
                 targets = nstep_rescaled_targets(
-                    win["reward"][L:], final_f, terminal_f, boot_values, args.gamma, n, m, eps_v
+                    win["reward"][burn_in:], final_f, terminal_f, boot_values, args.gamma, n, m, eps_v
                 )  # (m, B)
                 mask = torch.cumprod(1.0 - final_f[:m], dim=0)  # (m, B) 1 up to the episode's last action
-            q_taken = q_all[:m].gather(-1, win["action"][L : L + m, :, None]).squeeze(-1)  # (m, B)
+            q_taken = q_all[:m].gather(-1, win["action"][burn_in : burn_in + m, :, None]).squeeze(-1)  # (m, B)
             td = targets - q_taken
             w = torch.as_tensor(weights, dtype=torch.float32, device=device)
             per_seq = 0.5 * (td**2 * mask).sum(0) / mask.sum(0).clamp(min=1.0)  # (B,)
@@ -613,7 +613,7 @@ def main():
             # 5. Delta-Q: the learner's Q (stored/zero state + burn-in) vs Q from the state recomputed from the
             #    episode's first row. CRUCIAL: before optimizer.step(), so that both use the same parameters
             if (state.num_updates_done + 1) % args.delta_q_frequency == 0:
-                dq = measure_delta_q(q_network, rb, ids, q_all.detach(), mask, L)
+                dq = measure_delta_q(q_network, rb, ids, q_all.detach(), mask, burn_in)
                 if dq is not None:
                     state.delta_q_log.append((dq["first"], dq["last"], dq["first_at_episode_start"]))
                     run.log(global_step, {"model/delta_q_first": dq["first"], "model/delta_q_last": dq["last"]})
@@ -747,21 +747,21 @@ def final_delta_q(net, rb, rng: np.random.Generator, num_sequences: int, device)
     if len(ok) == 0:
         return {}
     ids = rng.choice(ok, size=min(num_sequences, len(ok)), replace=False)
-    L, H = rb.burn_in, net.hidden_size
+    burn_in, H = rb.burn_in, net.hidden_size
     prefix = int((rb.seq_anchor[ids] - rb.seq_ep_start[ids]).max())  # rows from the episode start to t0
-    full = to_torch(rb.gather(ids, prefix=max(prefix - L, 0)), device)
+    full = to_torch(rb.gather(ids, prefix=max(prefix - burn_in, 0)), device)
     zeros = (torch.zeros(len(ids), H, device=device), torch.zeros(len(ids), H, device=device))
-    q_true, _ = unroll(net, full, zeros, max(prefix - L, 0) + L)  # (m + n, b, A) from the episode start
-    win = to_torch(rb.gather(ids), device)  # rows t0 - L .. t0 + m + n
-    trained = {key: value[L:] for key, value in win.items() if key not in ("h0", "c0")}  # rows t0 ..
+    q_true, _ = unroll(net, full, zeros, max(prefix - burn_in, 0) + burn_in)  # (m + n, b, A) from the episode start
+    win = to_torch(rb.gather(ids), device)  # rows t0 - burn_in .. t0 + m + n
+    trained = {key: value[burn_in:] for key, value in win.items() if key not in ("h0", "c0")}  # rows t0 ..
     anchor_rows, cols = rb.seq_anchor[ids] % rb.cap, rb.seq_env[ids]
     stored_t0 = (
         torch.as_tensor(rb.h[anchor_rows, cols], device=device),
         torch.as_tensor(rb.c[anchor_rows, cols], device=device),
     )
     variants = {"zero": unroll(net, trained, zeros, 0)[0], "stored": unroll(net, trained, stored_t0, 0)[0]}
-    if L > 0:
-        variants["stored_burn_in"] = unroll(net, win, (win["h0"], win["c0"]), L)[0]
+    if burn_in > 0:
+        variants["stored_burn_in"] = unroll(net, win, (win["h0"], win["c0"]), burn_in)[0]
     mask = torch.cumprod(1.0 - trained["final"][: rb.m].float(), dim=0)  # (m, b) trained rows
     last = (mask.sum(0).long() - 1).clamp(min=0)
     col = torch.arange(len(ids), device=device)
@@ -789,8 +789,7 @@ def replay_bytes(rb) -> dict:
     return {"bytes": float(stored), "bytes_full_histories": full, "full_histories_ratio": full / stored}
 
 
-# === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
-FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
+# === RUN MANAGEMENT (not the algorithm: validation, run dir, checkpoints and --resume, Ctrl-C, summary) ===
 ARCH_FIELDS = ("env_id", "env_kwargs", "hidden_size", "scale_obs")  # read from a checkpoint's args.json for --eval-only
 SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
 RESUME_FREE_FIELDS = ("resume", "save_every", "threads", "runs_dir")  # may change on --resume; the rest is the run's
@@ -842,40 +841,33 @@ def parse_args() -> Args:
     return args
 
 
-def check_env(env_id: str, env_kwargs: dict) -> int:
-    """Make the env once: a bad id, module or kwargs, or a space the script cannot take, is a one-line error.
-    Returns the number of actions."""
+def check_env(env_id: str, env_kwargs: str) -> int:
+    """The env made once: a bad id, module, JSON kwargs or space is a one-line error. Returns the number of actions."""
     try:
-        probe = gym.make(env_id, **env_kwargs)
-    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # bad id, module, kwargs
-        raise SystemExit(f"error: cannot make env {env_id!r} with kwargs {env_kwargs}: {err}") from None
-    obs_space, act_space = probe.observation_space, probe.action_space
-    probe.close()
+        with gym.make(env_id, **json.loads(env_kwargs)) as probe:
+            obs_space, act_space = probe.observation_space, probe.action_space
+    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # id, module, JSON, kwargs
+        raise SystemExit(f"error: cannot make env {env_id!r} with --env-kwargs {env_kwargs}: {err}") from None
     if not isinstance(act_space, gym.spaces.Discrete):
         raise SystemExit(f"error: {env_id} has action space {act_space}; only Discrete action spaces are supported")
     if not flattenable(obs_space):
-        raise SystemExit(
-            f"error: {env_id} has observation space {obs_space}; supported: Box, Discrete, MultiBinary, "
-            "MultiDiscrete, and Tuple/Dict of these"
-        )
+        spaces = "Box, Discrete, MultiBinary, MultiDiscrete, and Tuple/Dict of these"
+        raise SystemExit(f"error: {env_id} has observation space {obs_space}; supported: {spaces}")
     return int(act_space.n)
 
 
 def flattenable(space: gym.spaces.Space) -> bool:
-    """True for the spaces gymnasium's `spaces.flatten` turns into one vector: Box, Discrete, MultiBinary,
-    MultiDiscrete, and Tuple/Dict of these (nested)."""
-    if isinstance(space, gym.spaces.Tuple):
-        return all(flattenable(sub) for sub in space.spaces)
-    if isinstance(space, gym.spaces.Dict):
-        return all(flattenable(sub) for sub in space.spaces.values())
-    return isinstance(space, FLAT_SPACES)
+    """What FlattenObservation makes one vector of: Box, Discrete, MultiBinary, MultiDiscrete, Tuple/Dict of these."""
+    if isinstance(space, gym.spaces.Tuple | gym.spaces.Dict):
+        return all(map(flattenable, space.spaces.values() if isinstance(space, gym.spaces.Dict) else space.spaces))
+    return isinstance(space, gym.spaces.Box | gym.spaces.Discrete | gym.spaces.MultiBinary | gym.spaces.MultiDiscrete)
 
 
 def start_run(args: Args) -> "Run":
     """Check the env (after seeding, where making it always happened; before any run dir exists), then the run dir:
     a new one in --runs-dir, or the resumed run's own with its checkpoint read; tensorboard there (a resume drops
     what the killed run logged after its checkpoint); the device; Ctrl-C / SIGTERM handlers while training."""
-    check_env(args.env_id, json.loads(args.env_kwargs))
+    check_env(args.env_id, args.env_kwargs)
     resume_dir = None if args.resume is None else Path(args.resume)
     check_writable_dir(resume_dir or Path(args.runs_dir), "--resume" if resume_dir else "--runs-dir")
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
@@ -1007,12 +999,9 @@ class Run:
         print(f"run dir: {run_dir}")
 
 
-def load_checkpoint(path_str: str) -> tuple[dict, dict]:
-    """(state_dict, saved args or {}) from a run dir or a .safetensors file; clear errors for bad paths/files."""
-    path = Path(path_str)
-    model_path = path / "model.safetensors" if path.is_dir() else path
-    if not model_path.is_file():
-        raise SystemExit(f"error: checkpoint {model_path} not found (give a run dir or a model.safetensors file)")
+def load_checkpoint(path: str) -> tuple[dict, dict]:
+    """(state_dict, the run's args.json or {}) from a run dir or a .safetensors file; a one-line error otherwise."""
+    model_path = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
     try:
         state_dict = load_file(str(model_path))
     except (SafetensorError, OSError, ValueError) as err:

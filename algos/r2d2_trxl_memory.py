@@ -797,8 +797,7 @@ def replay_bytes_memory(rb, memory_length: int) -> dict:
     }
 
 
-# === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
-FLAT_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiBinary, gym.spaces.MultiDiscrete)
+# === RUN MANAGEMENT (not the algorithm: validation, run dir, checkpoints and --resume, Ctrl-C, summary) ===
 # read from a checkpoint's args.json for --eval-only
 ARCH_FIELDS = tuple("env_id env_kwargs d_model num_layers num_heads ff_size memory memory_length window".split())
 SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
@@ -905,40 +904,33 @@ def check_episode_fits(rb: MemoryReplay) -> None:
         raise SystemExit(episode_too_long(rb.cap, f"an episode has reached {(rb.t - rb.ep_start).max()} rows"))
 
 
-def check_env(env_id: str, env_kwargs: dict) -> int:
-    """Make the env once: a bad id, module or kwargs, or a space the script cannot take, is a one-line error.
-    Returns the number of actions."""
+def check_env(env_id: str, env_kwargs: str) -> int:
+    """The env made once: a bad id, module, JSON kwargs or space is a one-line error. Returns the number of actions."""
     try:
-        probe = gym.make(env_id, **env_kwargs)
-    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # bad id, module, kwargs
-        raise SystemExit(f"error: cannot make env {env_id!r} with kwargs {env_kwargs}: {err}") from None
-    obs_space, act_space = probe.observation_space, probe.action_space
-    probe.close()
+        with gym.make(env_id, **json.loads(env_kwargs)) as probe:
+            obs_space, act_space = probe.observation_space, probe.action_space
+    except (gym.error.Error, ImportError, AttributeError, TypeError, ValueError) as err:  # id, module, JSON, kwargs
+        raise SystemExit(f"error: cannot make env {env_id!r} with --env-kwargs {env_kwargs}: {err}") from None
     if not isinstance(act_space, gym.spaces.Discrete):
         raise SystemExit(f"error: {env_id} has action space {act_space}; only Discrete action spaces are supported")
     if not flattenable(obs_space):
-        raise SystemExit(
-            f"error: {env_id} has observation space {obs_space}; supported: Box, Discrete, MultiBinary, "
-            "MultiDiscrete, and Tuple/Dict of these"
-        )
+        spaces = "Box, Discrete, MultiBinary, MultiDiscrete, and Tuple/Dict of these"
+        raise SystemExit(f"error: {env_id} has observation space {obs_space}; supported: {spaces}")
     return int(act_space.n)
 
 
 def flattenable(space: gym.spaces.Space) -> bool:
-    """True for the spaces gymnasium's `spaces.flatten` turns into one vector: Box, Discrete, MultiBinary,
-    MultiDiscrete, and Tuple/Dict of these (nested)."""
-    if isinstance(space, gym.spaces.Tuple):
-        return all(flattenable(sub) for sub in space.spaces)
-    if isinstance(space, gym.spaces.Dict):
-        return all(flattenable(sub) for sub in space.spaces.values())
-    return isinstance(space, FLAT_SPACES)
+    """What FlattenObservation makes one vector of: Box, Discrete, MultiBinary, MultiDiscrete, Tuple/Dict of these."""
+    if isinstance(space, gym.spaces.Tuple | gym.spaces.Dict):
+        return all(map(flattenable, space.spaces.values() if isinstance(space, gym.spaces.Dict) else space.spaces))
+    return isinstance(space, gym.spaces.Box | gym.spaces.Discrete | gym.spaces.MultiBinary | gym.spaces.MultiDiscrete)
 
 
 def start_run(args: Args) -> "Run":
     """Check the env (after seeding, where making it always happened; before any run dir exists), then the run dir:
     a new one in --runs-dir, or the resumed run's own with its checkpoint read; tensorboard there (a resume drops
     what the killed run logged after its checkpoint); the device; Ctrl-C / SIGTERM handlers while training."""
-    check_env(args.env_id, json.loads(args.env_kwargs))
+    check_env(args.env_id, args.env_kwargs)
     resume_dir = None if args.resume is None else Path(args.resume)
     check_writable_dir(resume_dir or Path(args.runs_dir), "--resume" if resume_dir else "--runs-dir")
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
@@ -1070,12 +1062,9 @@ class Run:
         print(f"run dir: {run_dir}")
 
 
-def load_checkpoint(path_str: str) -> tuple[dict, dict]:
-    """(state_dict, saved args or {}) from a run dir or a .safetensors file; clear errors for bad paths/files."""
-    path = Path(path_str)
-    model_path = path / "model.safetensors" if path.is_dir() else path
-    if not model_path.is_file():
-        raise SystemExit(f"error: checkpoint {model_path} not found (give a run dir or a model.safetensors file)")
+def load_checkpoint(path: str) -> tuple[dict, dict]:
+    """(state_dict, the run's args.json or {}) from a run dir or a .safetensors file; a one-line error otherwise."""
+    model_path = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
     try:
         state_dict = load_file(str(model_path))
     except (SafetensorError, OSError, ValueError) as err:

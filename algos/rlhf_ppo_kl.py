@@ -946,7 +946,7 @@ def best_of_n(
     return float(np.mean(gold if gather is None else np.concatenate(gather(gold))))
 
 
-# === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+# === RUN MANAGEMENT (not the algorithm: validation, run dir, torchrun, checkpoints and --resume, Ctrl-C, summary) ===
 TASK_ID = "seqrl-preference"  # the task name in the run dir
 DIST_TIMEOUT = timedelta(minutes=10)  # a rank waiting this long in a collective gives up (a failed rank never hangs)
 SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (a resume checks it)
@@ -1136,7 +1136,7 @@ class Run:
         if not self.resuming:
             return 0
         saved = self._resume_state
-        load_checkpoint(self._resume_step_dir, state, self.device, self.rank)
+        restore_train_state(self._resume_step_dir, state, self.device, self.rank)
         self.start_time -= saved["elapsed_s"]  # wall time and SPS count the whole run
         if self.rank == 0:
             (self.run_dir / "curve.jsonl").write_text("".join(json.dumps(point) + "\n" for point in state.curve))
@@ -1378,7 +1378,7 @@ def resume_args(args: Args, saved: dict) -> Args:
     return Args(**{**saved, **{k: given[k] for k in RESUME_FREE_FIELDS if given[k] != defaults[k]}})
 
 
-def load_checkpoint(step_dir: Path, state: TrainState, device, rank: int) -> None:
+def restore_train_state(step_dir: Path, state: TrainState, device, rank: int) -> None:
     """Restore what save_checkpoint wrote into `state`, field by field (this rank's RNG states included; the setup
     models are loaded by main from the paths parse_args set); a corrupt file is a one-line error."""
     saved = json.loads((step_dir / "state.json").read_text())

@@ -32,7 +32,7 @@ Implementation details:
      gradients are summed (`run.sync_grads`), so the sum is the global minibatch's gradient.
   9. Checkpoints (`--save-every`, Ctrl-C) and `--resume` continue a run exactly (all in RUN MANAGEMENT).
  10. `--learning-rate 1e-3`, not 3e-3: the larger rate makes the reward step forget the SFT fact table. LP-FT
-     (`--head-only-fraction`: the head first, on the frozen backbone) is off: its gain did not hold on fresh seeds.
+     (`--head-only-fraction`: the head first, on the frozen backbone) is off by default (docs/tuning.md).
 
 References:
   [1] Christiano et al. 2017, Deep RL from human preferences. [2] Ziegler et al. 2019, Fine-tuning LMs from human
@@ -721,7 +721,7 @@ def lecture_scores(model, tokenizer, device) -> tuple[dict, str]:
     return metrics, f'scores for "{prompt}" (lecture examples best first, then probes):\n' + "\n".join(lines)
 
 
-# === RUN MANAGEMENT (not the algorithm: torchrun, checkpoints, run dir, validation, summary) ===
+# === RUN MANAGEMENT (not the algorithm: validation, run dir, torchrun, checkpoints and --resume, Ctrl-C, summary) ===
 TASK_ID = "seqrl-preference"  # run-name prefix
 SCRIPT = Path(__file__).stem  # named in summary.json and in every checkpoint's state.json
 RESUME_FREE_FIELDS = (
@@ -747,7 +747,7 @@ def parse_args() -> Args:
     if args.eval_only and world_size > 1:
         raise SystemExit("error: --eval-only runs in one process (not under torchrun)")
     if args.resume is not None:  # the run's own args; the command line may only repeat them (details 9)
-        args = resume_args(args, load_checkpoint(Path(args.resume))["state"]["args"])
+        args = resume_args(args, find_checkpoint(Path(args.resume))["state"]["args"])
     else:
         check_writable_dir(Path(args.runs_dir), "--runs-dir")
     if args.eval_only and args.checkpoint is None:
@@ -812,7 +812,7 @@ def start_run(args: Args) -> "Run":
     """Join torchrun (when launched by it) and pick the device; make the run dir (--resume: reopen it, and load its
     checkpoint); tensorboard on rank 0 (others: NullWriter); when training, Ctrl-C / SIGTERM set the stop flag."""
     rank, world_size, device = init_torchrun(args.cuda)
-    resume = load_checkpoint(Path(args.resume)) if args.resume is not None else None
+    resume = find_checkpoint(Path(args.resume)) if args.resume is not None else None
     start_time = time.time() - (resume["state"]["elapsed_s"] if resume else 0.0)
     if resume is not None:
         run_dir = Path(args.resume)
@@ -849,7 +849,7 @@ class Run:
     world_size: int = 1
     run_dir: Path | None = None  # None: no checkpoints
     writer: SummaryWriter = field(default_factory=lambda: NullWriter())  # a NullWriter on ranks other than 0
-    resume: dict | None = None  # `load_checkpoint` of --resume
+    resume: dict | None = None  # `find_checkpoint` of --resume
     start_time: float = field(default_factory=time.time)  # moved back by the run's time before a resume
     total_updates: int = 0  # SFT + reward-model updates: the last one is always checkpointed
     stop: dict = field(default_factory=lambda: {"signal": None, "previous": {}})  # install_stop_handlers' flag
@@ -1157,7 +1157,7 @@ def save_checkpoint(run_dir: Path, step: int, state: "TrainState", extra: dict) 
     return final
 
 
-def load_checkpoint(run_dir: Path) -> dict:
+def find_checkpoint(run_dir: Path) -> dict:
     """The newest complete checkpoint of a run dir, checked: {"state": state.json, "dir": its step dir}; one-line
     errors for a finished run, another script's run, no checkpoint, a missing or truncated file."""
     if not run_dir.is_dir():
@@ -1185,7 +1185,7 @@ def load_checkpoint(run_dir: Path) -> dict:
 
 
 def load_state(ckpt: dict, state: "TrainState", device) -> None:
-    """Load a checkpoint (`load_checkpoint`) into `state`, field by field as `save_checkpoint` wrote them, and set
+    """Load a checkpoint (`find_checkpoint`) into `state`, field by field as `save_checkpoint` wrote them, and set
     every RNG; a corrupt file is a one-line error."""
 
     def read(name, fn):

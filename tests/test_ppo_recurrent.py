@@ -383,7 +383,7 @@ def test_zero_timesteps_evaluates_the_initial_network(runs_dir, monkeypatch):
         assert torch.equal(value, g["agent"].state_dict()[key]), key
     summary = json.loads((g["run_dir"] / "summary.json").read_text())
     assert 1 <= summary["metrics"]["eval/episodic_length"] <= 20 and summary["sps"] == 0.0
-    with pytest.raises(SystemExit, match="error: --total-timesteps 50 < one rollout"):
+    with pytest.raises(SystemExit, match="error: --total-timesteps < one rollout"):
         run_main(monkeypatch, "--runs-dir", str(runs_dir), *TINY[2:], "--total-timesteps", "50")
 
 
@@ -480,12 +480,14 @@ def test_structured_observation_spaces_are_flattened(runs_dir, monkeypatch, env_
         (["--env-id", "tests.spaces_env:SpacesText-v0"], "supported: Box, Discrete, MultiBinary, MultiDiscrete"),
         (["--env-kwargs", '{"corridor_length": 0}'], "cannot make env"),
         (["--env-kwargs", '{"no_such_kwarg": 1}'], "cannot make env"),
-        (["--env-kwargs", "[1]"], "must be a JSON object"),
+        (["--env-kwargs", "[1]"], "cannot make env .* must be a mapping"),
+        (["--env-kwargs", "{corridor: 2}"], "cannot make env .* Expecting property name"),
         (["--num-envs", "6", "--num-minibatches", "4"], "not divisible"),
-        (["--eval-episodes", "0"], "--eval-episodes must be at least 1"),
+        (["--eval-episodes", "0"], "--eval-episodes and --greedy-eval-episodes must be at least 1"),
         (["--greedy-eval-episodes", "0"], "--greedy-eval-episodes must be at least 1"),
+        (["--threads", "0"], "--threads, --eval-episodes"),
         (["--eval-only"], "needs --checkpoint"),
-        (["--eval-only", "--checkpoint", "/no/such/run"], "not found"),
+        (["--eval-only", "--checkpoint", "/no/such/run"], "cannot read checkpoint /no/such/run: No such file"),
     ],
 )
 def test_bad_input_gives_a_clear_error(runs_dir, monkeypatch, args, message):
@@ -498,9 +500,9 @@ def test_bad_input_gives_a_clear_error(runs_dir, monkeypatch, args, message):
 def test_runs_dir_that_is_a_file_is_a_clear_error_before_any_work(tmp_path, monkeypatch):
     afile = tmp_path / "a_file"
     afile.write_text("not a directory")
-    with pytest.raises(SystemExit, match="error: --runs-dir .* is a file"):
+    with pytest.raises(SystemExit, match="error: --runs-dir .*: Not a directory"):
         run_main(monkeypatch, "--runs-dir", str(afile), *TINY)
-    with pytest.raises(SystemExit, match="error: cannot create --runs-dir"):
+    with pytest.raises(SystemExit, match="error: --runs-dir .*: Not a directory"):
         run_main(monkeypatch, "--runs-dir", str(afile / "sub"), *TINY)
 
 
@@ -511,7 +513,7 @@ def test_read_only_runs_dir_is_a_clear_error(tmp_path, monkeypatch):
     try:
         if os.access(read_only, os.W_OK):  # root ignores permissions: nothing to test there
             pytest.skip("running as root: a read-only directory is still writable")
-        with pytest.raises(SystemExit, match="error: --runs-dir .* is not writable"):
+        with pytest.raises(SystemExit, match="error: --runs-dir .*: Permission denied"):
             run_main(monkeypatch, "--runs-dir", str(read_only), *TINY)
     finally:
         read_only.chmod(0o700)
@@ -532,7 +534,7 @@ def test_corrupt_or_mismatched_checkpoint_gives_a_clear_error(runs_dir, tmp_path
     bare = tmp_path / "bare" / "model.safetensors"  # no args.json next to it: the command line decides the arch
     bare.parent.mkdir()
     shutil.copy(trained["run_dir"] / "model.safetensors", bare)
-    with pytest.raises(SystemExit, match="error: checkpoint does not fit --rnn lstm"):
+    with pytest.raises(SystemExit, match="error: checkpoint does not fit .*--rnn lstm"):
         run_main(monkeypatch, "--eval-only", "--checkpoint", str(bare), "--rnn", "lstm", "--runs-dir", str(runs_dir))
     with pytest.raises(SystemExit, match="error: checkpoint does not fit"):  # a different env: 3 vs 1 obs dims
         args = ["--env-id", "seqrl/ThreeStateLine-v0", "--runs-dir", str(runs_dir)]

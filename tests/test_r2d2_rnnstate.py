@@ -446,7 +446,7 @@ def test_keep_best_saves_and_reports_the_kept_network(runs_dir):
         (["--seq-len", "4", "--seq-overlap", "4"], "seq-overlap"),
         (["--buffer-size", "100"], "buffer-size"),
         (["--eval-only"], "needs --checkpoint"),
-        (["--eval-only", "--checkpoint", "/nonexistent/run"], "not found"),
+        (["--eval-only", "--checkpoint", "/nonexistent/run"], "cannot read checkpoint /nonexistent/run: No such file"),
     ],
 )
 def test_clear_errors(runs_dir, args, message):

@@ -29,16 +29,20 @@ CHECKPOINTING = [
 TORCHRUN = ["ilql_per_token", "rlhf_ppo_kl", "rlhf_reward_model"]
 ENV_SCRIPTS = ["dqn_framestack", "ppo_recurrent", "r2d2_rnnstate", "r2d2_trxl_memory", "ssm_vae_q"]  # gymnasium envs
 R2D2 = ["r2d2_rnnstate", "r2d2_trxl_memory"]  # checkpoints of replay, networks and envs
+NO_CHECKPOINTS = ["dqn_framestack", "ppo_recurrent", "ssm_vae_q"]  # run management of one screen: the Run they share
 SHARED = {  # name -> the scripts that hold the same text of it
-    "check_writable_dir": SCRIPTS, "new_run_dir": SCRIPTS, "open_writer": SCRIPTS, "write_json_atomic": SCRIPTS,
+    "check_writable_dir": CHECKPOINTING, "new_run_dir": CHECKPOINTING, "open_writer": CHECKPOINTING,
+    "write_json_atomic": CHECKPOINTING,
     "STOP_EXIT_CODE": CHECKPOINTING, "install_stop_handlers": CHECKPOINTING, "restore_signal_handlers": CHECKPOINTING,
     "init_torchrun": TORCHRUN, "sync_grads": TORCHRUN, "global_sum": TORCHRUN, "broadcast_params": TORCHRUN,
     "NullWriter": TORCHRUN,
     "DIST_TIMEOUT": TORCHRUN,
     "SCRIPT": SCRIPTS,
-    "FLAT_SPACES": ENV_SCRIPTS,
     "flattenable": ENV_SCRIPTS,
     "check_env": ENV_SCRIPTS,
+    "load_checkpoint": ENV_SCRIPTS,
+    "Run": NO_CHECKPOINTS,
+    "start_run": NO_CHECKPOINTS,
     "track_episodes": R2D2,
     "restore_envs": R2D2,
     "checkpoint_kind": R2D2,

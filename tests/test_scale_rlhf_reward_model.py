@@ -336,7 +336,7 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_which_loads(tmp_p
     monkeypatch.undo()
     assert (tmp_path / "checkpoints" / "step_4.tmp").exists() and (tmp_path / "checkpoints" / "step_2").exists()
 
-    ckpt = rm.load_checkpoint(tmp_path)  # latest.json still names step 2, which loads
+    ckpt = rm.find_checkpoint(tmp_path)  # latest.json still names step 2, which loads
     assert ckpt["dir"].name == "step_2" and ckpt["state"]["script"] == "rlhf_reward_model"
     fresh, fresh_opt, fresh_sched = tiny_training_state()
     with torch.no_grad():
@@ -359,11 +359,11 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_which_loads(tmp_p
     data[:8] = b"\xff" * 8  # the header length
     model_file.write_bytes(bytes(data))
     with pytest.raises(SystemExit, match=r"error: checkpoint file .*model.safetensors is corrupt"):
-        rm.load_state(rm.load_checkpoint(tmp_path), restored, "cpu")
+        rm.load_state(rm.find_checkpoint(tmp_path), restored, "cpu")
     # a truncated file: refused before anything is loaded
     model_file.write_bytes(bytes(data[: len(data) // 2]))
     with pytest.raises(SystemExit, match=r"error: checkpoint file .*model.safetensors is truncated"):
-        rm.load_checkpoint(tmp_path)
+        rm.find_checkpoint(tmp_path)
 
 
 def test_resume_takes_the_saved_args_and_refuses_a_different_algorithm_arg():

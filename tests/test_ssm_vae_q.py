@@ -272,4 +272,4 @@ def test_runs_dir_that_is_a_file_is_a_clear_error(tmp_path):
     afile = tmp_path / "a_file"
     afile.write_text("not a directory")
     proc = run_script("ssm_vae_q", runs_dir=afile, expect_fail=True)
-    assert proc.stderr.strip() == f"error: --runs-dir {afile} is a file, not a directory"
+    assert proc.stderr.strip() == f"error: --runs-dir {afile}: Not a directory"

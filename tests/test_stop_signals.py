@@ -8,12 +8,15 @@ import json
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, load_script
 
 CHECKPOINTING = ["r2d2_rnnstate", "dialogue_cql_utterance", "ilql_per_token", "rlhf_ppo_kl", "rlhf_reward_model"]
+NO_CHECKPOINTS = ["dqn_framestack", "ppo_recurrent", "ssm_vae_q"]  # Run.finish renames summary.json into place
+WITH_WRITE_JSON_ATOMIC = sorted({p.stem for p in (ROOT / "algos").glob("*.py")} - set(NO_CHECKPOINTS))
 
 
 # The handlers are one text in every checkpointing script: tests/test_run_management.py diffs the copies.
@@ -41,7 +44,7 @@ def test_sigterm_stops_like_sigint(name):
         assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "algos").glob("*.py")))
+@pytest.mark.parametrize("name", WITH_WRITE_JSON_ATOMIC)
 def test_summary_json_is_written_by_a_rename(name):
     """Every script writes summary.json to a temporary file and renames it into place (write_json_atomic)."""
     text = (ROOT / "algos" / f"{name}.py").read_text()
@@ -49,7 +52,7 @@ def test_summary_json_is_written_by_a_rename(name):
     assert re.search(r'write_json_atomic\([^()]*"summary\.json"', text), "summary.json goes through write_json_atomic"
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "algos").glob("*.py")))
+@pytest.mark.parametrize("name", WITH_WRITE_JSON_ATOMIC)
 def test_write_json_atomic_leaves_the_old_file_when_the_write_is_cut(name, tmp_path, monkeypatch):
     M = load_script(name)
     path = tmp_path / "summary.json"
@@ -65,3 +68,30 @@ def test_write_json_atomic_leaves_the_old_file_when_the_write_is_cut(name, tmp_p
         M.write_json_atomic(path, {"new": 2, "padding": "x" * 100})
     monkeypatch.undo()
     assert json.loads(path.read_text()) == {"old": 1}
+
+
+def cut_write_text(monkeypatch):
+    """Path.write_text killed half-way through its write."""
+    real_write_text = Path.write_text
+
+    def cut_write(self, data, *args, **kwargs):
+        real_write_text(self, data[: len(data) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", cut_write)
+
+
+@pytest.mark.parametrize("name", NO_CHECKPOINTS)
+def test_finish_renames_summary_json_into_place(name, tmp_path, monkeypatch):
+    """The scripts without checkpoints write summary.json in Run.finish: to a temporary file, then renamed, so a kill
+    mid-write leaves the summary before it (or none), never half of one."""
+    M = load_script(name)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--runs-dir", str(tmp_path)])
+    run = M.start_run(M.parse_args())
+    run.finish({"eval/x": 1.0}, {}, 0)
+    assert json.loads((run.run_dir / "summary.json").read_text())["metrics"] == {"eval/x": 1.0}
+    cut_write_text(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        run.finish({"eval/x": 2.0, "padding": "x" * 100}, {}, 0)
+    monkeypatch.undo()
+    assert json.loads((run.run_dir / "summary.json").read_text())["metrics"] == {"eval/x": 1.0}
