@@ -1027,21 +1027,27 @@ def first_lines(experiments: list[dict]) -> dict:
     return first
 
 
-def line_keys(experiments: list[dict], tiny: dict) -> dict:
-    """id -> the key of its code: script and envs/ syntax trees, command (a `{run:X}` as X's key), tiny arguments."""
-    envs = [code_digest(p) for p in sorted(Path("envs").rglob("*.py"))]
-    digests, keys = {}, {}
+def check_fingerprint_table(experiments: list[dict], tiny: dict) -> None:
+    """Every line's script exists and has a FINGERPRINT_TABLE row whose flags are fields of its Args."""
     for exp_id, e in first_lines(experiments).items():
         script = e["cmd"].split()[0]
         if script not in tiny:
             raise CheckError(f"{e['where']} (id {exp_id}): script {script!r} has no FINGERPRINT_TABLE row")
-        if script not in digests:
-            if not (Path("algos") / f"{script}.py").is_file():
-                raise CheckError(f"{e['where']} (id {exp_id}): no algos/{script}.py")
-            digests[script] = code_digest(Path("algos") / f"{script}.py")
-        settings(e, tiny[script])  # every flag of the row is a field of the script's Args
+        if not (Path("algos") / f"{script}.py").is_file():
+            raise CheckError(f"{e['where']} (id {exp_id}): no algos/{script}.py")
+        settings(e, tiny[script])
+
+
+def line_keys(experiments: list[dict], tiny: dict) -> dict:
+    """id -> the key of its code: script and envs/ syntax trees, command (a `{run:X}` as X's key), tiny arguments."""
+    check_fingerprint_table(experiments, tiny)
+    envs = [code_digest(p) for p in sorted(Path("envs").rglob("*.py"))]
+    keys = {}
+    for exp_id, e in first_lines(experiments).items():
+        script = e["cmd"].split()[0]
         cmd = RUN_REF_RE.sub(lambda m: "{run:" + keys[m[1]] + "}", e["cmd"])
-        keys[exp_id] = sha([FINGERPRINT_PROCEDURE, digests[script], envs, cmd, tiny[script]])
+        code = code_digest(Path("algos") / f"{script}.py")
+        keys[exp_id] = sha([FINGERPRINT_PROCEDURE, code, envs, cmd, tiny[script]])
     return keys
 
 
@@ -1756,7 +1762,7 @@ if __name__ == "__main__":
             if len(args) > 2:
                 read_headlines(args[2], experiments)
             if len(args) > 3:
-                line_keys(experiments, read_fingerprint_table(args[3]))
+                check_fingerprint_table(experiments, read_fingerprint_table(args[3]))
             sys.exit(0)
         if mode == "publish":  # the caller's directory (relative folders), lines, figures, headlines, folders
             caller, spec, figures_file, headlines_file, *paths = args
