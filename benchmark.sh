@@ -1293,7 +1293,7 @@ def prepare(spec: Path, table: Path, out: Path, seeds: str, jobs: int) -> int:
             got = drawn_seeds(experiments, fps, groups[i], n)
             rows.append(f"{i} {' '.join(map(str, got[:1] if folder.untrained else got))}")
         else:
-            rows.append(f"{i} {seeds}")
+            rows.append(f"{i} {' '.join(seeds.split())}")  # --seeds "$(seq 1 5)" has newlines
     (out / "seeds.txt").write_text("\n".join(rows) + "\n")
     return 0
 
