@@ -598,6 +598,7 @@ def evaluate(q_network, args: Args, env_kwargs: dict, device, episodes: int = 0,
 SCRIPT = Path(__file__).stem  # the script's name in summary.json
 # the Args that `--eval-only` takes from the checkpoint's args.json: the env, the network and its inputs
 ARCH_FIELDS = ("env_id", "env_kwargs", "frame_stack", "stack_actions", "scale_obs", "hidden_size", "difference_scale")
+POSITIVE_FIELDS = "threads num_envs frame_stack n_step batch_size train_frequency gradient_steps hidden_size".split()
 
 
 def parse_args() -> Args:
@@ -605,10 +606,8 @@ def parse_args() -> Args:
     args = tyro.cli(Args)
     for ok, message in [
         (args.checkpoint or not args.eval_only, "--eval-only needs --checkpoint PATH (a run dir or model.safetensors)"),
-        (args.threads >= 1, f"--threads must be at least 1, got {args.threads}"),
-        (min(args.frame_stack, args.n_step) >= 1, "--frame-stack and --n-step must be >= 1"),
+        *[(getattr(args, field) >= 1, f"--{field.replace('_', '-')} must be >= 1") for field in POSITIVE_FIELDS],
         (0 <= args.difference_scale < float("inf"), "--difference-scale must be a finite number >= 0"),  # not nan
-        (args.num_envs >= 1, f"--num-envs must be >= 1, got {args.num_envs}"),
         (1 <= args.eval_episodes <= EVAL_SEED_STRIDE, f"need 1 <= --eval-episodes <= {EVAL_SEED_STRIDE}"),
         (0.0 <= args.eval_epsilon <= 1.0, f"--eval-epsilon must be in [0, 1], got {args.eval_epsilon}"),
         (args.eval_only or args.learning_starts >= args.batch_size, "--learning-starts must be >= --batch-size"),

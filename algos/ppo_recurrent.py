@@ -602,26 +602,24 @@ def eval_metrics(result: dict, env_id: str, prefix: str) -> dict:
 SCRIPT = Path(__file__).stem  # the script's name in summary.json
 # the Args that `--eval-only` takes from the checkpoint's args.json: the env, the network and its inputs
 ARCH_FIELDS = "env_id env_kwargs rnn hidden_size prev_action prev_reward norm_obs shared_torso reward_scale".split()
+POSITIVE_FIELDS = "threads eval_episodes greedy_eval_episodes num_envs num_steps num_minibatches update_epochs".split()
 
 
 def parse_args() -> Args:
     """tyro.cli(Args), each check a one-line `error:` before any work, the derived sizes; `--eval-only`: ARCH_FIELDS."""
     args = tyro.cli(Args)
-    args.batch_size = args.num_envs * args.num_steps
-    args.num_iterations = 0 if args.eval_only else args.total_timesteps // args.batch_size
     if args.greedy_eval_episodes is None:
         args.greedy_eval_episodes = args.eval_episodes
     for ok, message in [
         (args.checkpoint or not args.eval_only, "--eval-only needs --checkpoint PATH (a run dir or model.safetensors)"),
-        (
-            min(args.threads, args.eval_episodes, args.greedy_eval_episodes) >= 1,
-            "--threads, --eval-episodes and --greedy-eval-episodes must be at least 1",
-        ),
-        (args.num_envs % args.num_minibatches == 0, f"--num-envs {args.num_envs} not divisible by --num-minibatches"),
-        (args.eval_only or args.num_iterations or not args.total_timesteps, "--total-timesteps < one rollout"),
+        *[(getattr(args, field) >= 1, f"--{field.replace('_', '-')} must be at least 1") for field in POSITIVE_FIELDS],
+        (args.num_envs % max(args.num_minibatches, 1) == 0, "--num-envs not divisible by --num-minibatches"),
+        (args.total_timesteps not in range(1, args.num_envs * args.num_steps), "--total-timesteps < one rollout"),
     ]:
         if not ok:
             raise SystemExit(f"error: {message}")
+    args.batch_size = args.num_envs * args.num_steps
+    args.num_iterations = 0 if args.eval_only else args.total_timesteps // args.batch_size
     if args.eval_only:  # the env and the architecture the checkpoint was trained with
         saved = load_checkpoint(args.checkpoint)[1]
         vars(args).update({field: saved[field] for field in ARCH_FIELDS if field in saved})

@@ -724,7 +724,7 @@ def parse_args() -> Args:
         (1 <= args.select_episodes <= EVAL_SEED_STRIDE, f"need 1 <= --select-episodes <= {EVAL_SEED_STRIDE}"),
         (args.total_timesteps < SELECT_SEED_STRIDE // 2, f"--total-timesteps must be < {SELECT_SEED_STRIDE // 2}"),
         (args.select_frequency > 0 or not args.keep_best, "--keep-best needs --select-frequency > 0"),
-        (args.eval_only or args.buffer_size // args.num_envs > args.seq_len, "--buffer-size too small for the envs"),
+        (args.eval_only or args.buffer_size // max(args.num_envs, 1) > args.seq_len, "--buffer-size too small"),
     ]:
         if not ok:
             raise SystemExit(f"error: {message}")

@@ -417,6 +417,8 @@ def test_smoke_three_state_line_reports_failure_rate(runs_dir):
         (["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"no_such_kwarg": 1}'], "cannot make env"),
         (["--frame-stack", "0"], "--frame-stack"),
         (["--n-step", "0"], "--n-step must be >= 1"),
+        (["--gradient-steps", "0"], "--gradient-steps must be >= 1"),
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
         (["--difference-scale", "-1"], "--difference-scale must be"),
         (["--difference-scale", "nan"], "--difference-scale must be"),
         (["--keep-best"], "--keep-best needs --select-frequency"),

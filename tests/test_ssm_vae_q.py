@@ -214,6 +214,7 @@ def test_smoke_run_eval_only_and_errors(runs_dir):
         ["--env-id", "tests.spaces_env:SpacesText-v0"],  # an observation space that cannot be flattened
         ["--env-id", "nosuchmodule:Foo-v0"],
         ["--eval-episodes", "10001"],
+        ["--num-envs", "0"],  # before the buffer-size check divides by it
         ["--eval-only"],
         ["--eval-only", "--checkpoint", str(runs_dir / "missing")],
     ]
