@@ -50,7 +50,7 @@ PUBLISH=()
 CHECK_PUBLISHED=0
 FINGERPRINT=0
 JOBS=$(nproc 2>/dev/null || echo 2)
-ARGV="$*"
+ARGV=$(python3 -c 'import shlex, sys; print(shlex.join(sys.argv[1:]))' "$@")  # as pasted: quoted where bash needs it
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -259,14 +259,18 @@ curve | line | ThreeStateLine: PPO with a GRU vs memoryless (episode length) | G
 curve | corridor | ShortCorridor: memoryless PPO, Monte Carlo returns vs a bootstrapped critic | Monte Carlo=ppo_corridor_mc, one-step TD critic=ppo_corridor_td | charts/episodic_return | -11.66 best memoryless
 curve | cartpole_v1 | CartPole-v1: memoryless PPO with CleanRL ppo.py's settings | PPO (ours)=ppo_cartpole_v1 | charts/episodic_return | 491.6 CleanRL ppo.py (last 20 episodes)
 curve | tmaze_ppo | TMaze, corridor 10: PPO with a GRU vs memoryless | GRU=ppo_tmaze_gru, memoryless=ppo_tmaze_none | charts/episodic_return | 3.0 optimum
-curve | maskedcartpole | MaskedCartPole: memory recovers the velocities | PPO GRU=ppo_cartpole_gru, PPO LSTM=ppo_cartpole_lstm, PPO memoryless=ppo_cartpole_none, DQN k=4=dqn_cartpole_k4, DQN k=1=dqn_cartpole_k1, R2D2=r2d2_cartpole | charts/episodic_return | 500 maximum
+curve | maskedcartpole | MaskedCartPole: PPO's memory recovers the velocities | GRU=ppo_cartpole_gru, LSTM=ppo_cartpole_lstm, memoryless=ppo_cartpole_none | charts/episodic_return | 500 maximum
+curve | maskedcartpole_dqn | MaskedCartPole: DQN on a 4-frame stack vs one frame | k=4=dqn_cartpole_k4, k=1=dqn_cartpole_k1 | charts/episodic_return | 500 maximum
+curve | maskedcartpole_r2d2 | MaskedCartPole: R2D2, stored LSTM state and burn-in | R2D2=r2d2_cartpole | charts/episodic_return | 500 maximum
 curve | tiger | Tiger: PPO with a GRU vs memoryless | GRU=ppo_tiger_gru, memoryless=ppo_tiger_none | charts/episodic_return | 5.01 optimum
 curve | r2d2_ablation | R2D2 on TMaze-20: stored state + burn-in vs stored vs zero state | stored + burn-in=r2d2_tmaze20, stored=r2d2_tmaze20_stored_noburnin, zero state=r2d2_tmaze20_zero | charts/episodic_return | 2.0 optimum
 curve | trxl_tmaze20 | TMaze-20, Transformer-XL Q: stored memory vs empty vs DTQN | stored memory + burn-in=trxl_tmaze20, empty memory=trxl_tmaze20_zero, window 16=trxl_tmaze20_window | charts/episodic_return | 2.0 optimum
 curve | trxl_recompute | TMaze-20: stored memory vs exact recompute vs a DTQN window of 32 | stored memory + burn-in=trxl_tmaze20, exact recompute=trxl_tmaze20_exact, window 32=trxl_tmaze20_window32 | charts/episodic_return | 2.0 optimum
+curve | twodoors | TwoDoors: Q-learning on the latent belief state | latent-belief Q=ssm_twodoors | charts/episodic_return | 0.90 best memoryless
 curve | trxl_tmaze50 | TMaze-50, Transformer-XL Q, memory M = 64: stored memory + burn-in | M = 64=trxl_tmaze50 | charts/episodic_return | -1.0 optimum
 bar | cost | Learner ms per update: (c) stored vs (f) exact recompute at L x M | c 64=cost_stored_layers2:perf/learner_ms_per_update, f 64=cost_exact_layers2:perf/learner_ms_per_update, c 128=cost_stored_layers4:perf/learner_ms_per_update, f 128=cost_exact_layers4:perf/learner_ms_per_update, c 192=cost_stored_layers6:perf/learner_ms_per_update, f 192=cost_exact_layers6:perf/learner_ms_per_update, e 2 layers=cost_episode_layers2:perf/learner_ms_per_update | ms per update | -
 bar | tmaze_window | TMaze, 4-frame DQN: success against corridor length | 1=dqn_tmaze_k4_corridor_sweep1:eval/success_rate, 2=dqn_tmaze_k4_corridor_sweep2:eval/success_rate, 4=dqn_tmaze_k4_corridor_sweep4:eval/success_rate, 8=dqn_tmaze_k4_corridor_sweep8:eval/success_rate | success rate | 0.5 chance
+bar | reward_model | Bradley-Terry reward model on held-out pairs: accuracy vs the labeler's Bayes ceiling, order, calibration | accuracy=rlhf_rm:eval/preference_accuracy, Bayes ceiling=rlhf_rm:eval/bayes_accuracy, centered Spearman=rlhf_rm:eval/spearman_gold_centered, calibration error=rlhf_rm:eval/calibration_error | value | -
 bar | dialogue | GuessTheImage: offline RL vs behavior cloning (mean return) | ILQL=ilql:eval/episodic_return, BC=ilql:eval/bc_episodic_return, filtered BC=ilql_filtered_bc:eval/episodic_return, CQL=cql_utterance:eval/episodic_return, dataset=ilql:dataset/mean_return | mean return | 0.783 optimal questioner
 overopt | rlhf_overoptimization | RLHF over-optimization: gold and proxy reward against the KL to the SFT policy | rlhf_kl_sweep | - | -
 EOF
@@ -1305,6 +1309,9 @@ DOCS = Path("docs")
 README = Path("README.md")
 README_BEGIN = "<!-- BEGIN results table: written by benchmark.sh --publish -->"
 README_END = "<!-- END results table -->"
+PAGE_BEGIN = "<!-- BEGIN results: written by benchmark.sh --publish -->"  # in each docs/<script>.md
+PAGE_END = "<!-- END results -->"
+STATUS_ORDER = {"fails": 0, "not checked": 1, "not run": 2, "holds": 3, "info": 4}  # the first table: failures first
 NOT_RUN = "not run in the published runs"
 STAMP_RE = re.compile(r"(\d{4})(\d{2})(\d{2})-(\d{2})(\d{2})\d{2}")  # results/<YYYYmmdd-HHMMSS>: the run's start
 
@@ -1443,7 +1450,8 @@ def publish(spec: Path, figures_file: Path, headlines_file: Path, paths: list[Pa
     for old in figure_dir.glob("*.png"):  # a figure that no published run drew must not stay behind
         old.unlink()
     figures = read_table(figures_file, 6, "FIGURES", "kind | file | title | series | y | reference")
-    drawn, source = {}, {c["id"]: c["folder"] for c in claims if c["folder"]}  # id -> the folder its claims come from
+    drawn, figure_ids = {}, {}
+    source = {c["id"]: c["folder"] for c in claims if c["folder"]}  # id -> the folder its claims come from
     for kind, name, _, series, _, _ in figures:  # from the folder that its claims use for most of its series
         if kind == "overopt":  # every id that starts with the series' prefix
             ids = [i for i in source if i.startswith(series)]
@@ -1455,6 +1463,7 @@ def publish(spec: Path, figures_file: Path, headlines_file: Path, paths: list[Pa
             if (f.out / f"{name}.png").is_file()
         ]
         uses, _, folder = max(ran, key=lambda r: r[:2], default=(0, 0, None))  # the first given on a tie
+        figure_ids[name] = ids
         if uses > 0:
             shutil.copyfile(folder.out / f"{name}.png", figure_dir / f"{name}.png")
             drawn[f"{name}.png"] = folder_name(folder.out)
@@ -1463,7 +1472,11 @@ def publish(spec: Path, figures_file: Path, headlines_file: Path, paths: list[Pa
         "runs": [run_info(f) for f in folders],
         "untrained": [untrained_info(f) for f in folders if f.untrained],
         "claims": claims,
-        "figures": [{"name": row[1], "title": row[2], "folder": drawn.get(f"{row[1]}.png")} for row in figures],
+        "figures": [
+            {"name": name, "title": title, "kind": kind, "y": y, "ids": figure_ids[name]}
+            | {"folder": drawn.get(f"{name}.png")}
+            for kind, name, title, _, y, _ in figures
+        ],
         "headlines": [headline(row, claims) for row in headlines],
     }
     (DOCS / "results.json").write_text(json.dumps(data, indent=1) + "\n")
@@ -1474,6 +1487,9 @@ def publish(spec: Path, figures_file: Path, headlines_file: Path, paths: list[Pa
         print(f"rewrote the results table of {README}")
     else:
         print(f"{README} has no `{README_BEGIN}` line: its results table is not written", file=sys.stderr)
+    for h in headlines:  # each script page's own results block
+        page = DOCS / f"{h['script']}.md"
+        page.write_text(page_with_results(page.read_text(), data, h["script"]))
     return 0
 
 
@@ -1555,15 +1571,28 @@ def stale_reasons(experiments: list[dict], headlines: list[dict]) -> list[str]:
     readme = README.read_text() if README.is_file() else ""
     if README_BEGIN in readme and readme != readme_with_table(readme, data):
         reasons.append(f"the results table of {README} is not what {path} renders")
+    for h in headlines:
+        page = DOCS / f"{h['script']}.md"
+        text = page.read_text() if page.is_file() else ""
+        if PAGE_BEGIN not in text or text != page_with_results(text, data, h["script"]):
+            reasons.append(f"the results block of {page} is not what {path} renders")
     return reasons
 
 
 def python_command(cmd: str) -> str:
-    """An experiment's command as a reader types it (benchmark.sh adds `--seed S` and the run directory; `{run:X}`
-    reads as `<X run>`: the run dir of experiment X's run of the same seed)."""
-    script, _, args = cmd.partition(" ")
-    args = RUN_REF_RE.sub(r"<\1 run>", args)
-    return f"python algos/{script}.py {args}".rstrip()
+    """An experiment's command as a reader pastes it into bash (benchmark.sh adds `--seed S` and the run directory;
+    `{run:X}` reads as '<run dir of X>': the run dir of experiment X's run of the same seed)."""
+    script, *words = shlex.split(cmd)
+    return shlex.join(["python", f"algos/{script}.py", *(RUN_REF_RE.sub(r"<run dir of \1>", w) for w in words)])
+
+
+def pasteable(cmd: str) -> str:
+    """A recorded command with each word quoted where bash needs it (older folders recorded the words unquoted)."""
+    return shlex.join(shlex.split(cmd))
+
+
+def script_of(claim: dict) -> str:
+    return claim["command"].split()[0]
 
 
 def duration(seconds: float) -> str:
@@ -1610,6 +1639,73 @@ def claim_group(claim: dict) -> list[str]:
     ]
 
 
+def measured_cell(claim: dict) -> str:
+    """Per metric its mean and range over seeds, then the seeds: the first table of results.md and the script pages."""
+    if claim["folder"] is None:
+        return NOT_RUN
+    shown = []
+    for metric in claim["metrics"]:
+        if claim["range"][metric] is None:
+            shown.append(f"`{metric}`: no value")
+            continue
+        low, high = claim["range"][metric]
+        spread = "" if low == high else f" ({fmt(low)} to {fmt(high)})"
+        shown.append(f"`{metric}` {fmt(claim['mean'][metric])}{spread}")
+    return "<br>".join(shown) + f"<br>seeds {' '.join(map(str, claim['seeds']))}"
+
+
+def glance_rows(claims: list[dict], link: str) -> list[str]:
+    """One row per claim line, failures first: verdict, experiment, claim, mean (range) and seeds."""
+    rows = ["| verdict | experiment | claim | measured: mean (range over seeds) |", "|---|---|---|---|"]
+    for c in sorted(claims, key=lambda c: STATUS_ORDER.get(c["status"], 5)):
+        verdict = c["verdict"].split(": ", 1)[0] if c["folder"] else NOT_RUN  # the seeds' details: on results.md
+        rows.append(f"| {cell(verdict)} | [{c['id']}]({link}#{c['id']}) | {cell(c['claim'])} | {measured_cell(c)} |")
+    return rows
+
+
+def figure_caption(figure: dict) -> str:
+    """What a figure draws, said under it."""
+    if figure["kind"] == "curve":
+        what = f"`{figure['y']}` against environment steps: the mean over seeds with a band of one standard deviation"
+        if figure["y"].startswith("charts/"):
+            what += " (each seed's curve a rolling mean over episodes first)"
+    elif figure["kind"] == "bar":
+        what = "One bar per series: the mean over seeds; each dot is one seed"
+    else:
+        what = "One line per run (a beta and a seed): its evaluations in training order"
+    return f"{what}. Runs of `{figure['folder']}`."
+
+
+def figure_lines(figure: dict, prefix: str) -> list[str]:
+    return [f"![{figure['title']}]({prefix}figures/{figure['name']}.png)", "", figure_caption(figure), ""]
+
+
+def render_script_results(data: dict, script: str) -> list[str]:
+    """The results block of docs/<script>.md: its claim lines (failures first) and its figures."""
+    claims = [c for c in data["claims"] if script_of(c) == script]
+    ids = {c["id"] for c in claims}
+    lines = [
+        PAGE_BEGIN,
+        "",
+        "Claims of this script as published on [the results page](results.md) (each experiment's command, "
+        "folder, seeds and fingerprint are there):",
+        "",
+        *glance_rows(claims, "results.md"),
+        "",
+    ]
+    for figure in data["figures"]:
+        if figure["folder"] and ids & set(figure["ids"]):
+            lines += figure_lines(figure, "")
+    return [*lines, PAGE_END]
+
+
+def page_with_results(text: str, data: dict, script: str) -> str:
+    before, _, rest = text.partition(PAGE_BEGIN)
+    if PAGE_END not in rest:
+        raise CheckError(f"docs/{script}.md: no `{PAGE_BEGIN}` ... `{PAGE_END}` block for its results")
+    return before + "\n".join(render_script_results(data, script)) + rest.split(PAGE_END, 1)[1]
+
+
 def claim_row(claim: dict) -> str:
     cells = []
     for metric in claim["metrics"]:
@@ -1646,19 +1742,7 @@ def render_page(data: dict) -> str:
         "",
         head,
         "",
-        "## Published runs",
-        "",
-        "| folder | date | machine | command | commit | seeds | runs finished | total wall time |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for run in data["runs"]:
-        total = duration(run["total_s"]) if run["total_s"] is not None else "unknown"
-        doc.append(
-            f"| `{run['folder']}` | {run['date']} | {run['machine']} | `{cell(run['command'])}` | {run['commit']} | "
-            f"{' '.join(map(str, run['seeds']))} | {run['runs_finished']} | {total} |"
-        )
-    doc += [f"\n`{run['folder']}`: {run['note']}" for run in data["runs"] if run.get("note")]
-    doc += [
+        *glance_rows(claims, ""),
         "",
         "Single-seed numbers differ across CPUs (torch's CPU kernels round differently per instruction set); the "
         "checks are set with margin so that they hold on other seeds and machines.",
@@ -1694,10 +1778,24 @@ def render_page(data: dict) -> str:
             doc += ([""] if previous else []) + claim_group(claim)
             previous = claim["id"]
         doc.append(claim_row(claim))
+    doc += [
+        "",
+        "## Published runs",
+        "",
+        "| folder | date | machine | command | commit | seeds | runs finished | total wall time |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in data["runs"]:
+        total = duration(run["total_s"]) if run["total_s"] is not None else "unknown"
+        doc.append(
+            f"| `{run['folder']}` | {run['date']} | {run['machine']} | `{cell(pasteable(run['command']))}` | "
+            f"{run['commit']} | {' '.join(map(str, run['seeds']))} | {run['runs_finished']} | {total} |"
+        )
+    doc += [f"\n`{run['folder']}`: {run['note']}" for run in data["runs"] if run.get("note")]
     doc += ["", "## Figures", ""]
     for figure in data["figures"]:
         if figure["folder"]:
-            doc += [f"### {figure['name']}", "", f"![{figure['title']}](figures/{figure['name']}.png)", ""]
+            doc += [f"### {figure['name']}", "", *figure_lines(figure, "")]
     missing = [f"- `{f['name']}`: {f['title']}" for f in data["figures"] if not f["folder"]]
     if missing:
         doc += ["Not drawn in the published runs (their experiments were not run):", "", *missing, ""]

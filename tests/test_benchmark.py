@@ -393,7 +393,7 @@ def test_a_command_reads_an_earlier_experiments_run_dir_of_the_same_seed(tmp_pat
     for seed in (1, 2):
         child = json.loads(next((out / "runs" / "fake_child" / f"seed{seed}").glob("*/summary.json")).read_text())
         assert child["metrics"]["eval/x"] == 5 + seed + 1
-    assert "python algos/fake.py --read <fake_base run>" in (out / "results.md").read_text()
+    assert "python algos/fake.py --read '<run dir of fake_base>'" in (out / "results.md").read_text()
     # --only without the experiment a command reads: a one-line error before any run
     proc = subprocess.run([*run[:4], "^fake_child$"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "reads the runs of fake_base" in proc.stderr and "select it too" in proc.stderr

@@ -130,6 +130,9 @@ def published_tree(tmp_path: Path) -> tuple[Path, dict, dict]:
 def publish_json(tree: Path, data: dict, a: dict):
     (tree / "docs" / "results.json").write_text(json.dumps(data, indent=1) + "\n")
     (tree / "docs" / "results.md").write_text(a["render_page"](data))
+    for h in data["headlines"]:  # the script pages' results blocks
+        page = tree / "docs" / f"{h['script']}.md"
+        page.write_text(a["page_with_results"](page.read_text(), data, h["script"]))
 
 
 def stale(proc) -> list[str]:

@@ -5,6 +5,7 @@ copies of benchmark.sh and of the published files, and publishes hand-made resul
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,6 +15,8 @@ from test_benchmark import make_folder
 
 BEGIN = "<!-- BEGIN results table: written by benchmark.sh --publish -->"
 END = "<!-- END results table -->"
+PAGE_BEGIN = "<!-- BEGIN results: written by benchmark.sh --publish -->"
+SCRIPTS = sorted(path.stem for path in (ROOT / "algos").glob("*.py"))
 
 
 def run(tree: Path, *args: str) -> subprocess.CompletedProcess:
@@ -33,7 +36,7 @@ def copy_tree(tmp_path: Path) -> Path:
     tree = tmp_path / "tree"
     (tree / "docs").mkdir(parents=True)
     shutil.copy(ROOT / "benchmark.sh", tree / "benchmark.sh")
-    for name in ("results.md", "results.json", "fingerprints.json"):
+    for name in ("results.md", "results.json", "fingerprints.json", *(f"{s}.md" for s in SCRIPTS)):
         shutil.copy(ROOT / "docs" / name, tree / "docs" / name)
     for name in ("algos", "envs"):
         (tree / name).symlink_to(ROOT / name)
@@ -190,7 +193,11 @@ def test_publish_writes_the_page_the_json_the_figures_and_the_readme_table(tmp_p
     assert "**positive claims failing untrained: 0 of 1**" in page  # the GRU claim holds untrained
     assert "ppo_cartpole_gru: MaskedCartPole with a GRU" in page.split("they cannot fail):", 1)[1]
     assert (tree / "docs" / "figures" / "maskedcartpole.png").read_bytes() == b"png"
-    assert "![MaskedCartPole: memory recovers the velocities](figures/maskedcartpole.png)" in page
+    assert "![MaskedCartPole: PPO's memory recovers the velocities](figures/maskedcartpole.png)" in page
+    ppo_page = (tree / "docs" / "ppo_recurrent.md").read_text()  # its own claims and figure, between the markers
+    block = ppo_page.split(PAGE_BEGIN, 1)[1]
+    assert "[ppo_cartpole_gru](results.md#ppo_cartpole_gru)" in block and "`eval/episodic_return` 490" in block
+    assert "(figures/maskedcartpole.png)" in block and "dqn_cartpole" not in block
     readme = (tree / "README.md").read_text()
     assert readme.startswith("# seqrl\n\n" + BEGIN + "\n| script |") and readme.endswith(f"{END}\n\nthe rest\n")
     ppo = next(line for line in readme.splitlines() if line.startswith("| [ppo_recurrent](docs/ppo_recurrent.md)"))
@@ -234,3 +241,38 @@ def test_a_figure_comes_from_the_folder_that_the_claims_use_for_most_of_its_seri
     assert (tree / "docs" / "figures" / "maskedcartpole.png").read_bytes() == b"20260101-120000"  # 2 series of 3
     assert run(tree, "--publish", *folders[:2]).returncode in (0, 1)
     assert (tree / "docs" / "figures" / "maskedcartpole.png").read_bytes() == b"20260101-110000"  # not the stale one
+
+
+def test_every_command_on_the_results_page_and_the_readme_runs_when_pasted():
+    """The commands the pages print (runs table, experiment headings, README table) are valid bash as printed: each
+    word quoted where the shell needs it (a regex of --only, a JSON of --env-kwargs)."""
+    commands = []
+    for path in (ROOT / "docs" / "results.md", ROOT / "README.md"):
+        for code in re.findall(r"`([^`]+)`", path.read_text()):
+            code = code.replace("\\|", "|")  # a | escaped inside a markdown table cell
+            if code.startswith(("bash benchmark.sh ", "python algos/")):
+                commands.append(code)
+    assert len(commands) > 60
+    for command in commands:
+        proc = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{command}: {proc.stderr}"
+        assert shlex.join(shlex.split(command)) == command, f"not quoted as bash reads it: {command}"
+
+
+def test_every_script_page_carries_its_generated_results_block():
+    """Each docs/<script>.md shows its own claims between the markers that --publish rewrites (no hand-copied
+    numbers): --check-published fails when a block is edited."""
+    data = json.loads((ROOT / "docs" / "results.json").read_text())
+    for script in SCRIPTS:
+        block = (ROOT / "docs" / f"{script}.md").read_text().split(PAGE_BEGIN, 1)[1]
+        ids = {c["id"] for c in data["claims"] if c["command"].split()[0] == script}
+        assert ids and all(f"(results.md#{i})" in block for i in ids), script
+
+
+def test_an_edited_script_page_block_is_stale(tmp_path):
+    tree = copy_tree(tmp_path)
+    page = tree / "docs" / "ssm_vae_q.md"
+    page.write_text(page.read_text().replace("seeds 1 2 3 4 5", "seeds 1 2 3 4 6", 1))
+    assert "the results block of docs/ssm_vae_q.md is not what docs/results.json renders" in stale(
+        run(tree, "--check-published")
+    )
