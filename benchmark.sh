@@ -1663,8 +1663,8 @@ def glance_rows(claims: list[dict], link: str) -> list[str]:
     return rows
 
 
-def figure_caption(figure: dict) -> str:
-    """What a figure draws, said under it."""
+def figure_caption(figure: dict, folder: bool) -> str:
+    """What a figure draws, said under it (on results.md with the folder of its runs)."""
     if figure["kind"] == "curve":
         what = f"`{figure['y']}` against environment steps: the mean over seeds with a band of one standard deviation"
         if figure["y"].startswith("charts/"):
@@ -1673,11 +1673,11 @@ def figure_caption(figure: dict) -> str:
         what = "One bar per series: the mean over seeds; each dot is one seed"
     else:
         what = "One line per run (a beta and a seed): its evaluations in training order"
-    return f"{what}. Runs of `{figure['folder']}`."
+    return f"{what}." + (f" Runs of `{figure['folder']}`." if folder else "")
 
 
-def figure_lines(figure: dict, prefix: str) -> list[str]:
-    return [f"![{figure['title']}]({prefix}figures/{figure['name']}.png)", "", figure_caption(figure), ""]
+def figure_lines(figure: dict, folder: bool) -> list[str]:
+    return [f"![{figure['title']}](figures/{figure['name']}.png)", "", figure_caption(figure, folder), ""]
 
 
 def render_script_results(data: dict, script: str) -> list[str]:
@@ -1695,7 +1695,7 @@ def render_script_results(data: dict, script: str) -> list[str]:
     ]
     for figure in data["figures"]:
         if figure["folder"] and ids & set(figure["ids"]):
-            lines += figure_lines(figure, "")
+            lines += figure_lines(figure, folder=False)
     return [*lines, PAGE_END]
 
 
@@ -1795,7 +1795,7 @@ def render_page(data: dict) -> str:
     doc += ["", "## Figures", ""]
     for figure in data["figures"]:
         if figure["folder"]:
-            doc += [f"### {figure['name']}", "", *figure_lines(figure, "")]
+            doc += [f"### {figure['name']}", "", *figure_lines(figure, folder=True)]
     missing = [f"- `{f['name']}`: {f['title']}" for f in data["figures"] if not f["folder"]]
     if missing:
         doc += ["Not drawn in the published runs (their experiments were not run):", "", *missing, ""]
