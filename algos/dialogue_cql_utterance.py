@@ -30,7 +30,7 @@ Implementation details:
      training candidates are sampled at 0.7: still diverse for the max and the logsumexp, fewer malformed than at 1.
   8. Real checkpoints (`--model-name-or-path`) keep their tokenizer; "<sep>" and "<pad>" are added when missing.
   9. Problem 21.4: `timestep/*` logs the horizon, the action space and the candidate set the Bellman max runs over.
- 10. Checkpoints at the phase ends and every `--save-every` critic steps; `--resume` continues exactly.
+ 10. A checkpoint at the phase ends and every `--save-every` critic steps; `--resume` continues exactly.
 
 References:
   [1] Verma, Fu, Yang, Levine 2022, CHAI: A CHatbot AI for Task-Oriented Dialogue with Offline RL (NAACL).
@@ -46,11 +46,9 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import sys
 import time
-import zipfile
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -60,7 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from safetensors import SafetensorError
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file, safe_open, save_file, save_model
 from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
@@ -103,9 +101,9 @@ class Args:
     checkpoint: str | None = None
     """a run dir written by this script, for `--eval-only`"""
     save_every: int = 500
-    """critic steps between checkpoints in RUN_DIR/checkpoints; with N > 0 the end of the BC and the candidate
-    phases writes one too (0 = none; Ctrl-C or SIGTERM always writes one, at the end of the current phase or after
-    the current critic step): all that `--resume` needs to continue exactly; deleted when the run ends"""
+    """critic steps between saves of the checkpoint RUN_DIR/train_state.safetensors; with N > 0 the end of the BC and
+    the candidate phases saves it too (0 = none; Ctrl-C or SIGTERM always saves it, at the end of the current phase
+    or after the current critic step): all that `--resume` needs to continue exactly; deleted when the run ends"""
     resume: str | None = None
     """a run dir of this script with a checkpoint: continue that run there, with its own arguments"""
 
@@ -916,56 +914,33 @@ def headline_charts(metrics: dict) -> dict:
     }
 
 
-# === RUN MANAGEMENT (not the algorithm: validation, run dir, checkpoints and --resume, Ctrl-C, summary) ===
-# Long runs: RUN_DIR/checkpoints gets a checkpoint at the end of the BC phase, at the end of the candidate phase and
-# every `--save-every` critic steps (and at the critic's end), and Ctrl-C or SIGTERM writes one at the next of these
-# points, then the run exits: the proposer's weights (safetensors), the candidate sets and the utterance table they
-# index, from the critic phase on the critic, its target, Adam and the minibatch rng: the fields of TrainState
-# (modules as safetensors, tensors in arrays.npz with torch's RNG state, what has a state_dict with torch.save, read
-# back with weights_only=True, the rest and the python / numpy RNG states, args and file sizes in state.json).
-# Written into a temporary dir, os.replace'd into place, then named by latest.json (temp file + os.replace): a kill
-# leaves the previous one; all deleted when the run ends.
-# `--resume RUN_DIR` rebuilds the data (deterministic), skips the phases done, and ends with the same metrics, bit
-# for bit on CPU, as the run uninterrupted (tests/test_resume_dialogue_cql_utterance.py). The BC phase itself is not
-# checkpointed inside (a kill during BC restarts it). Tensorboard: the BC and critic curves share the step axis, so
-# `purge_step` (which would cut the BC curve) is not used: critic points a killed run logged after its last
-# checkpoint appear twice.
+# === RUN MANAGEMENT (not the algorithm: validation, run dir, checkpoint and --resume, Ctrl-C, summary) ===
+# RUN_DIR/train_state.safetensors holds the TrainState at the end of the BC phase, at the end of the candidate phase
+# and every `--save-every` critic steps (and at the critic's last), or wherever Ctrl-C / SIGTERM stopped the run; a
+# kill during the BC phase restarts it. `--resume RUN_DIR` rebuilds the data (deterministic), skips the phases done and
+# ends with the metrics of the uninterrupted run (tests/test_resume_dialogue_cql_utterance.py). Tensorboard: the BC
+# and critic curves share the step axis, so no `purge_step`: critic points logged after the checkpoint appear twice.
 SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
 RESUME_FREE_FIELDS = ("resume", "save_every", "runs_dir", "threads")  # may change on --resume; the rest is the run's
 ARCH_FIELDS = ("critic_dim", "critic_hidden")  # --eval-only: the critic's sizes, from its run's args.json
 
 
 def parse_args() -> Args:
-    """The command line (tyro), validated; with --resume, the run's own arguments (plus RESUME_FREE_FIELDS); with
-    --eval-only, the checkpoint's ARCH_FIELDS."""
+    """tyro.cli(Args), each check a one-line `error:` before any work (the --dataset-path file too); --resume takes the
+    run's own arguments (but RESUME_FREE_FIELDS), --eval-only its checkpoint's ARCH_FIELDS."""
     args = tyro.cli(Args)
-    if args.threads < 1:
-        raise SystemExit(f"error: --threads must be at least 1, got {args.threads}")
-    if args.resume is not None:
-        if args.eval_only:
-            raise SystemExit("error: --resume continues a training run; it does not go with --eval-only")
-        args = resume_args(args)[0]
-    validate(args)
-    if args.eval_only:
-        try:
-            saved = json.loads((Path(args.checkpoint) / "args.json").read_text())
-            args = replace(args, **{key: saved[key] for key in ARCH_FIELDS})
-        except (OSError, ValueError, KeyError) as e:
-            raise SystemExit(
-                f"error: could not load checkpoint '{args.checkpoint}': {str(e).splitlines()[0]}"
-            ) from None
-    check_dataset(args)
-    check_writable_dir(Path(args.resume or args.runs_dir), "--resume" if args.resume else "--runs-dir")
-    return args
-
-
-def validate(args):
-    checks = [
+    ckpt = Path(str(args.checkpoint))
+    for ok, message in [
+        (args.threads >= 1, f"--threads must be at least 1, got {args.threads}"),
+        (
+            args.resume is None or not args.eval_only,
+            "--resume continues a training run; it does not go with --eval-only",
+        ),
         (args.n_candidates >= 1, f"--n-candidates must be >= 1, got {args.n_candidates}"),
         (args.temperature > 0, f"--temperature must be > 0, got {args.temperature}"),
         (len(args.act_temperatures) > 0 and min(args.act_temperatures) > 0, "--act-temperatures must be > 0"),
         (args.val_episodes >= 1, f"--val-episodes must be >= 1, got {args.val_episodes}"),
-        (args.batch_size >= 1 and args.bc_batch_size >= 1 and args.gen_batch_size >= 1, "batch sizes must be >= 1"),
+        (min(args.batch_size, args.bc_batch_size, args.gen_batch_size) >= 1, "batch sizes must be >= 1"),
         (args.dataset_size >= 1, f"--dataset-size must be >= 1, got {args.dataset_size}"),
         (0.0 < args.tau <= 1.0, f"--tau must be in (0, 1], got {args.tau}"),
         (0.0 <= args.gamma <= 1.0, f"--gamma must be in [0, 1], got {args.gamma}"),
@@ -981,17 +956,24 @@ def validate(args):
         (min(args.bc_lr, args.critic_lr) >= 0.0, "--bc-lr and --critic-lr must be >= 0"),
         (args.max_grad_norm > 0.0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}"),
         (args.log_every >= 1, f"--log-every must be >= 1, got {args.log_every}"),
-    ]
-    for ok, msg in checks:
+        (
+            not args.eval_only
+            or ((ckpt / "bc_lm" / "config.json").exists() and (ckpt / "critic.safetensors").exists()),
+            f"--eval-only needs --checkpoint RUN_DIR with bc_lm/ and critic.safetensors (got {args.checkpoint})",
+        ),
+    ]:
         if not ok:
-            raise SystemExit(f"error: {msg}")
+            raise SystemExit(f"error: {message}")
+    if args.resume is not None:
+        args = resume_args(args)[0]
     if args.eval_only:
-        ckpt = Path(args.checkpoint) if args.checkpoint else None
-        if ckpt is None or not (ckpt / "bc_lm" / "config.json").exists() or not (ckpt / "critic.safetensors").exists():
-            raise SystemExit(
-                f"error: --eval-only needs --checkpoint RUN_DIR with bc_lm/ and critic.safetensors "
-                f"(got {args.checkpoint})"
-            )
+        try:
+            saved = json.loads((ckpt / "args.json").read_text())
+            args = replace(args, **{key: saved[key] for key in ARCH_FIELDS})
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"error: could not load checkpoint '{ckpt}': {str(e).splitlines()[0]}") from None
+    check_dataset(args)
+    return args
 
 
 def check_dataset(args) -> None:
@@ -1022,166 +1004,209 @@ def check_dataset(args) -> None:
 
 
 def start_run(args: Args) -> "Run":
-    """The run: device, run dir (a new one, or the --resume one), tensorboard, Ctrl-C / SIGTERM handlers."""
-    return Run(args)
+    return Run(args)  # the device, the run dir (new, or the resumed one), tensorboard, Ctrl-C / SIGTERM
 
 
 class Run:
-    """What main() uses of run management: the device, the run dir and tensorboard, the checkpoints of the
-    TrainState (at the phase ends and every --save-every critic steps), --resume, Ctrl-C / SIGTERM, summary.json."""
+    """The device, the run dir and tensorboard, train_state.safetensors (at the phase ends and every --save-every critic
+    steps) and --resume, Ctrl-C / SIGTERM, summary.json."""
 
     def __init__(self, args: Args):
-        self._args, self.resuming = args, args.resume is not None
+        self.args, self.start_time, self.restored = args, time.time(), set()  # restored: the TrainState fields loaded
         self.device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-        self._restored: set[str] = set()  # the TrainState fields loaded from the --resume checkpoint so far
-        if self.resuming:
-            self.run_dir = Path(args.resume)
-            self._checkpoint = read_checkpoint_state(self.run_dir)  # (its dir, its state.json)
-            self._writer = SummaryWriter(str(self.run_dir))  # (no purge_step: see the comment at the marker)
-        else:
-            self.run_dir = new_run_dir(args.runs_dir, TASK_ID, args.exp_name, args.seed)
-            self._writer = open_writer(self.run_dir, args)
-        self._stop = None if args.eval_only else install_stop_handlers()
-        self.start_time = time.time()
+        self.checkpoint = read_train_state(Path(args.resume)) if args.resume else None
+        name = f"{TASK_ID.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.run_dir = Path(str(args.resume))  # a new one but with --resume:
+        for suffix in range(0 if args.resume else 10**6):  # (mkdir is atomic)
+            self.run_dir = Path(args.runs_dir) / (f"{name}-{suffix}" if suffix else name)
+            try:
+                self.run_dir.mkdir(parents=True)
+                break
+            except FileExistsError:  # runs started in the same second get -1, -2, ...
+                continue
+            except OSError as err:
+                raise SystemExit(f"error: --runs-dir {args.runs_dir}: {err.strerror}") from None
+        self.writer = SummaryWriter(str(self.run_dir))  # (a resume: no purge_step, see the comment at the marker)
+        if not args.resume:
+            table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        self.stop = {"signal": None, "previous": {}} if args.eval_only else install_stop_handlers()
 
     def log(self, step: int, metrics: dict) -> None:
-        """Tensorboard: each tag -> value at `step`; a str value as text."""
+        """tensorboard at `step`: each tag -> value as a scalar (a str value as text)."""
         for tag, value in metrics.items():
-            if isinstance(value, str):
-                self._writer.add_text(tag, value, step)
-            else:
-                self._writer.add_scalar(tag, value, step)
+            (self.writer.add_text if isinstance(value, str) else self.writer.add_scalar)(tag, value, step)
 
     def load_pretrained(self, path: str, kind: str):
-        """(model, tokenizer) of a save_pretrained dir (--eval-only: the run's bc_lm/); `kind` is "causal", the only
-        kind this script loads."""
+        """(model, tokenizer) of a save_pretrained dir (--eval-only: the run's bc_lm/); kind: "causal" only."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        assert kind == "causal", kind
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            lm = AutoModelForCausalLM.from_pretrained(path).to(self.device)
+            return AutoModelForCausalLM.from_pretrained(path).to(self.device), AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             raise SystemExit(f"error: could not load checkpoint '{path}': {str(e).splitlines()[0]}") from None
-        return lm, tokenizer
 
     def load_model(self, module: nn.Module) -> nn.Module:
         """--eval-only: the critic of --checkpoint (critic.safetensors) loaded into `module`."""
-        path = Path(self._args.checkpoint) / "critic.safetensors"
+        path = Path(self.args.checkpoint) / "critic.safetensors"
         try:
             module.load_state_dict(load_file(path))
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:
             raise SystemExit(f"error: could not load checkpoint '{path}': {str(e).splitlines()[0]}") from None
         return module
 
-    def restore(self, state) -> int:
-        """--resume: load the checkpoint into the TrainState `state`, the fields `state` holds that are not loaded
-        yet (main calls it at the start for the phases done, the proposer, the table and the candidates, and again
-        once the critic phase has built its critic, target, Adam and rng); the first call also sets the python,
-        numpy and torch RNG states. Returns the critic steps the checkpoint had done (0 without --resume or before
-        the critic phase)."""
-        if not self.resuming:
-            return 0
-        step_dir, saved = self._checkpoint
-        if self._restored and saved["fields"]["phase"] != "critic":
-            return 0  # only a checkpoint of the critic phase has more to load (and the next phase end replaced it)
-        first = not self._restored
-        self._restored |= load_training_checkpoint(step_dir, saved, state, self._restored)
-        if first:
-            print(f"resumed {self.run_dir} after the {state.phase} phase from {step_dir}", flush=True)
-        return saved["critic_step"] if saved["fields"]["phase"] == "critic" else 0
+    def restore(self, state: TrainState) -> int:
+        """--resume: the checkpoint loaded into the fields of `state` not loaded yet whose object `state` holds by now
+        (main calls it at the start: the phases done, the proposer, the table, the candidates; and again once the
+        critic phase has built its critic, target, Adam and rng), and the RNG states whenever that loaded a field.
+        Returns the critic steps the checkpoint had done (0 without --resume or before the critic phase)."""
+        saved, loaded = self.checkpoint or {}, set()
+        for f in fields(state):
+            value, new = getattr(state, f.name), saved.get(f.name)
+            if f.name in self.restored or new is None or (value is None and isinstance(new, dict)):
+                continue  # loaded already, not in the checkpoint, or an object main has not built yet
+            if hasattr(value, "load_state_dict"):
+                value.load_state_dict(new)
+            elif isinstance(value, np.random.Generator):
+                value.bit_generator.state = new
+            else:
+                setattr(state, f.name, new)
+            loaded.add(f.name)
+        if loaded:
+            set_rng_state(saved["rngs"][0])
+            print(f"resumed {self.run_dir}: {', '.join(sorted(loaded))} of its {saved['phase']} phase", flush=True)
+            self.restored |= loaded
+        return saved.get("critic_step", 0) if "critic" in self.restored else 0
 
-    def end_step(self, step: int, state) -> None:
-        """At the end of the BC or the candidate phase (step 0) or of critic step `step`: checkpoint `state` when
-        --save-every > 0 (every phase end, every --save-every critic steps and the last one) or a stop signal
-        arrived; after a stop signal, exit with STOP_EXIT_CODE and the command that continues the run."""
-        every = self._args.save_every
-        due = every and (state.phase != "critic" or step % every == 0 or step == self._args.critic_steps)
-        if not (due or self._stop["signal"]):
-            return
-        meta = {"critic_step": step, "args": asdict(self._args)}
-        step_dir = save_training_checkpoint(self.run_dir, f"{state.phase}_{step}", state, meta)
-        self._writer.flush()
-        if self._stop["signal"]:
-            self._writer.close()
-            continue_with = f"python {sys.argv[0]} --resume {self.run_dir}"
-            print(f"interrupted: checkpoint {step_dir}; continue with: {continue_with}", file=sys.stderr)
+    def end_step(self, step: int, state: TrainState) -> None:
+        """At the end of the BC or the candidate phase (step 0) or of critic step `step`: the checkpoint when
+        --save-every > 0 (every phase end, every --save-every critic steps and the last one) or a stop signal arrived;
+        after a stop signal, exit with STOP_EXIT_CODE and the command that continues the run."""
+        every = self.args.save_every
+        due = every and (state.phase != "critic" or step % every == 0 or step == self.args.critic_steps)
+        if due or self.stop["signal"]:
+            saved = {}
+            for f in fields(state):  # modules, optimizer, table: their state_dict; the minibatch rng: its state
+                value = getattr(state, f.name)
+                value = value.bit_generator.state if isinstance(value, np.random.Generator) else value
+                saved[f.name] = value.state_dict() if hasattr(value, "state_dict") else value
+            saved |= {"critic_step": step, "args": asdict(self.args), "rngs": [rng_state()]}
+            save_train_state(self.run_dir, saved)
+            self.writer.flush()
+        if self.stop["signal"]:
+            self.writer.close()
+            resume = f"python {sys.argv[0]} --resume {self.run_dir}"
+            print(
+                f"{self.stop['signal']}: checkpoint saved in {state.phase} step {step}; continue with: {resume}",
+                file=sys.stderr,
+            )
             raise SystemExit(STOP_EXIT_CODE)
 
     def end_training(self) -> None:
-        restore_signal_handlers(self._stop)  # training is over: Ctrl-C stops at once (a resume would redo the rest)
+        restore_signal_handlers(self.stop)  # training is over: Ctrl-C stops at once (a resume would redo the rest)
 
     def finish(self, metrics: dict, models: dict, samples: int) -> None:
-        """args.json, `models` (name -> module: name.safetensors; a transformers model or tokenizer, or a (model,
-        tokenizer) pair: save_pretrained into name/) and summary.json (`sps` = samples / wall time; written last: it
-        marks a finished run); the checkpoints are deleted."""
-        args, run_dir = self._args, self.run_dir
+        """`models` (name -> module: name.safetensors; a (model, tokenizer) pair: save_pretrained into name/),
+        args.json, then summary.json (renamed into place: a finished run has it; `sps` = samples / wall time), and
+        deletes the checkpoint (a finished run is not resumed)."""
         wall = time.time() - self.start_time
-        summary = {
-            "script": SCRIPT,
-            "run_name": run_dir.name,
-            "run_dir": str(run_dir),
-            "args": asdict(args),
-            "metrics": metrics,
-            "wall_time_s": wall,
-            "sps": samples / wall,
-        }
-        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
         for name, obj in models.items():
-            for part in obj if isinstance(obj, tuple) else (obj,):
-                if hasattr(part, "save_pretrained"):
-                    part.save_pretrained(run_dir / name)
-                else:
-                    save_file(
-                        {k: v.contiguous() for k, v in part.state_dict().items()}, run_dir / f"{name}.safetensors"
-                    )
-        write_json_atomic(run_dir / "summary.json", summary)  # written last: it marks a finished run
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a finished run is not resumed
-        self._writer.close()
-        print(f"done in {wall:.0f}s -> {run_dir / 'summary.json'}")
+            for part in obj if isinstance(obj, tuple) else ():
+                part.save_pretrained(self.run_dir / name)
+            if isinstance(obj, nn.Module):
+                save_model(obj, str(self.run_dir / f"{name}.safetensors"))
+        (self.run_dir / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
+        summary = {"script": SCRIPT, "run_name": self.run_dir.name, "run_dir": str(self.run_dir)}
+        summary |= {"args": asdict(self.args), "metrics": metrics, "wall_time_s": wall, "sps": samples / wall}
+        (self.run_dir / ".summary.json").write_text(json.dumps(summary, indent=2))  # then renamed: never half written
+        os.replace(self.run_dir / ".summary.json", self.run_dir / "summary.json")
+        (self.run_dir / TRAIN_STATE).unlink(missing_ok=True)
+        self.writer.close()
+        print(f"done in {wall:.0f}s -> {self.run_dir / 'summary.json'}")
 
 
-def check_writable_dir(path: Path, flag: str) -> None:
-    """A one-line error, before any work, if `path` is a file, cannot be created, or is not writable."""
-    if path.exists() and not path.is_dir():
-        raise SystemExit(f"error: {flag} {path} is a file, not a directory")
+TRAIN_STATE = "train_state.safetensors"  # RUN_DIR/<this>: the checkpoint of training that --resume continues from
+
+
+def save_train_state(run_dir: Path, state: dict) -> None:
+    """nanoGPT's checkpoint without pickle: the tensors and arrays in `state` (models, optimizers, replay, RNG
+    states) as one safetensors file, the rest (counters, args, param groups) as JSON in its header; written under a
+    temporary name and renamed, so a kill leaves the previous checkpoint or this one, never half of one."""
+    tensors = {}
+
+    def split(value, key: str):  # the JSON tree, with {"tensor" | "array": key} where a tensor or array was
+        if isinstance(value, torch.Tensor | np.ndarray):
+            tensors[key] = torch.as_tensor(value).detach().cpu().contiguous().clone()  # own copy (tied weights)
+            return {"array" if isinstance(value, np.ndarray) else "tensor": key}
+        if isinstance(value, dict):  # as [key, value] pairs: JSON keeps int keys (an optimizer's state) in a list
+            return {"dict": [[name, split(item, f"{key}/{name}")] for name, item in value.items()]}
+        if isinstance(value, list | tuple):
+            return [split(item, f"{key}/{i}") for i, item in enumerate(value)]
+        return value  # a number, a string, a bool or None
+
+    tree = json.dumps(split(state, ""))
+    save_file(tensors, str(run_dir / f".tmp_{TRAIN_STATE}"), metadata={"script": SCRIPT, "state": tree})
+    os.replace(run_dir / f".tmp_{TRAIN_STATE}", run_dir / TRAIN_STATE)
+
+
+def read_train_state(run_dir: Path) -> dict:
+    """The `state` save_train_state wrote in `run_dir` (tensors on the CPU, arrays as numpy, tuples as lists); a
+    one-line error if it is missing, unreadable, or a checkpoint of another script."""
+    path = run_dir / TRAIN_STATE
     try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise SystemExit(f"error: cannot create {flag} {path}: {err.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SystemExit(f"error: {flag} {path} is not writable")
+        with safe_open(str(path), "pt") as file:
+            tensors, meta = {key: file.get_tensor(key) for key in file.keys()}, file.metadata()
+        tree = json.loads(meta["state"])
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError) as err:
+        raise SystemExit(f"error: cannot read checkpoint {path}: {err}") from None
+    if meta.get("script") != SCRIPT:
+        raise SystemExit(f"error: {run_dir} is a run of {meta.get('script')}.py, not of {SCRIPT}.py")
+
+    def join(value):
+        if isinstance(value, list):
+            return [join(item) for item in value]
+        if not isinstance(value, dict):
+            return value
+        if "dict" in value:
+            return {name: join(item) for name, item in value["dict"]}
+        return tensors[value["tensor"]] if "tensor" in value else tensors[value["array"]].numpy()
+
+    return join(tree)
 
 
-def new_run_dir(runs_dir: str, task: str, exp_name: str, seed: int) -> Path:
-    """Create and return runs_dir/{task}__{exp_name}__{seed}__{unix time}; never an existing directory: mkdir is
-    atomic, so runs started in the same second get -1, -2, ..."""
-    run_name = f"{task.replace('/', '-').replace(':', '-')}__{exp_name}__{seed}__{int(time.time())}"
-    run_dir, suffix = Path(runs_dir) / run_name, 0
-    while True:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=False)
-            return run_dir
-        except FileExistsError:
-            suffix += 1
-            run_dir = Path(runs_dir) / f"{run_name}-{suffix}"
+def rng_state() -> dict:
+    """The global RNGs training draws from (python, numpy, torch, CUDA), for the checkpoint."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "cuda": cuda}
 
 
-def open_writer(run_dir: Path, args, purge_step: int | None = None) -> SummaryWriter:
-    """tensorboard in the run dir with the hyperparameters as a markdown table (CleanRL). On a resume, purge_step (the
-    checkpoint's step + 1) drops what the killed run logged after its checkpoint, and the table is already there."""
-    writer = SummaryWriter(str(run_dir), purge_step=purge_step)
-    if purge_step is None:
-        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    return writer
+def set_rng_state(state: dict) -> None:
+    """Put back what rng_state returned (read back from a checkpoint: its tuples came back as lists)."""
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    np.random.set_state(tuple(state["numpy"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
-    tmp = path.with_name(f".tmp_{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+def resume_args(cli: Args) -> tuple[Args, dict]:
+    """`--resume RUN_DIR`: the run's own Args (RESUME_FREE_FIELDS as given on the command line) and its checkpoint;
+    one-line errors for a finished run, another script's run, or an argument given that differs from the run's."""
+    run_dir = Path(cli.resume)
+    if (run_dir / "summary.json").is_file():
+        raise SystemExit(f"error: run {run_dir} has finished (summary.json exists); there is nothing to resume")
+    checkpoint, defaults = read_train_state(run_dir), asdict(Args())
+    saved, given = checkpoint["args"], {key: value for key, value in asdict(cli).items() if value != defaults[key]}
+    for key, value in given.items():
+        if key not in RESUME_FREE_FIELDS and json.loads(json.dumps(value)) != saved.get(key):  # a tuple saved as a list
+            raise SystemExit(
+                f"error: --{key.replace('_', '-')} {value} differs from the run's {saved.get(key)}; "
+                "--resume continues a run with its own arguments"
+            )
+    try:
+        return Args(**(saved | {key: value for key, value in given.items() if key in RESUME_FREE_FIELDS})), checkpoint
+    except TypeError as err:
+        raise SystemExit(f"error: the arguments saved in {run_dir} do not fit this script: {err}") from None
 
 
 STOP_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C (a SIGTERM stop exits alike)
@@ -1215,145 +1240,6 @@ def restore_signal_handlers(stop: dict) -> None:
     """Training is over: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows)."""
     for sig, previous in stop["previous"].items():
         signal.signal(sig, previous)
-
-
-def save_training_checkpoint(run_dir: Path, name: str, state, meta: dict) -> Path:
-    """Write RUN_DIR/checkpoints/<name>/ (returned) atomically: the files go into a temporary dir that os.replace
-    moves into place, then latest.json (temp file + os.replace) names it, then older checkpoints are deleted. A kill
-    at any point leaves latest.json naming a complete checkpoint. Reads RNG states, never draws from them.
-
-    Every field of the TrainState `state` that is set, under its name: a module as <name>.safetensors (save_model:
-    GPT-2's output and input embeddings are tied), a tensor in arrays.npz (with torch's RNG state), what has a
-    state_dict as <name>.pt, a numpy Generator's state and the rest in state.json, with `meta` (critic step,
-    args), the python / numpy RNG states and the file sizes."""
-    root = run_dir / "checkpoints"
-    step_dir, tmp = root / name, root / f".tmp_{name}"
-    if not step_dir.is_dir():  # (it exists when Ctrl-C comes right after a resume: the same state)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a kill during a save
-        tmp.mkdir(parents=True)
-        arrays, generators, plain = {"torch_rng": torch.get_rng_state().numpy()}, {}, {}
-        for f in fields(state):
-            value = getattr(state, f.name)
-            if value is None:
-                continue
-            if isinstance(value, nn.Module):
-                save_model(value, str(tmp / f"{f.name}.safetensors"))
-            elif isinstance(value, torch.Tensor):
-                arrays[f.name] = value.numpy()
-            elif isinstance(value, np.random.Generator):
-                generators[f.name] = value.bit_generator.state
-            elif hasattr(value, "state_dict"):
-                torch.save(value.state_dict(), tmp / f"{f.name}.pt")
-            else:
-                plain[f.name] = value
-        np.savez(tmp / "arrays.npz", **arrays)
-        np_global = np.random.get_state()
-        numpy_global = [np_global[0], np_global[1].tolist(), *np_global[2:]]
-        rng_states = {"python": random.getstate(), "numpy_global": numpy_global}
-        files = {path.name: path.stat().st_size for path in sorted(tmp.iterdir())}
-        meta |= {"script": SCRIPT, "fields": plain, "generators": generators, "rng": rng_states, "files": files}
-        (tmp / "state.json").write_text(json.dumps(meta))
-        os.replace(tmp, step_dir)
-    write_json_atomic(root / "latest.json", {"step_dir": name})
-    for old in root.iterdir():
-        if old.is_dir() and not old.name.startswith(".") and old != step_dir:
-            shutil.rmtree(old)
-    return step_dir
-
-
-def read_checkpoint_state(run_dir: Path) -> tuple[Path, dict]:
-    """(checkpoint dir, its state.json) of the checkpoint latest.json names, after checking that every file is
-    complete (the sizes recorded at save time) and that it is a checkpoint of this script; one-line errors else."""
-    latest = run_dir / "checkpoints" / "latest.json"
-    if not latest.is_file():
-        raise SystemExit(f"error: {run_dir} has no checkpoint ({latest} not found)")
-    try:
-        step_dir = run_dir / "checkpoints" / json.loads(latest.read_text())["step_dir"]
-        state = json.loads((step_dir / "state.json").read_text())
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise SystemExit(f"error: checkpoint {latest} or its state.json is corrupt: {err}") from None
-    if state.get("script") != SCRIPT:
-        raise SystemExit(f"error: {run_dir} is a run of {state.get('script')}.py, not of {SCRIPT}.py")
-    for name, size in state["files"].items():
-        found = (step_dir / name).stat().st_size if (step_dir / name).is_file() else 0
-        if found != size:
-            raise SystemExit(
-                f"error: checkpoint file {step_dir / name} is truncated or missing ({found} of {size} "
-                "bytes); it cannot be resumed"
-            )
-    return step_dir, state
-
-
-def resume_args(cli: Args) -> tuple[Args, Path, Path, dict]:
-    """The run's own args for `--resume RUN_DIR` (plus RESUME_FREE_FIELDS given on the command line), its run dir,
-    checkpoint dir and state; one-line errors for a finished run, another script's run, or changed arguments."""
-    run_dir = Path(cli.resume)
-    if not run_dir.is_dir():
-        raise SystemExit(f"error: --resume {run_dir}: no such run directory")
-    if (run_dir / "summary.json").is_file():
-        try:
-            script = json.loads((run_dir / "summary.json").read_text()).get("script")
-        except ValueError:
-            script = None
-        if script is not None and script != SCRIPT:
-            raise SystemExit(f"error: {run_dir} is a run of {script}.py, not of {SCRIPT}.py")
-        raise SystemExit(f"error: run {run_dir} has finished (summary.json exists); there is nothing to resume")
-    step_dir, state = read_checkpoint_state(run_dir)
-    saved, defaults = state["args"], asdict(Args())
-    given = {key: value for key, value in asdict(cli).items() if value != defaults[key]}  # set on the command line
-    for key, value in given.items():
-        if key not in RESUME_FREE_FIELDS and value != saved.get(key):
-            raise SystemExit(
-                f"error: --{key.replace('_', '-')} {value} differs from the run's {saved.get(key)}; "
-                "--resume continues a run with its own arguments"
-            )
-    free = {key: value for key, value in given.items() if key in RESUME_FREE_FIELDS}
-    saved["act_temperatures"] = tuple(saved["act_temperatures"])  # (a JSON list)
-    try:
-        return Args(**(saved | free)), run_dir, step_dir, state
-    except TypeError as err:
-        raise SystemExit(f"error: the arguments saved in {step_dir} do not fit this script: {err}") from None
-
-
-CHECKPOINT_READ_ERRORS = (SafetensorError, OSError, RuntimeError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
-
-
-def load_training_checkpoint(step_dir: Path, saved: dict, state, done: set) -> set:
-    """Load the fields of a checkpoint written by save_training_checkpoint into the TrainState `state`, but those in
-    `done` and those whose object (module, optimizer, generator) `state` does not hold yet; with an empty `done`,
-    also the python, numpy and torch RNG states. Returns the names loaded; a bad file is a one-line error naming it."""
-    path, loaded = step_dir / "arrays.npz", set()
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {name: data[name] for name in data.files}
-        for f in fields(state):
-            value = getattr(state, f.name)
-            weights, state_dict = step_dir / f"{f.name}.safetensors", step_dir / f"{f.name}.pt"
-            if f.name in done:
-                continue
-            if weights.is_file() and value is not None:
-                path = weights
-                load_model(value, str(path))
-            elif state_dict.is_file() and value is not None:
-                path = state_dict
-                value.load_state_dict(torch.load(path, weights_only=True))
-            elif f.name in saved["generators"] and value is not None:
-                value.bit_generator.state = saved["generators"][f.name]
-            elif f.name in arrays:
-                setattr(state, f.name, torch.from_numpy(arrays[f.name]))
-            elif f.name in saved["fields"]:
-                setattr(state, f.name, saved["fields"][f.name])
-            else:
-                continue
-            loaded.add(f.name)
-    except CHECKPOINT_READ_ERRORS as err:
-        raise SystemExit(f"error: cannot load checkpoint file {path}: {str(err).splitlines()[0]}") from None
-    if not done:
-        torch.set_rng_state(torch.from_numpy(arrays["torch_rng"]))
-        random.setstate((saved["rng"]["python"][0], tuple(saved["rng"]["python"][1]), saved["rng"]["python"][2]))
-        kind, keys, *rest = saved["rng"]["numpy_global"]
-        np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    return loaded
 
 
 if __name__ == "__main__":

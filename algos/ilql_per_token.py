@@ -35,7 +35,7 @@ Implementation details:
  13. Top-k runs on log π_BC + β A (trlx's order), so at large β the kept tokens are the highest-advantage ones;
      the CQL term, not a BC filter, keeps them on the data's support.
  14. torchrun: each rank trains on its shard of the global minibatch; token sums are divided by the global counts
-     and gradients summed (`run.sync_grads`). Checkpoints and `--resume` continue exactly (RUN MANAGEMENT).
+     and DDP sums the gradients (`run.data_parallel`). `--resume` continues exactly (RUN MANAGEMENT).
 
 References: [1] Snell et al. 2022, Offline RL for Natural Language Generation with Implicit Language Q Learning
   (code Sea-Snell/Implicit-Language-Q-Learning). [2] CarperAI/trlx, modeling_ilql.py. [3] Kostrikov et al. 2021, IQL.
@@ -44,11 +44,11 @@ Details, measurements, usage (torchrun, --resume, real models): docs/ilql_per_to
 Reproduce: python algos/ilql_per_token.py --seed 1
 """
 
+import functools
 import json
 import math
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -68,7 +68,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from safetensors import SafetensorError
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file, safe_open, save_file, save_model
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
@@ -110,11 +111,11 @@ class Args:
     checkpoint: str | None = None
     """a run dir of this script (or its model/ dir) to evaluate with `--eval-only`"""
     save_every: int = 500
-    """gradient steps between training checkpoints in RUN_DIR/checkpoints (the newest one
-    is kept; training also ends with one); 0 = none. Ctrl-C (SIGINT) or SIGTERM always writes one and exits"""
+    """gradient steps between saves of the checkpoint RUN_DIR/train_state.safetensors (also saved at the last step,
+    deleted when the run finishes); 0 = none. Ctrl-C (SIGINT) or SIGTERM always saves it and exits"""
     resume: str | None = None
-    """a run dir of this script to continue from its newest checkpoint, with the run's own arguments (only
-    `--save-every`, `--runs-dir` and `--cuda` may differ)"""
+    """a run dir of this script to continue from its train_state.safetensors, with the run's own arguments (only
+    `--save-every`, `--runs-dir`, `--cuda` and `--threads` may differ)"""
 
     # data
     dataset_path: str | None = None
@@ -723,7 +724,8 @@ def main():
         lm, heads, tokenizer = build_model(args, torch.device("cpu"))
         run = start_run(args)  # torchrun, the run dir, tensorboard, Ctrl-C / SIGTERM
         lm, heads = lm.to(run.device), heads.to(run.device)
-        run.broadcast_params(lm, heads)  # torchrun: identical starts whatever each rank's RNG did
+    # forward_all(lm, heads, ...); torchrun: through DDP (rank 0's weights on every rank, gradients summed over ranks)
+    forward = run.data_parallel(forward_all, lm, heads)
     data = build_tensors(train_dialogues, tokenizer)
     problem = timestep_stats(data, tokenizer, lm)  # the problem this script faces (lecture Problem 21.4)
 
@@ -744,12 +746,11 @@ def main():
         idx = sampler.draw()
         batch = make_minibatch(data, idx, run.shard(idx), run.device)
         # 2. one forward pass: LM logits, Q1/Q2, their targets and V at every position; all ILQL losses
-        out = forward_all(lm, heads, batch["input_ids"], batch["attention_mask"])
+        out = forward(batch["input_ids"], batch["attention_mask"])
         losses = ilql_losses(out, batch, args)
         # 3. gradient step, then the Polyak update of the target Q heads
         optimizer.zero_grad(set_to_none=True)
-        losses["loss"].backward()
-        run.sync_grads(params)  # CRUCIAL: before clipping, so every rank clips the same global gradient
+        losses["loss"].backward()  # torchrun: DDP sums the ranks' gradients here, so every rank clips the same one
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         optimizer.step()
         scheduler.step()
@@ -773,8 +774,7 @@ def main():
     run.end_training()  # Ctrl-C and SIGTERM stop the run at once again
 
     # evaluation: β sweep on validation episodes (choose β) and on test episodes (report)
-    lm.eval()
-    run.broadcast_params(lm, heads)  # torchrun: every rank evaluates rank 0's weights, the ones saved
+    lm.eval()  # torchrun: every rank holds the same weights (DDP's broadcast at the start, the same gradients since)
     metrics = reference_metrics(lm, heads, tokenizer, data_stats, args, run.device)
     results = sweep_betas(lm, heads, tokenizer, run.shard(list(args.betas)), args, run.device)
     results = {beta: res for part in run.gather(results) for beta, res in part.items()}  # torchrun: every rank's βs
@@ -856,70 +856,52 @@ def beta_metrics(results: dict, betas) -> dict:
     return metrics
 
 
-# === RUN MANAGEMENT (not the algorithm: validation, run dir, torchrun, checkpoints and --resume, Ctrl-C, summary) ===
+# === RUN MANAGEMENT (not the algorithm: validation, run dir, torchrun (DDP), checkpoint, --resume, Ctrl-C, summary) ===
 SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
 HEADS_FILE = "ilql_heads.safetensors"  # Q1, Q2, target Q1, target Q2, V heads, next to the save_pretrained model
 SEED_STRIDE = 10_000  # torchrun: rank r reseeds its global torch RNG (dropout of real checkpoints) with seed + r * this
-CKPT_DIR = "checkpoints"  # `--save-every`: RUN_DIR/checkpoints/step_<N>/ and latest.json naming the newest complete one
-RESUME_FREE_FIELDS = (
-    "resume",
-    "save_every",
-    "runs_dir",
-    "cuda",
-    "threads",
-)  # the only arguments a resumed run may change
+RESUME_FREE_FIELDS = ("resume", "save_every", "runs_dir", "cuda", "threads")  # the only arguments a resume may change
 ARCH_FIELDS = ("model_name_or_path", "arch", "n_layer", "n_embd", "n_head")  # --eval-only: its checkpoint's model
 DIST_TIMEOUT = timedelta(minutes=10)  # a rank waiting this long in a collective gives up (a failed rank never hangs)
 
 
 def parse_args() -> Args:
-    """The arguments, every check that needs no model as a one-line error (the --dataset-path file too); --bc-only
-    sweeps β = 0 only; --resume takes the run's own arguments (only RESUME_FREE_FIELDS may differ), --eval-only the
-    architecture (ARCH_FIELDS) in its checkpoint's args.json."""
+    """tyro.cli(Args), each check a one-line `error:` before any work (the --dataset-path file too); --resume takes the
+    run's own arguments, --eval-only its checkpoint's ARCH_FIELDS; --bc-only sweeps β = 0 only."""
     args = tyro.cli(Args)
-    if args.threads < 1:
-        raise SystemExit(f"error: --threads must be at least 1, got {args.threads}")
-    if not 0.0 < args.filter_top_frac <= 1.0:
-        raise SystemExit(f"error: --filter-top-frac must be in (0, 1], got {args.filter_top_frac}")
-    if not 0.0 <= args.decay_frac <= 1.0:
-        raise SystemExit(f"error: --decay-frac must be in [0, 1], got {args.decay_frac}")
-    if args.seed < 0:
-        raise SystemExit(f"error: --seed must be >= 0, got {args.seed}")
-    if not 0.0 < args.expectile < 1.0:
-        raise SystemExit(f"error: --expectile must be in (0, 1), got {args.expectile}")
-    if min(args.belief_coef, args.cql_alpha, args.bc_weight) < 0:
-        raise SystemExit("error: --belief-coef/--cql-alpha/--bc-weight must be >= 0")
-    if not 0.0 <= args.gamma <= 1.0 or not 0.0 < args.tau <= 1.0:
-        raise SystemExit(f"error: need 0 <= --gamma <= 1 and 0 < --tau <= 1, got {args.gamma}, {args.tau}")
-    if not args.betas or any(b < 0 for b in args.betas):
-        raise SystemExit(f"error: --betas must be a non-empty list of values >= 0, got {args.betas}")
-    if min(args.eval_episodes, args.val_episodes, args.batch_size) < 1 or args.num_steps < 0 or args.top_k < 0:
-        raise SystemExit("error: --eval-episodes/--val-episodes/--batch-size must be >= 1, --num-steps/--top-k >= 0")
-    if min(args.dataset_size, args.log_every, args.n_layer, args.n_embd, args.n_head) < 1:
-        raise SystemExit("error: --dataset-size/--log-every/--n-layer/--n-embd/--n-head must be >= 1")
-    if min(args.learning_rate, args.warmup_steps, args.weight_decay) < 0 or args.max_grad_norm <= 0:
-        raise SystemExit("error: --learning-rate/--warmup-steps/--weight-decay must be >= 0, --max-grad-norm > 0")
-    if args.arch not in ("gpt2", "llama"):
-        raise SystemExit(f"error: --arch must be gpt2 or llama, got {args.arch!r}")
-    if args.model_name_or_path is None and args.n_embd % args.n_head:
-        raise SystemExit(f"error: --n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
-    if args.eval_only and args.checkpoint is None:
-        raise SystemExit("error: --eval-only needs --checkpoint RUN_DIR")
-    if args.save_every < 0:
-        raise SystemExit(f"error: --save-every must be >= 0 (0 = no periodic checkpoints), got {args.save_every}")
-    if args.resume is not None and args.eval_only:
-        raise SystemExit("error: --resume continues a training run; it does not combine with --eval-only")
-    if args.bc_only:
-        args.betas = (0.0,)  # the Q/V heads are untrained: only β = 0 (pure BC) is meaningful
+    for ok, message in [
+        (args.threads >= 1, f"--threads must be at least 1, got {args.threads}"),
+        (0.0 < args.filter_top_frac <= 1.0, f"--filter-top-frac must be in (0, 1], got {args.filter_top_frac}"),
+        (0.0 <= args.decay_frac <= 1.0, f"--decay-frac must be in [0, 1], got {args.decay_frac}"),
+        (args.seed >= 0, f"--seed must be >= 0, got {args.seed}"),
+        (0.0 < args.expectile < 1.0, f"--expectile must be in (0, 1), got {args.expectile}"),
+        (min(args.belief_coef, args.cql_alpha, args.bc_weight) >= 0, "--belief-coef/--cql-alpha/--bc-weight >= 0"),
+        (0.0 <= args.gamma <= 1.0 and 0.0 < args.tau <= 1.0, "need 0 <= --gamma <= 1 and 0 < --tau <= 1"),
+        (len(args.betas) > 0 and min(args.betas) >= 0, "--betas must be a non-empty list of values >= 0"),
+        (min(args.eval_episodes, args.val_episodes, args.batch_size) >= 1, "--eval/val-episodes, --batch-size >= 1"),
+        (min(args.num_steps, args.top_k, args.save_every) >= 0, "--num-steps/--top-k/--save-every must be >= 0"),
+        (
+            min(args.dataset_size, args.log_every, args.n_layer, args.n_embd, args.n_head) >= 1,
+            "sizes must be >= 1: --dataset-size/--log-every/--n-layer/--n-embd/--n-head",
+        ),
+        (
+            min(args.learning_rate, args.warmup_steps, args.weight_decay) >= 0 and args.max_grad_norm > 0,
+            "need >= 0: --learning-rate/--warmup-steps/--weight-decay, and --max-grad-norm > 0",
+        ),
+        (args.arch in ("gpt2", "llama"), f"--arch must be gpt2 or llama, got {args.arch!r}"),
+        (args.model_name_or_path or args.n_embd % max(args.n_head, 1) == 0, "--n-embd not divisible by --n-head"),
+        (args.checkpoint or not args.eval_only, "--eval-only needs --checkpoint RUN_DIR"),
+        (args.resume is None or not args.eval_only, "--resume continues a training run, not an --eval-only one"),
+    ]:
+        if not ok:
+            raise SystemExit(f"error: {message}")
     if args.resume is not None:
-        args = read_resume(args, int(os.environ.get("WORLD_SIZE", 1)))[0]  # the run's own arguments
-    if args.eval_only:
-        saved = checkpoint_model_dir(args.checkpoint).parent / "args.json"
-        if saved.is_file():  # a run dir of this script: the architecture of its model
-            saved_args = read_json(saved)
-            args = replace(args, **{k: saved_args[k] for k in ARCH_FIELDS if k in saved_args})
+        args = resume_args(args)[0]
+    args.betas = (0.0,) if args.bc_only else args.betas  # the Q/V heads are untrained: only β = 0 (BC) is meaningful
+    if args.eval_only and (checkpoint_model_dir(args.checkpoint).parent / "args.json").is_file():  # the run's model
+        saved = json.loads((checkpoint_model_dir(args.checkpoint).parent / "args.json").read_text())
+        args = replace(args, **{k: saved[k] for k in ARCH_FIELDS if k in saved})
     check_dataset(args)
-    check_writable_dir(Path(args.resume or args.runs_dir), "--resume" if args.resume else "--runs-dir")
     return args
 
 
@@ -951,12 +933,11 @@ def check_dataset(args) -> None:
 
 
 def shard_error(global_batch: int, n_data: int, world_size: int, group_by_length: bool) -> str | None:
-    """Why the global minibatch cannot be split over `world_size` ranks (None if it can): the minibatch must divide
-    evenly, and the ragged last minibatch of a `--group-by-length` epoch (n_data % global_batch dialogues, split as
-    evenly as possible) must give every rank at least one dialogue."""
+    """Why the global minibatch cannot be split over `world_size` ranks (None if it can): it must divide evenly, and
+    the ragged last minibatch of a `--group-by-length` epoch (n_data % global_batch dialogues) must fill every rank."""
+    ragged = n_data % global_batch if group_by_length else 0
     if global_batch % world_size:
         return f"--batch-size {global_batch} is not divisible by the {world_size} processes"
-    ragged = n_data % global_batch if group_by_length else 0
     if 0 < ragged < world_size:
         return (
             f"the last minibatch of each epoch holds {ragged} dialogue(s) ({n_data} % {global_batch}), fewer than the "
@@ -965,382 +946,277 @@ def shard_error(global_batch: int, n_data: int, world_size: int, group_by_length
     return None
 
 
-def start_run(args) -> "Run":
-    """torchrun (WORLD_SIZE > 1: join the process group; one process runs exactly the single-process code), the
-    check that needs the number of processes, per-rank noise (dropout; main broadcasts rank 0's weights), then the
-    run dir (new, or the resumed one; rank 0 creates it, the others learn its name), tensorboard (rank 0; a resume
-    drops what was logged after its checkpoint) and, when training follows, the stop handlers."""
-    rank, world_size, device = init_torchrun(args.cuda)
-    if world_size > 1 and not args.eval_only and args.num_steps > 0:
-        n_data = args.n_train_dialogues
-        error = shard_error(min(args.batch_size, n_data), n_data, world_size, args.group_by_length)
-        if error:
-            raise SystemExit(f"error: {error}")
-    if world_size > 1:
-        torch.manual_seed(args.seed + SEED_STRIDE * rank)
-    return Run(args, rank, world_size, device)
+def start_run(args: Args) -> "Run":
+    return Run(args)  # torchrun, the run dir (new, or the resumed one), tensorboard, Ctrl-C / SIGTERM
 
 
 class Run:
-    """What training and evaluation call for run management: torchrun (rank, world_size, device and the
-    collectives, no-ops in one process), the run dir and tensorboard writer (rank 0), checkpoints, --resume,
-    Ctrl-C / SIGTERM and summary.json. Only rank 0 writes."""
+    """torchrun (rank, world_size, device, DDP and collectives; one process runs the plain code), the run dir and
+    tensorboard (only rank 0 writes), train_state.safetensors and --resume, Ctrl-C / SIGTERM, summary.json."""
 
-    def __init__(self, args, rank: int, world_size: int, device: torch.device):
-        self.rank, self.world_size, self.device, self.resuming = rank, world_size, device, args.resume is not None
-        self._args, self._stop, self._writer = args, {"signal": None, "previous": {}}, NullWriter()
-        self._resume_state, self._resume_dir = latest_checkpoint(Path(args.resume)) if self.resuming else (None, None)
-        if self.resuming:
-            run_dir = Path(args.resume)
-        else:
-            run_dir = new_run_dir(args.runs_dir, TASK_ID, args.exp_name, args.seed) if rank == 0 else None
-        if world_size > 1:
-            shared = [str(run_dir)]
-            dist.broadcast_object_list(shared, src=0)
-            run_dir = Path(shared[0])
-        self.run_dir = run_dir
-        if rank == 0:
-            purge_step = self._resume_state["step"] + 1 if self.resuming else None
-            self._writer = open_writer(run_dir, args, purge_step)
-        if not args.eval_only and args.num_steps > 0:
-            self._stop = install_stop_handlers()
-        self.start_time, self._cpu_start = time.time(), time.process_time()
-        self._train_times = None  # (wall, CPU) seconds of training, taken by end_training
+    def __init__(self, args: Args):
+        self.args, self.start_time, self.cpu_start, self.train_times = args, time.time(), time.process_time(), None
+        self.ddp = None  # torchrun: the DistributedDataParallel module of data_parallel
+        self.rank, self.world_size, self.device = init_torchrun(args.cuda)
+        n_data, training = args.n_train_dialogues, not args.eval_only and args.num_steps > 0
+        error = shard_error(min(args.batch_size, n_data), n_data, self.world_size, args.group_by_length)
+        if error and training:
+            raise SystemExit(f"error: {error}")
+        if self.world_size > 1:  # per-rank noise (dropout); DDP starts every rank from rank 0's weights
+            torch.manual_seed(args.seed + SEED_STRIDE * self.rank)
+        self.checkpoint = read_train_state(Path(args.resume)) if args.resume else None
+        if self.checkpoint and len(self.checkpoint["rngs"]) != self.world_size:  # one RNG state per rank
+            processes = f"{len(self.checkpoint['rngs'])} processes, not {self.world_size}"
+            raise SystemExit(f"error: --resume {args.resume} ran on {processes}")
+        self.run_dir, name = Path(args.resume or "."), f"{TASK_ID}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        for suffix in range(0 if args.resume or self.rank else 10**6):  # rank 0: a new run dir (mkdir is atomic)
+            self.run_dir = Path(args.runs_dir) / (f"{name}-{suffix}" if suffix else name)
+            try:
+                self.run_dir.mkdir(parents=True)
+                break
+            except FileExistsError:  # runs started in the same second get -1, -2, ...
+                continue
+            except OSError as err:
+                raise SystemExit(f"error: --runs-dir {args.runs_dir}: {err.strerror}") from None
+        self.run_dir = self.gather(self.run_dir)[0]  # torchrun: rank 0's
+        if self.rank == 0:  # a resume drops what the killed run logged after its checkpoint
+            self.writer = SummaryWriter(str(self.run_dir), purge_step=self.checkpoint and self.checkpoint["step"] + 1)
+            table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+            if not args.resume:
+                self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        self.stop = install_stop_handlers() if training else {"signal": None, "previous": {}}
 
     def log(self, step: int, metrics: dict) -> None:
-        """Tensorboard (rank 0): each tag -> value at `step`; a str value as text."""
-        for tag, value in metrics.items():
-            if isinstance(value, str):
-                self._writer.add_text(tag, value, step)
-            else:
-                self._writer.add_scalar(tag, value, step)
+        """tensorboard (rank 0) at `step`: each tag -> value as a scalar (a str value as text)."""
+        for tag, value in metrics.items() if self.rank == 0 else ():
+            (self.writer.add_text if isinstance(value, str) else self.writer.add_scalar)(tag, value, step)
 
     def load_pretrained(self, path: str, kind: str):
-        """(model, tokenizer) of a save_pretrained dir: --checkpoint's run dir (its model/) or model dir. `kind` is
-        "causal", the only kind this script loads."""
+        """(model, tokenizer) of --checkpoint's save_pretrained dir (its run dir's model/); kind: "causal" only."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        assert kind == "causal", kind
-        model_dir = checkpoint_model_dir(path)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            lm = AutoModelForCausalLM.from_pretrained(model_dir).to(self.device)
+            lm = AutoModelForCausalLM.from_pretrained(checkpoint_model_dir(path)).to(self.device)
+            return lm, AutoTokenizer.from_pretrained(checkpoint_model_dir(path))
         except (OSError, ValueError, RuntimeError) as e:
-            raise SystemExit(f"error: could not load checkpoint '{model_dir}': {str(e).splitlines()[0]}") from None
-        return lm, tokenizer
+            raise SystemExit(f"error: could not load checkpoint '{path}': {str(e).splitlines()[0]}") from None
 
     def load_model(self, module: nn.Module) -> nn.Module:
         """--eval-only: the ILQL heads of --checkpoint (HEADS_FILE next to its model) loaded into `module`."""
-        path = checkpoint_model_dir(self._args.checkpoint) / HEADS_FILE
+        path = checkpoint_model_dir(self.args.checkpoint) / HEADS_FILE
         try:
             module.load_state_dict(load_file(path, device=str(self.device)))
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:
             raise SystemExit(f"error: could not load checkpoint '{path}': {str(e).splitlines()[0]}") from None
         return module
 
-    def restore(self, state) -> int:
-        """--resume: the checkpoint's TrainState (weights, optimizer, scheduler, minibatch sampler, loss sums) and
-        RNGs loaded into `state`, so the run continues exactly where it stopped. Returns the steps it had done (0
-        without --resume)."""
-        if not self.resuming:
+    def data_parallel(self, forward, *modules: nn.Module):
+        """`forward(*modules, ...)` as one call; under torchrun a DistributedDataParallel module: rank 0's weights on
+        every rank, and backward() SUMS the ranks' gradients (DDP's default averages them; each shard's loss is its
+        share of the global minibatch's mean); it finds parameters a step leaves unused (--bc-only, --belief-coef 0)."""
+        if self.world_size == 1:
+            return functools.partial(forward, *modules)
+        holder = nn.ModuleList(modules)  # DDP's module: its forward is `forward` over `modules`
+        holder.forward = functools.partial(forward, *modules)
+        self.ddp = DistributedDataParallel(holder, find_unused_parameters=True)
+
+        def sum_hook(_, bucket):  # DDP's default comm hook, but a sum
+            return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+        self.ddp.register_comm_hook(None, sum_hook)
+        return lambda *inputs: self.ddp(*inputs)  # (end_training lets DDP go: it holds the process group)
+
+    def global_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place (x itself in one process)."""
+        if self.world_size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj` (picklable), in rank order, on every rank ([obj] in one process)."""
+        parts = [obj] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(parts, obj)
+        return parts
+
+    def shard(self, items):
+        """This rank's contiguous share of `items` (all of them in one process; torch.tensor_split's rule)."""
+        size, extra = divmod(len(items), self.world_size)
+        return items[self.rank * size + min(self.rank, extra) : (self.rank + 1) * size + min(self.rank + 1, extra)]
+
+    def restore(self, state: TrainState) -> int:
+        """--resume: the checkpoint's TrainState (weights, optimizer, scheduler, sampler, loss sums) and this rank's
+        RNGs loaded into `state`; returns the checkpoint's step (0 without --resume)."""
+        saved = self.checkpoint
+        if saved is None:
             return 0
-        saved = self._resume_state
-        load_train_checkpoint(self._resume_dir, self.rank, state, self.device)
-        self.start_time -= saved["train_time_s"]
-        self._cpu_start -= saved["train_cpu_time_s"]
+        for f in fields(state):
+            value = getattr(state, f.name)
+            if hasattr(value, "load_state_dict"):
+                value.load_state_dict(saved[f.name])
+            else:
+                setattr(state, f.name, saved[f.name])
+        set_rng_state(saved["rngs"][self.rank])
+        self.start_time, self.cpu_start = self.start_time - saved["train_s"], self.cpu_start - saved["train_cpu_s"]
         return saved["step"]
 
-    def end_step(self, step: int, state) -> None:
-        """A checkpoint every --save-every steps, at the last step, and when a stop signal arrived on any rank (every
-        rank stops at the same step: a lone exit would hang the others' next collective); after a stop checkpoint
-        the run exits with STOP_EXIT_CODE, naming the --resume command."""
-        args = self._args
-        stop = self._stop["signal"] is not None
-        if self.world_size > 1:
-            stop = bool(self.global_sum(torch.tensor([float(stop)], dtype=torch.float64, device=self.device))[0] > 0)
-        if stop or (args.save_every and (step % args.save_every == 0 or step == args.num_steps)):
-            self._checkpoint(step, state)
-        if stop:
-            self._writer.close()
-            if self.world_size > 1:
-                dist.destroy_process_group()
+    def end_step(self, step: int, state: TrainState) -> None:
+        """The checkpoint every --save-every steps, at the last step and after a stop signal on any rank (every rank
+        stops at the same step); after a stop, exit with STOP_EXIT_CODE naming the --resume command."""
+        stop = bool(self.global_sum(torch.tensor([float(self.stop["signal"] is not None)], device=self.device)) > 0)
+        if stop or (self.args.save_every and (step % self.args.save_every == 0 or step == self.args.num_steps)):
+            rngs = self.gather(rng_state())  # each rank draws its own noise (dropout): every rank's RNGs
             if self.rank == 0:
-                launcher = f"torchrun --nproc_per_node {self.world_size} " if self.world_size > 1 else "python "
-                why = self._stop["signal"] or "interrupted on another rank"
+                saved = {f.name: getattr(state, f.name) for f in fields(state)}
+                saved = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in saved.items()}  # of objects
+                times = {"train_s": time.time() - self.start_time, "train_cpu_s": time.process_time() - self.cpu_start}
+                save_train_state(self.run_dir, saved | times | {"step": step, "args": asdict(self.args), "rngs": rngs})
+                self.writer.flush()  # the scalars logged so far reach the disk with the checkpoint
+            if self.world_size > 1:  # no rank goes on (or exits) before the checkpoint is complete
+                dist.barrier()
+        if stop:
+            if self.rank == 0:
+                why, launcher = self.stop["signal"] or "stopped on another rank", "python "
+                launcher = f"torchrun --nproc_per_node {self.world_size} " if self.world_size > 1 else launcher
+                resume = f"{launcher}{sys.argv[0]} --resume {self.run_dir}"
                 print(
-                    f"{why}: checkpoint saved at step {step} of {args.num_steps}; continue with: "
-                    f"{launcher}{sys.argv[0]} --resume {self.run_dir}",
+                    f"{why}: checkpoint saved at step {step} of {self.args.num_steps}; continue with: {resume}",
                     file=sys.stderr,
                 )
+                self.writer.close()
+            self.end_training()  # (DDP let go before the process group ends)
+            if self.world_size > 1:
+                dist.destroy_process_group()
             raise SystemExit(STOP_EXIT_CODE)
 
     def end_training(self) -> None:
-        """After the last step: Ctrl-C stops at once again (a resume would redo what follows). Every rank stays:
-        the evaluation's β sweep is split over the ranks."""
-        restore_signal_handlers(self._stop)
-        self._train_times = time.time() - self.start_time, time.process_time() - self._cpu_start
+        """After the last step: Ctrl-C stops at once again; DDP lets go of the process group (every rank stays on)."""
+        restore_signal_handlers(self.stop)
+        self.train_times, self.ddp = (time.time() - self.start_time, time.process_time() - self.cpu_start), None
 
     def finish(self, metrics: dict, models: dict, samples: int) -> None:
-        """Rank 0 saves `models` (name -> module: name.safetensors; a transformers model or tokenizer, or a (model,
-        tokenizer) pair: save_pretrained into name/), args.json and, last, summary.json (`sps` = samples / training
-        time; its presence marks the run finished for --resume); every rank tears down together."""
-        wall_cpu = time.time() - self.start_time, time.process_time() - self._cpu_start
-        train_time, train_cpu = self._train_times or wall_cpu
+        """Rank 0: `models` (name -> module: name.safetensors; a (model, tokenizer) pair: save_pretrained into name/),
+        args.json, then summary.json (renamed into place: a finished run has it; `sps` = samples / training time), and
+        deletes the checkpoint (a finished run is not resumed); then every rank tears down together."""
+        wall, cpu = time.time() - self.start_time, time.process_time() - self.cpu_start
+        train_time, train_cpu = self.train_times or (wall, cpu)
         if self.rank == 0:
-            run_dir = self.run_dir
             for name, obj in models.items():
-                for part in obj if isinstance(obj, tuple) else (obj,):
-                    if hasattr(part, "save_pretrained"):
-                        part.save_pretrained(run_dir / name)
-                    else:
-                        weights = {k: v.contiguous() for k, v in part.state_dict().items()}
-                        save_file(weights, str(run_dir / f"{name}.safetensors"))
-            (run_dir / "args.json").write_text(json.dumps(asdict(self._args), indent=2))
-            summary = {
-                "script": SCRIPT,
-                "run_name": run_dir.name,
-                "run_dir": str(run_dir),
-                "args": asdict(self._args),
-                "metrics": metrics,
-                "wall_time_s": wall_cpu[0],
-                "train_time_s": train_time,
-                "cpu_time_s": wall_cpu[1],
-                "train_cpu_time_s": train_cpu,
-                "sps": samples / train_time if samples else 0.0,
-            }
-            write_json_atomic(run_dir / "summary.json", summary)  # last: its presence marks the run finished (--resume)
-            self._writer.close()
+                for part in obj if isinstance(obj, tuple) else ():
+                    part.save_pretrained(self.run_dir / name)
+                if isinstance(obj, nn.Module):
+                    save_model(obj, str(self.run_dir / f"{name}.safetensors"))
+            (self.run_dir / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
+            summary = {"script": SCRIPT, "run_name": self.run_dir.name, "run_dir": str(self.run_dir)}
+            summary |= {"args": asdict(self.args), "metrics": metrics, "wall_time_s": wall, "train_time_s": train_time}
+            sps = samples / train_time if samples else 0.0
+            summary |= {"cpu_time_s": cpu, "train_cpu_time_s": train_cpu, "sps": sps}
+            (self.run_dir / ".summary.json").write_text(json.dumps(summary, indent=2))  # renamed: never half written
+            os.replace(self.run_dir / ".summary.json", self.run_dir / "summary.json")
+            (self.run_dir / TRAIN_STATE).unlink(missing_ok=True)
+            self.writer.close()
             m = metrics
             print(
                 f"best β={m['eval/best_beta']:g} (on validation): test return {m['eval/episodic_return']:.3f} "
                 f"(normalized {m['eval/normalized_score']:.1f}), BC {m.get('eval/bc_episodic_return', 0):.3f}, "
                 f"dataset {m['dataset/mean_return']:.3f}, optimal {m['ref/optimal_episodic_return']:.3f}; "
-                f"wall {wall_cpu[0]:.0f}s -> {run_dir}"
+                f"wall {wall:.0f}s -> {self.run_dir}"
             )
         if self.world_size > 1:  # every rank tears down together, after rank 0 has saved (each frees its gloo threads)
             dist.barrier()
             dist.destroy_process_group()
 
-    def sync_grads(self, params) -> None:
-        sync_grads(params, self.world_size)
-
-    def global_sum(self, x: torch.Tensor) -> torch.Tensor:
-        return global_sum(x, self.world_size)
-
-    def broadcast_params(self, *modules: nn.Module) -> None:
-        for module in modules:
-            broadcast_params(module, self.world_size)
-
-    def gather(self, obj) -> list:
-        """Every rank's `obj` (picklable), in rank order, on every rank ([obj] in one process)."""
-        if self.world_size == 1:
-            return [obj]
-        gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, obj)
-        return gathered
-
-    def shard(self, items: list) -> list:
-        """This rank's contiguous share of `items` (all of them in one process); shares differ by at most one item,
-        the first ranks taking the larger (torch.tensor_split's rule; `shard_error` keeps every share non-empty)."""
-        size, extra = divmod(len(items), self.world_size)
-        start = self.rank * size + min(self.rank, extra)
-        return items[start : start + size + (self.rank < extra)]
-
-    def _checkpoint(self, step: int, state) -> None:
-        """The training checkpoint of `step` (`save_train_checkpoint`), written by rank 0 with every rank's torch
-        RNG state; no rank goes on before it is complete (torchrun would stop rank 0 mid-write)."""
-        rank_rngs = self.gather(rng_state(self.device))
-        if self.rank == 0:
-            meta = {
-                "script": SCRIPT,
-                "step": step,
-                "world_size": self.world_size,
-                "args": asdict(self._args),
-                "train_time_s": time.time() - self.start_time,
-                "train_cpu_time_s": time.process_time() - self._cpu_start,
-                "python_random": random.getstate(),
-                "numpy_random": numpy_rng_json(),
-            }
-            save_train_checkpoint(self.run_dir, step, state, rank_rngs, meta)
-            self._writer.flush()  # the scalars logged so far reach the disk with the checkpoint
-        if self.world_size > 1:
-            dist.barrier()
-
 
 def checkpoint_model_dir(path: str) -> Path:
     """The save_pretrained dir of --checkpoint (a run dir of this script, or its model/ dir); one-line error else."""
-    p = Path(path)
-    p = p / "model" if (p / "model").is_dir() else p
+    p = Path(path) / "model" if (Path(path) / "model").is_dir() else Path(path)
     if not (p / "config.json").is_file() or not (p / HEADS_FILE).is_file():
         raise SystemExit(f"error: --checkpoint '{path}' is not a run dir of this script (no config.json/{HEADS_FILE})")
     return p
 
 
-def rng_state(device) -> dict:
-    """This rank's torch RNG state (CPU, and CUDA when used): the only RNG that can differ between ranks."""
-    state = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+TRAIN_STATE = "train_state.safetensors"  # RUN_DIR/<this>: the checkpoint of training that --resume continues from
 
 
-def read_json(path: Path):
-    return json.loads(path.read_text())
+def save_train_state(run_dir: Path, state: dict) -> None:
+    """nanoGPT's checkpoint without pickle: the tensors and arrays in `state` (models, optimizers, replay, RNG
+    states) as one safetensors file, the rest (counters, args, param groups) as JSON in its header; written under a
+    temporary name and renamed, so a kill leaves the previous checkpoint or this one, never half of one."""
+    tensors = {}
+
+    def split(value, key: str):  # the JSON tree, with {"tensor" | "array": key} where a tensor or array was
+        if isinstance(value, torch.Tensor | np.ndarray):
+            tensors[key] = torch.as_tensor(value).detach().cpu().contiguous().clone()  # own copy (tied weights)
+            return {"array" if isinstance(value, np.ndarray) else "tensor": key}
+        if isinstance(value, dict):  # as [key, value] pairs: JSON keeps int keys (an optimizer's state) in a list
+            return {"dict": [[name, split(item, f"{key}/{name}")] for name, item in value.items()]}
+        if isinstance(value, list | tuple):
+            return [split(item, f"{key}/{i}") for i, item in enumerate(value)]
+        return value  # a number, a string, a bool or None
+
+    tree = json.dumps(split(state, ""))
+    save_file(tensors, str(run_dir / f".tmp_{TRAIN_STATE}"), metadata={"script": SCRIPT, "state": tree})
+    os.replace(run_dir / f".tmp_{TRAIN_STATE}", run_dir / TRAIN_STATE)
 
 
-def save_train_checkpoint(run_dir, step: int, state, rank_rngs, meta: dict) -> Path:
-    """RUN_DIR/checkpoints/step_<step>/: every field of the TrainState `state` under its name: a module as
-    <name>.safetensors (save_model drops the tied LM-head copy, load_model reties it), what has a state_dict
-    (optimizer, scheduler, sampler) as <name>.pt, the rest in state.json (with `meta`: script, step, args, timings,
-    python / numpy RNG); rng_rank<r>.pt per rank. Atomic: written under a temporary name and renamed, then
-    latest.json is replaced (temp file + os.replace); older step dirs are deleted only after that, so a kill at any
-    point leaves latest.json naming a complete checkpoint."""
-    ckpt = Path(run_dir) / CKPT_DIR
-    tmp, final = ckpt / f".tmp_step_{step}", ckpt / f"step_{step}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    plain = {}
-    for f in fields(state):
-        value = getattr(state, f.name)
-        if isinstance(value, nn.Module):
-            save_model(value, str(tmp / f"{f.name}.safetensors"))
-        elif hasattr(value, "state_dict"):
-            torch.save(value.state_dict(), tmp / f"{f.name}.pt")
-        else:
-            plain[f.name] = value
-    for r, rng in enumerate(rank_rngs):
-        torch.save(rng, tmp / f"rng_rank{r}.pt")
-    (tmp / "state.json").write_text(json.dumps({**meta, "fields": plain}, indent=1))
-    if final.exists():  # left by an attempt killed before latest.json named it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    write_json_atomic(ckpt / "latest.json", {"step": step, "dir": final.name})
-    for old in ckpt.iterdir():
-        if old.is_dir() and old != final:
-            shutil.rmtree(old)
-    return final
-
-
-def load_train_checkpoint(step_dir: Path, rank: int, state, device) -> None:
-    """Load what save_train_checkpoint wrote into the TrainState `state`, field by field, and set the RNGs."""
-    saved = checkpoint_file(step_dir, "state.json", read_json)
-    load = lambda f: torch.load(f, weights_only=True)  # noqa: E731
-    for f in fields(state):
-        value = getattr(state, f.name)
-        if isinstance(value, nn.Module):
-            checkpoint_file(step_dir, f"{f.name}.safetensors", lambda p: load_model(value, str(p), device=str(device)))  # noqa: B023
-        elif hasattr(value, "state_dict"):
-            value.load_state_dict(checkpoint_file(step_dir, f"{f.name}.pt", load))
-        else:
-            setattr(state, f.name, saved["fields"][f.name])
-    rng = checkpoint_file(step_dir, f"rng_rank{rank}.pt", load)
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng:
-        torch.cuda.set_rng_state(rng["cuda"], device)
-    random.setstate((saved["python_random"][0], tuple(saved["python_random"][1]), saved["python_random"][2]))
-    numpy_state = saved["numpy_random"]
-    numpy_state["state"]["key"] = np.array(numpy_state["state"]["key"], dtype=np.uint32)
-    np.random.set_state(numpy_state)
-
-
-def checkpoint_file(step_dir: Path, name: str, loader):
-    """Read one checkpoint file; a missing, truncated or corrupt file is a one-line error naming it."""
-    path = step_dir / name
+def read_train_state(run_dir: Path) -> dict:
+    """The `state` save_train_state wrote in `run_dir` (tensors on the CPU, arrays as numpy, tuples as lists); a
+    one-line error if it is missing, unreadable, or a checkpoint of another script."""
+    path = run_dir / TRAIN_STATE
     try:
-        return loader(path)
-    except (OSError, RuntimeError, ValueError, EOFError, KeyError, SafetensorError) as e:
-        raise SystemExit(
-            f"error: checkpoint file '{path}' is missing, truncated or corrupt ({str(e).strip().splitlines()[0]}); "
-            "a checkpoint that was still being written when the run died is never named in latest.json"
-        ) from None
+        with safe_open(str(path), "pt") as file:
+            tensors, meta = {key: file.get_tensor(key) for key in file.keys()}, file.metadata()
+        tree = json.loads(meta["state"])
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError) as err:
+        raise SystemExit(f"error: cannot read checkpoint {path}: {err}") from None
+    if meta.get("script") != SCRIPT:
+        raise SystemExit(f"error: {run_dir} is a run of {meta.get('script')}.py, not of {SCRIPT}.py")
+
+    def join(value):
+        if isinstance(value, list):
+            return [join(item) for item in value]
+        if not isinstance(value, dict):
+            return value
+        if "dict" in value:
+            return {name: join(item) for name, item in value["dict"]}
+        return tensors[value["tensor"]] if "tensor" in value else tensors[value["array"]].numpy()
+
+    return join(tree)
 
 
-def latest_checkpoint(run_dir: Path) -> tuple[dict, Path]:
-    """The state.json and the step dir of RUN_DIR's newest complete checkpoint; a one-line error for a finished run,
-    a run without a checkpoint or a corrupt file."""
-    if not run_dir.is_dir():
-        raise SystemExit(f"error: --resume '{run_dir}' is not a directory")
-    if (run_dir / "summary.json").exists():
-        raise SystemExit(f"error: --resume '{run_dir}': the run is finished (summary.json exists); nothing to resume")
-    latest = run_dir / CKPT_DIR / "latest.json"
-    if not latest.is_file():
-        raise SystemExit(f"error: --resume '{run_dir}' has no checkpoint ({CKPT_DIR}/latest.json)")
-    step_dir = run_dir / CKPT_DIR / checkpoint_file(latest.parent, "latest.json", read_json)["dir"]
-    return checkpoint_file(step_dir, "state.json", read_json), step_dir
+def rng_state() -> dict:
+    """The global RNGs training draws from (python, numpy, torch, CUDA), for the checkpoint."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "cuda": cuda}
 
 
-def read_resume(args, world_size: int):
-    """--resume RUN_DIR: refuse (one-line error) a finished run, another script's run, a run without a checkpoint,
-    a corrupt state.json, a different number of processes, arguments of an older version (--polyak, --cql-weight:
-    now --tau, --cql-alpha) or arguments that differ from the run's; return the run's arguments, its state.json and
-    the newest complete step dir."""
-    run_dir = Path(args.resume)
-    state, step_dir = latest_checkpoint(run_dir)
-    if state.get("script") != SCRIPT:
-        raise SystemExit(f"error: --resume '{run_dir}' is a run of {state.get('script')}, not of {SCRIPT}")
-    if state["world_size"] != world_size:
-        raise SystemExit(f"error: --resume '{run_dir}' ran on {state['world_size']} process(es), not {world_size}")
-    plain = lambda v: json.loads(json.dumps(v))  # noqa: E731  (tuples -> lists, as in state.json)
-    given, default, saved = asdict(args), asdict(Args()), state["args"]
-    if set(saved) - set(default):
-        raise SystemExit(
-            f"error: --resume '{run_dir}' has arguments {sorted(set(saved) - set(default))} of an older version"
-        )
-    for k, v in given.items():
-        if k not in RESUME_FREE_FIELDS and plain(v) != plain(default[k]) and plain(v) != saved.get(k):
-            flag = "--" + k.replace("_", "-")
-            raise SystemExit(f"error: --resume keeps the run's arguments: {flag} {v} differs from its {saved.get(k)}")
-    saved = {**saved, **{k: given[k] for k in RESUME_FREE_FIELDS}, "betas": tuple(saved["betas"])}
-    return Args(**saved), state, step_dir
+def set_rng_state(state: dict) -> None:
+    """Put back what rng_state returned (read back from a checkpoint: its tuples came back as lists)."""
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    np.random.set_state(tuple(state["numpy"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def numpy_rng_json() -> dict:
-    state = np.random.get_state(legacy=False)
-    state["state"]["key"] = state["state"]["key"].tolist()
-    return state
-
-
-def check_writable_dir(path: Path, flag: str) -> None:
-    """A one-line error, before any work, if `path` is a file, cannot be created, or is not writable."""
-    if path.exists() and not path.is_dir():
-        raise SystemExit(f"error: {flag} {path} is a file, not a directory")
+def resume_args(cli: Args) -> tuple[Args, dict]:
+    """`--resume RUN_DIR`: the run's own Args (RESUME_FREE_FIELDS as given on the command line) and its checkpoint;
+    one-line errors for a finished run, another script's run, or an argument given that differs from the run's."""
+    run_dir = Path(cli.resume)
+    if (run_dir / "summary.json").is_file():
+        raise SystemExit(f"error: run {run_dir} has finished (summary.json exists); there is nothing to resume")
+    checkpoint, defaults = read_train_state(run_dir), asdict(Args())
+    saved, given = checkpoint["args"], {key: value for key, value in asdict(cli).items() if value != defaults[key]}
+    for key, value in given.items():
+        if key not in RESUME_FREE_FIELDS and json.loads(json.dumps(value)) != saved.get(key):  # a tuple saved as a list
+            raise SystemExit(
+                f"error: --{key.replace('_', '-')} {value} differs from the run's {saved.get(key)}; "
+                "--resume continues a run with its own arguments"
+            )
     try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise SystemExit(f"error: cannot create {flag} {path}: {err.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SystemExit(f"error: {flag} {path} is not writable")
-
-
-def new_run_dir(runs_dir: str, task: str, exp_name: str, seed: int) -> Path:
-    """Create and return runs_dir/{task}__{exp_name}__{seed}__{unix time}; never an existing directory: mkdir is
-    atomic, so runs started in the same second get -1, -2, ..."""
-    run_name = f"{task.replace('/', '-').replace(':', '-')}__{exp_name}__{seed}__{int(time.time())}"
-    run_dir, suffix = Path(runs_dir) / run_name, 0
-    while True:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=False)
-            return run_dir
-        except FileExistsError:
-            suffix += 1
-            run_dir = Path(runs_dir) / f"{run_name}-{suffix}"
-
-
-def open_writer(run_dir: Path, args, purge_step: int | None = None) -> SummaryWriter:
-    """tensorboard in the run dir with the hyperparameters as a markdown table (CleanRL). On a resume, purge_step (the
-    checkpoint's step + 1) drops what the killed run logged after its checkpoint, and the table is already there."""
-    writer = SummaryWriter(str(run_dir), purge_step=purge_step)
-    if purge_step is None:
-        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    return writer
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
-    tmp = path.with_name(f".tmp_{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+        return Args(**(saved | {key: value for key, value in given.items() if key in RESUME_FREE_FIELDS})), checkpoint
+    except TypeError as err:
+        raise SystemExit(f"error: the arguments saved in {run_dir} do not fit this script: {err}") from None
 
 
 STOP_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C (a SIGTERM stop exits alike)
@@ -1388,48 +1264,6 @@ def init_torchrun(cuda: bool) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=DIST_TIMEOUT)
     return dist.get_rank(), world_size, torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-
-
-def sync_grads(params, world_size: int) -> None:
-    """SUM the gradients over ranks, one flat all-reduce after backward() and before clipping (CleanRL's
-    ppo_atari_multigpu.py averages instead): each rank's loss is already weighted by its share of the global batch,
-    so the sum is the gradient of the global batch's loss. Parameters without a gradient are skipped (identically on
-    every rank). One process: nothing."""
-    if world_size == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def global_sum(x: torch.Tensor, world_size: int) -> torch.Tensor:
-    """The sum of x over ranks (a new tensor); x itself in one process."""
-    if world_size == 1:
-        return x
-    x = x.clone()
-    dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x
-
-
-def broadcast_params(module: nn.Module, world_size: int) -> None:
-    """Rank 0's parameters and floating-point buffers on every rank: identical starts whatever each rank's RNG use."""
-    if world_size > 1:
-        with torch.no_grad():
-            for t in [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]:
-                dist.broadcast(t.data, src=0)
-
-
-class NullWriter:
-    """What ranks other than 0 write to instead of tensorboard: SummaryWriter's calls as no-ops."""
-
-    def add_scalar(self, *args, **kwargs):
-        pass
-
-    add_text = add_histogram = flush = close = add_scalar
 
 
 if __name__ == "__main__":

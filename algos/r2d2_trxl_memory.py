@@ -27,7 +27,7 @@ Implementation details:
    stored, unlike an LSTM state, which a burn-in refreshes entirely.
 5. Trained rows: one pass, the memory as detached keys and values: gradient trains how memory is read, not written.
 6. `final_delta_q_memory`, last network: Delta-Q of the empty (+ burn-in), stored (+ burn-in) memory vs the true one.
-7. Long runs: `--save-every`, Ctrl-C / SIGTERM checkpoints and `--resume RUN_DIR`, bit for bit on CPU (class `Run`).
+7. Long runs: `--save-every`, Ctrl-C / SIGTERM checkpoints; `--resume RUN_DIR` begins new episodes (class `Run`).
 Scaled down from GTrXL: 2 layers of width 64, 4 heads, a learned bias per offset; M = 32; m = 10, overlap 5, burn-in 4,
 n = 5: burn-in + trained + target rows (19) are fewer than TMaze-20's 21 steps from the cue to the junction.
 References: [1] S. Kapturowski et al., R2D2, ICLR 2019. [2] Z. Dai et al., "Transformer-XL", ACL 2019. [3] E. Parisotto
@@ -36,7 +36,6 @@ ppo_trxl.py. [6] J. Grigsby et al., "AMAGO", 2023. [7] T. Pohlen et al., 2018 (h
 Reproduce: python algos/r2d2_trxl_memory.py --env-id seqrl/TMaze-v0 --env-kwargs '{"corridor_length": 20}'
 """
 
-import dataclasses
 import json
 import os
 import random
@@ -44,7 +43,6 @@ import shutil
 import signal
 import sys
 import time
-import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -56,7 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, safe_open, save_file
 from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
@@ -93,7 +91,8 @@ class Args:
     checkpoint: str | None = None
     """run dir or model.safetensors to load with `--eval-only` (env and architecture come from its args.json)"""
     save_every: int = 25_000
-    """env steps between checkpoints for `--resume` (RUN_DIR/checkpoints, deleted at the end; 0 = none but Ctrl-C's)"""
+    """env steps between checkpoints for `--resume` (RUN_DIR/train_state.safetensors, deleted at the end; 0 = none but
+    Ctrl-C's)"""
     resume: str | None = None
     """a run dir of this script with a checkpoint: continue that run there, with its own arguments"""
 
@@ -581,7 +580,7 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     rb: MemoryReplay
     rng: np.random.Generator  # exploration and replay sampling
-    vec_env: gym.vector.SyncVectorEnv  # not saved: --resume replays each env's episode
+    vec_env: gym.vector.SyncVectorEnv  # not saved: --resume begins new episodes
     obs: np.ndarray  # (E, obs_dim) the observation of the current row
     context: dict  # the actor's memory (or window of rows), `initial_context`
     first: np.ndarray = field(init=False)  # (E,) the row holds a reset observation
@@ -635,7 +634,7 @@ def main():
 
     obs, context = vec_env.reset(seed=args.seed)[0], initial_context(q_network, args.memory, args.window, E, device)
     state = TrainState(q_network, target_network, optimizer, rb, rng, vec_env, obs, context)
-    global_step = run.restore(state)  # 0, or --resume's step (networks, Adam, replay, rng, envs and loop restored)
+    global_step = run.restore(state)  # 0, or --resume's step (networks, Adam, replay, RNGs restored; new episodes)
     num_vector_steps = 0 if args.eval_only else args.total_timesteps // E
     for step in range(global_step // E, num_vector_steps):
         # 1. act: forget the memory at episode starts, epsilon-greedy per env on Q(h_t, .) from the carried memory
@@ -704,7 +703,7 @@ def main():
                 run.log(global_step, losses | {"charts/learning_rate": args.learning_rate})
                 recent = np.mean(state.ep_returns[-50:]) if state.ep_returns else float("nan")
                 print(f"global_step={global_step} return(last 50)={recent:.2f} td_loss={loss.item():.4f} SPS={sps}")
-        run.end_step(global_step, state)  # env replay info; a checkpoint every --save-every env steps; Ctrl-C: exit
+        run.end_step(global_step, state)  # a checkpoint every --save-every env steps; Ctrl-C / SIGTERM: one, then exit
     run.end_training()  # Ctrl-C / SIGTERM stop at once again (a resume would redo what follows)
     vec_env.close()
 
@@ -718,7 +717,7 @@ def main():
         metrics["perf/learner_ms_per_update"] = 1000.0 * state.learner_seconds / max(state.num_updates_done, 1)
         metrics["charts/mean_episodic_length"] = np.mean(state.ep_lengths) if state.ep_lengths else np.nan  # T
     run.log(global_step, metrics)
-    run.finish(metrics, {"model": q_network}, global_step)  # summary.json, the model; checkpoints deleted
+    run.finish(metrics, {"model": q_network}, global_step)  # the model, summary.json; the checkpoint deleted
 
 
 @torch.no_grad()
@@ -798,110 +797,81 @@ def replay_bytes_memory(rb, memory_length: int) -> dict:
 
 
 # === RUN MANAGEMENT (not the algorithm: validation, run dir, checkpoints and --resume, Ctrl-C, summary) ===
+SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
 # read from a checkpoint's args.json for --eval-only
 ARCH_FIELDS = tuple("env_id env_kwargs d_model num_layers num_heads ff_size memory memory_length window".split())
-SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (--resume checks it)
 RESUME_FREE_FIELDS = ("resume", "save_every", "threads", "runs_dir")  # may change on --resume; the rest is the run's
+POSITIVE_FIELDS = "threads num_envs batch_size n_step d_model num_layers num_heads ff_size memory_length window".split()
+POSITIVE_FIELDS += ["eval_episodes", "train_frequency", "target_network_frequency", "final_delta_q_sequences"]
+ZERO_OK_FIELDS = ("burn_in", "save_every")  # 0: no burn-in, no periodic checkpoint
 
 
 def parse_args() -> Args:
-    """tyro's Args with every check (one-line `error:` exits); `--resume` takes the run's own arguments, `--eval-only`
-    the env and architecture of its checkpoint; derived sizes filled in."""
+    """tyro.cli(Args), each check a one-line `error:` before any work; `--resume`: the run's own Args, `--eval-only`:
+    the env and the architecture of its checkpoint."""
     args = tyro.cli(Args)
-    if args.threads < 1:
-        raise SystemExit(f"error: --threads must be at least 1, got {args.threads}")
-    if args.resume is not None:
-        if args.eval_only:
-            raise SystemExit("error: --resume continues a training run; it does not go with --eval-only")
+    if args.resume is not None and not args.eval_only:
         args = resume_args(args)[0]
-    if args.eval_only:
-        if args.checkpoint is None:
-            raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or a model.safetensors file)")
-        ckpt_args = load_checkpoint(args.checkpoint)[1]
-        for name in ARCH_FIELDS:  # rebuild the env and the architecture the checkpoint was trained with
-            setattr(args, name, ckpt_args.get(name, getattr(args, name)))
-    try:
-        env_kwargs = json.loads(args.env_kwargs)
-        assert isinstance(env_kwargs, dict)
-    except (json.JSONDecodeError, AssertionError):
-        raise SystemExit(f"error: --env-kwargs must be a JSON object, got {args.env_kwargs!r}") from None
-    if not 0 <= args.seq_overlap < args.seq_len:
-        raise SystemExit(f"error: need 0 <= --seq-overlap < --seq-len, got {args.seq_overlap} and {args.seq_len}")
-    if min(args.d_model, args.num_heads, args.num_layers, args.ff_size) < 1 or args.d_model % args.num_heads:
-        raise SystemExit(
-            f"error: need --num-layers, --ff-size >= 1 and --d-model a positive multiple of --num-heads, "
-            f"got {args.num_layers}, {args.ff_size}, {args.d_model} and {args.num_heads}"
-        )
-    if args.memory_length < 1 or args.window < 1:
-        raise SystemExit(
-            f"error: need --memory-length >= 1 and --window >= 1, got {args.memory_length} and {args.window}"
-        )
-    if MEMORY_MODES[args.memory].acts_on_window and args.seq_len + args.n_step > args.window:
-        raise SystemExit(
-            f"error: --memory window trains on windows of --seq-len + --n-step = "
-            f"{args.seq_len + args.n_step} rows, more than --window {args.window}"
-        )
-    if MEMORY_MODES[args.memory].burn_in == "args" and args.burn_in > args.memory_length:
-        raise SystemExit(
-            f"error: --burn-in {args.burn_in} is longer than the memory (--memory-length "
-            f"{args.memory_length}): the burn-in refreshes memory entries, at most M"
-        )
-    if MEMORY_MODES[args.memory].burn_in != "args" and args.burn_in != Args.burn_in:
-        raise SystemExit(
-            f"error: --burn-in does not apply to --memory {args.memory}, whose burn-in is fixed (window: none, "
-            "episode: from the episode start, exact: L x M rows); leave it out"
-        )
-    if not args.store_layer0 and not MEMORY_MODES[args.memory].stores_memory:
-        raise SystemExit(
-            f"error: --no-store-layer0 applies to --memory stored; --memory {args.memory} stores no memory"
-        )
-    if args.burn_in < 0 or args.n_step < 1 or args.num_envs < 1 or args.batch_size < 1:
-        raise SystemExit("error: need --burn-in >= 0, --n-step >= 1, --num-envs >= 1, --batch-size >= 1")
-    if not 1 <= args.eval_episodes <= EVAL_SEED_STRIDE:
-        raise SystemExit(f"error: need 1 <= --eval-episodes <= {EVAL_SEED_STRIDE} (disjoint evaluation seeds)")
-    window = (replay_lead(args) or 0) + args.seq_len + args.n_step
-    capacity = args.buffer_size // args.num_envs  # rows per env column
-    if capacity < 4 * window:
-        raise SystemExit(
-            f"error: --buffer-size {args.buffer_size} gives {capacity} rows per env; need at least "
-            f"4 windows of {window} rows (lead + seq-len + n-step)"
-        )
-    max_steps = time_limit(args.env_id, env_kwargs)  # None where gymnasium does not know it: `check_episode_fits`
-    if replay_lead(args) is None and max_steps is not None and max_steps + 1 > capacity:
-        raise SystemExit(
-            episode_too_long(
-                capacity, f"{args.env_id} episodes have up to {max_steps + 1} rows (steps + the final one)"
-            )
-        )
-    if args.save_every < 0:
-        raise SystemExit(f"error: need --save-every >= 0 (0 = no periodic checkpoints), got {args.save_every}")
+    if args.eval_only and args.checkpoint is not None:  # the env and the architecture the checkpoint was trained with
+        saved = load_checkpoint(args.checkpoint)[1]
+        vars(args).update({name: saved[name] for name in ARCH_FIELDS if name in saved})
+    mode, lead = MEMORY_MODES[args.memory], replay_lead(args) or 0
+    window, capacity = lead + args.seq_len + args.n_step, args.buffer_size // max(args.num_envs, 1)
+    max_steps = time_limit(args.env_id, args.env_kwargs)  # None where gymnasium does not know it: `check_episode_fits`
+    for ok, message in [
+        (args.resume is None or not args.eval_only, "--resume continues a training run, not --eval-only"),
+        (args.checkpoint or not args.eval_only, "--eval-only needs --checkpoint PATH (a run dir or model.safetensors)"),
+        *[(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1") for name in POSITIVE_FIELDS],
+        *[(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be at least 0") for name in ZERO_OK_FIELDS],
+        (args.env_kwargs.lstrip().startswith("{"), f"--env-kwargs must be a JSON object, got {args.env_kwargs}"),
+        (0 <= args.seq_overlap < args.seq_len, "need 0 <= --seq-overlap < --seq-len"),
+        (args.d_model % max(args.num_heads, 1) == 0, "--d-model must be a multiple of --num-heads"),
+        (
+            not mode.acts_on_window or args.seq_len + args.n_step <= args.window,
+            f"--memory window trains on --seq-len + --n-step rows, more than --window {args.window}",
+        ),
+        (
+            mode.burn_in != "args" or args.burn_in <= args.memory_length,
+            f"--burn-in {args.burn_in} is longer than the memory (--memory-length {args.memory_length})",
+        ),
+        (
+            mode.burn_in == "args" or args.burn_in == Args.burn_in,
+            f"--burn-in does not apply to --memory {args.memory}: leave it out",
+        ),
+        (args.store_layer0 or mode.stores_memory, f"--no-store-layer0 applies to --memory stored, not {args.memory}"),
+        (args.eval_episodes <= EVAL_SEED_STRIDE, f"need --eval-episodes <= {EVAL_SEED_STRIDE} (disjoint seeds)"),
+        (capacity >= 4 * window, f"--buffer-size: {capacity} rows per env, fewer than 4 windows of {window} rows"),
+        (
+            replay_lead(args) is not None or (max_steps or 0) < capacity,
+            episode_too_long(capacity, f"{args.env_id} episodes have up to {(max_steps or 0) + 1} rows"),
+        ),
+    ]:
+        if not ok:
+            raise SystemExit(f"error: {message}")
     return args
 
 
-def time_limit(env_id: str, env_kwargs: dict) -> int | None:
+def time_limit(env_id: str, env_kwargs: str) -> int | None:
     """The env's step limit as gymnasium knows it: gym.make's max_episode_steps, else the registered spec's; None
-    where neither is known (or the id is bad: check_env reports that)."""
+    where neither is known (or the id or the JSON is bad: check_env reports that)."""
     try:
-        limit = env_kwargs.get("max_episode_steps", gym.spec(env_id).max_episode_steps)
-    except gym.error.Error:
+        limit = json.loads(env_kwargs).get("max_episode_steps", gym.spec(env_id).max_episode_steps)
+    except (gym.error.Error, ValueError, AttributeError):
         return None
     return limit if isinstance(limit, int) else None
 
 
 def episode_too_long(capacity: int, what: str) -> str:
     """The one-line error of --memory episode when an episode has more rows than the replay holds per env."""
-    return (
-        f"error: --memory episode replays whole episodes, but {what}, more than the {capacity} "
-        "rows per env of the replay (--buffer-size / --num-envs): their later sequences could never be replayed; "
-        "raise --buffer-size"
-    )
+    return f"--memory episode replays whole episodes, but {what}, more than the {capacity} rows per env (--buffer-size)"
 
 
 def check_episode_fits(rb: MemoryReplay) -> None:
     """--memory episode (windows back to the episode's first row): a one-line error as soon as an episode has more
     rows than the replay holds per env (its first row is overwritten: `valid` never again holds for its sequences)."""
-    if rb.lead is None and (rb.t - rb.ep_start).max() > rb.cap:
-        raise SystemExit(episode_too_long(rb.cap, f"an episode has reached {(rb.t - rb.ep_start).max()} rows"))
+    rows = (rb.t - rb.ep_start).max()
+    if rb.lead is None and rows > rb.cap:
+        raise SystemExit(f"error: {episode_too_long(rb.cap, f'an episode has reached {rows} rows')}")
 
 
 def check_env(env_id: str, env_kwargs: str) -> int:
@@ -926,142 +896,6 @@ def flattenable(space: gym.spaces.Space) -> bool:
     return isinstance(space, gym.spaces.Box | gym.spaces.Discrete | gym.spaces.MultiBinary | gym.spaces.MultiDiscrete)
 
 
-def start_run(args: Args) -> "Run":
-    """Check the env (after seeding, where making it always happened; before any run dir exists), then the run dir:
-    a new one in --runs-dir, or the resumed run's own with its checkpoint read; tensorboard there (a resume drops
-    what the killed run logged after its checkpoint); the device; Ctrl-C / SIGTERM handlers while training."""
-    check_env(args.env_id, args.env_kwargs)
-    resume_dir = None if args.resume is None else Path(args.resume)
-    check_writable_dir(resume_dir or Path(args.runs_dir), "--resume" if resume_dir else "--runs-dir")
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    if resume_dir is None:
-        run_dir, checkpoint = new_run_dir(args.runs_dir, args.env_id, args.exp_name, args.seed), None
-        writer = open_writer(run_dir, args)
-    else:
-        run_dir, checkpoint = resume_dir, read_checkpoint_state(resume_dir)  # (step dir, state.json)
-        writer = open_writer(run_dir, args, purge_step=checkpoint[1]["global_step"] + 1)
-    stop = None if args.eval_only else install_stop_handlers()
-    return Run(args, run_dir, writer, device, checkpoint, stop)
-
-
-class Run:
-    """The run's dir, tensorboard writer and device, and the checkpoints of a long run (`restore`, `end_step`).
-
-    A checkpoint, written every `--save-every` env steps and on Ctrl-C / SIGTERM at the end of a step, is
-    RUN_DIR/checkpoints/step_<global step>/ with every field of the TrainState (`save_training_checkpoint`): the
-    online and target networks (safetensors), Adam's state (torch.save, read back with weights_only=True), the
-    replay's rows and prioritized sequence table (its state_dict, .npz), the actor's memory or window of rows
-    (safetensors), the loop's arrays (obs, flags, previous action and reward, running returns, the curve so far) with
-    torch's RNG state (arrays.npz), and state.json (counters, args, python and numpy RNG states, file sizes); written
-    into a temporary dir, os.replace'd into place, then named by latest.json (temp file + os.replace), so a kill
-    leaves the previous one; deleted when the run ends. Gymnasium vector envs cannot be saved mid-episode: after each
-    step `end_step` records per env its np_random state just before the reset that began its episode and the actions
-    since (`track_episodes`; reading a state draws nothing), and `--resume` resets it from that state and replays the
-    actions (`restore_envs`, checked against the stored observation; exact for envs that draw their randomness from
-    np_random, as gymnasium's seeding contract asks). Saving draws no random number, so results do not depend on
-    --save-every.
-    """
-
-    def __init__(self, args: Args, run_dir: Path, writer: SummaryWriter, device, checkpoint, stop: dict | None):
-        self.args, self.run_dir, self.writer, self.device = args, run_dir, writer, device
-        self.checkpoint = checkpoint  # (step dir, state.json) that --resume continues from, or None
-        self.resuming = checkpoint is not None
-        self.stop = stop  # install_stop_handlers' flag while training runs, else None
-        self.start_time = time.time()  # moved back by `restore` by the time the resumed run had already spent
-        E = args.num_envs
-        self._episodes = {"reset_rng": [None] * E, "next_reset_rng": [None] * E, "actions": [[] for _ in range(E)]}
-
-    def log(self, step: int, metrics: dict) -> None:
-        """tensorboard: each tag -> value at `step`; a str value is written as text."""
-        for tag, value in metrics.items():
-            if isinstance(value, str):
-                self.writer.add_text(tag, value, step)
-            else:
-                self.writer.add_scalar(tag, value, step)
-
-    def load_model(self, module: nn.Module) -> None:
-        """--eval-only: the --checkpoint network's weights into `module`; a one-line error if they do not fit."""
-        try:
-            module.load_state_dict(load_checkpoint(self.args.checkpoint)[0])
-        except RuntimeError as err:
-            first_lines = " ".join(str(err).strip().splitlines()[:3])
-            self.writer.close()
-            shutil.rmtree(self.run_dir, ignore_errors=True)  # nothing was run
-            raise SystemExit(
-                f"error: checkpoint does not fit this network on {self.args.env_id} (obs dim "
-                f"{module.obs_dim}, {module.num_actions} actions, width {module.d_model}): "
-                f"{first_lines}"
-            ) from None
-
-    def restore(self, state: TrainState) -> int:
-        """With --resume, load the checkpoint into `state` and bring its envs back; returns the env steps it had done
-        (0 for a new run, `state` as it is)."""
-        if not self.resuming:
-            return 0
-        step_dir, saved = self.checkpoint
-        load_training_checkpoint(step_dir, saved, state, self.device)
-        self.start_time = time.time() - saved["elapsed_s"]
-        self._episodes = saved["episodes"]
-        restore_envs(state.vec_env, self.args.seed, state.obs, state.final, self._episodes)
-        print(f"resumed {self.run_dir} at global_step={saved['global_step']} from {step_dir}")
-        return saved["global_step"]
-
-    def end_step(self, step: int, state: TrainState) -> None:
-        """At the end of an env step: record what replaying the envs' episodes needs, a checkpoint when a multiple of
-        --save-every env steps was passed (but not after the last step: the run finishes) or a stop signal came,
-        then, after a stop, the exit with STOP_EXIT_CODE."""
-        args, E = self.args, self.args.num_envs
-        check_episode_fits(state.rb)
-        track_episodes(self._episodes, state.vec_env, state.first, state.final, state.prev_action)
-        last = step >= args.total_timesteps // E * E
-        due = args.save_every and step // args.save_every != (step - E) // args.save_every
-        if self.stop["signal"] or (due and not last):
-            extra = {"episodes": self._episodes, "elapsed_s": time.time() - self.start_time, "args": asdict(args)}
-            step_dir = save_training_checkpoint(self.run_dir, step, state, extra)
-            self.writer.flush()
-            if self.stop["signal"]:
-                self.writer.close()
-                state.vec_env.close()
-                print(
-                    f"interrupted at global_step={step}: checkpoint {step_dir}; continue with: "
-                    f"python {sys.argv[0]} --resume {self.run_dir}",
-                    file=sys.stderr,
-                )
-                raise SystemExit(STOP_EXIT_CODE)
-
-    def end_training(self) -> None:
-        """Training is over: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows)."""
-        if self.stop is not None:
-            restore_signal_handlers(self.stop)
-            self.stop = None
-
-    def finish(self, metrics: dict, models: dict, samples: int) -> None:
-        """summary.json (the metrics as floats, `sps` = samples / wall time; written last: it marks a finished run),
-        args.json and each model as <name>.safetensors; the checkpoints deleted (a finished run is not resumed), the
-        writer closed."""
-        self.end_training()
-        wall_time = time.time() - self.start_time
-        metrics = {key: float(value) for key, value in metrics.items()}
-        run_dir, args = self.run_dir, self.args
-        summary = {
-            "script": SCRIPT,
-            "run_name": run_dir.name,
-            "run_dir": str(run_dir),
-            "args": asdict(args),
-            "metrics": metrics,
-            "wall_time_s": wall_time,
-            "sps": samples / max(wall_time, 1e-9),
-        }
-        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-        for name, module in models.items():
-            save_file(module.state_dict(), str(run_dir / f"{name}.safetensors"))
-        write_json_atomic(run_dir / "summary.json", summary)  # written last: it marks a finished run
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a finished run is not resumed; the model is saved
-        self.writer.close()
-        print(json.dumps(metrics, indent=2))
-        print(f"run dir: {run_dir}")
-
-
 def load_checkpoint(path: str) -> tuple[dict, dict]:
     """(state_dict, the run's args.json or {}) from a run dir or a .safetensors file; a one-line error otherwise."""
     model_path = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
@@ -1073,47 +907,214 @@ def load_checkpoint(path: str) -> tuple[dict, dict]:
     return state_dict, json.loads(args_path.read_text()) if args_path.is_file() else {}
 
 
-def check_writable_dir(path: Path, flag: str) -> None:
-    """A one-line error, before any work, if `path` is a file, cannot be created, or is not writable."""
-    if path.exists() and not path.is_dir():
-        raise SystemExit(f"error: {flag} {path} is a file, not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise SystemExit(f"error: cannot create {flag} {path}: {err.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SystemExit(f"error: {flag} {path} is not writable")
+class Run:
+    """The device, the run dir (new, or the resumed run's) with tensorboard and args.json, the Ctrl-C / SIGTERM flag
+    while training; log, load_model, restore, end_step, end_training, finish. The checkpoint (every --save-every env
+    steps, on a stop signal; deleted at the end): every TrainState field but the envs, the RNGs, args, elapsed time."""
 
+    def __init__(self, args: Args):
+        check_env(args.env_id, args.env_kwargs)  # after seeding (making an env may draw), before any run dir exists
+        self.args, self.start_time, self.resuming = args, time.time(), args.resume is not None
+        self.device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+        self.checkpoint = read_train_state(Path(args.resume)) if self.resuming else None
+        name = f"{args.env_id.replace('/', '-').replace(':', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.run_dir = Path(args.resume) if self.resuming else None
+        for suffix in range(0 if self.resuming else 10**6):  # a new run dir (mkdir is atomic): -1, -2, ... if taken
+            self.run_dir = Path(args.runs_dir) / (f"{name}-{suffix}" if suffix else name)
+            try:
+                self.run_dir.mkdir(parents=True)
+                break
+            except FileExistsError:  # taken: the next suffix
+                continue
+            except OSError as err:
+                raise SystemExit(f"error: --runs-dir {args.runs_dir}: {err.strerror}") from None
+        purge = self.checkpoint["global_step"] + 1 if self.resuming else None  # drop what a killed run logged after
+        self.writer = SummaryWriter(str(self.run_dir), purge_step=purge)  # its checkpoint: tensorboard goes on there
+        if not self.resuming:
+            table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+            (self.run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+        self.stop = None if args.eval_only else install_stop_handlers()  # Ctrl-C / SIGTERM: a checkpoint, then exit
 
-def new_run_dir(runs_dir: str, task: str, exp_name: str, seed: int) -> Path:
-    """Create and return runs_dir/{task}__{exp_name}__{seed}__{unix time}; never an existing directory: mkdir is
-    atomic, so runs started in the same second get -1, -2, ..."""
-    run_name = f"{task.replace('/', '-').replace(':', '-')}__{exp_name}__{seed}__{int(time.time())}"
-    run_dir, suffix = Path(runs_dir) / run_name, 0
-    while True:
+    def log(self, step: int, metrics: dict) -> None:
+        """tensorboard at env step `step`: each tag -> value as a scalar (a str value as text)."""
+        for tag, value in metrics.items():
+            (self.writer.add_text if isinstance(value, str) else self.writer.add_scalar)(tag, value, step)
+
+    def load_model(self, module: nn.Module) -> None:
+        """`--checkpoint`'s weights into `module`; if they do not fit, a one-line error and no run dir left behind."""
         try:
-            run_dir.mkdir(parents=True, exist_ok=False)
-            return run_dir
-        except FileExistsError:
-            suffix += 1
-            run_dir = Path(runs_dir) / f"{run_name}-{suffix}"
+            module.load_state_dict(load_checkpoint(self.args.checkpoint)[0])
+        except RuntimeError as err:
+            self.writer.close()
+            shutil.rmtree(self.run_dir)
+            raise SystemExit(f"error: checkpoint does not fit: {str(err).strip().splitlines()[0]}") from None
+
+    def restore(self, state: TrainState) -> int:
+        """--resume: the checkpoint into `state` and the RNGs, then new episodes (`close_episodes`; the envs reset with
+        a seed drawn from the run's seed and the step, an empty memory). Returns the env steps done (else 0)."""
+        if not self.resuming:
+            return 0
+        for name, value in self.checkpoint["state"].items():
+            current = getattr(state, name)
+            if hasattr(current, "load_state_dict"):  # networks, optimizer, replay
+                current.load_state_dict(value)
+            elif name == "rng":
+                current.bit_generator.state = value
+            else:
+                setattr(state, name, value.tolist() if isinstance(current, list) else value)
+        set_rng_state(self.checkpoint["rng_state"])
+        step, self.start_time = self.checkpoint["global_step"], time.time() - self.checkpoint["elapsed_s"]
+        close_episodes(state)
+        seed = int(np.random.SeedSequence([self.args.seed, step]).generate_state(1)[0])  # draws no global RNG
+        state.obs = state.vec_env.reset(seed=seed)[0]
+        state.context = initial_context(
+            state.q_network, self.args.memory, self.args.window, len(state.obs), self.device
+        )
+        state.__post_init__()  # every env at the first row of an episode
+        print(f"resumed {self.run_dir} at global_step={step}, new episodes from env seed {seed}")
+        return step
+
+    def end_step(self, step: int, state: TrainState) -> None:
+        """A checkpoint after each multiple of --save-every env steps (but the last step) and on a stop signal, which
+        then exits with STOP_EXIT_CODE."""
+        args, E = self.args, self.args.num_envs
+        check_episode_fits(state.rb)
+        due = args.save_every and step // args.save_every != (step - E) // args.save_every
+        if self.stop["signal"] or (due and step < args.total_timesteps // E * E):
+            fields = {"rng": state.rng.bit_generator.state}  # and below: the envs are left out (new episodes)
+            for name, value in vars(state).items():
+                if hasattr(value, "state_dict"):  # networks, optimizer, replay
+                    fields[name] = value.state_dict()
+                elif name not in ("vec_env", "rng"):
+                    fields[name] = np.asarray(value) if isinstance(value, list) else value
+            extra = {"rng_state": rng_state(), "elapsed_s": time.time() - self.start_time, "args": asdict(args)}
+            save_train_state(self.run_dir, {"global_step": step, "state": fields} | extra)
+            self.writer.flush()
+        if self.stop["signal"]:
+            self.writer.close()
+            print(f"stopped at step {step}; continue: python {sys.argv[0]} --resume {self.run_dir}", file=sys.stderr)
+            raise SystemExit(STOP_EXIT_CODE)
+
+    def end_training(self) -> None:
+        """Training is over: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows)."""
+        if self.stop is not None:
+            restore_signal_handlers(self.stop)
+            self.stop = None
+
+    def finish(self, metrics: dict, models: dict, samples: int) -> None:
+        """`{name}.safetensors` per model, then summary.json (written last, by a rename: a finished run has it); the
+        checkpoint deleted (a finished run is not resumed)."""
+        self.end_training()
+        for name, module in models.items():
+            save_file(module.state_dict(), str(self.run_dir / f"{name}.safetensors"))
+        wall_time, metrics = time.time() - self.start_time, {key: float(value) for key, value in metrics.items()}
+        summary = {"script": SCRIPT, "run_name": self.run_dir.name, "run_dir": str(self.run_dir)}
+        summary |= {"args": asdict(self.args), "metrics": metrics, "wall_time_s": wall_time, "sps": samples / wall_time}
+        (self.run_dir / ".summary.json").write_text(json.dumps(summary, indent=2))  # then renamed: never half written
+        os.replace(self.run_dir / ".summary.json", self.run_dir / "summary.json")
+        (self.run_dir / TRAIN_STATE).unlink(missing_ok=True)
+        self.writer.close()
+        print(json.dumps(metrics, indent=2), f"run dir: {self.run_dir}", sep="\n")
 
 
-def open_writer(run_dir: Path, args, purge_step: int | None = None) -> SummaryWriter:
-    """tensorboard in the run dir with the hyperparameters as a markdown table (CleanRL). On a resume, purge_step (the
-    checkpoint's step + 1) drops what the killed run logged after its checkpoint, and the table is already there."""
-    writer = SummaryWriter(str(run_dir), purge_step=purge_step)
-    if purge_step is None:
-        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    return writer
+def start_run(args: Args) -> Run:
+    return Run(args)  # the device, the run dir (new, or the resumed run's), tensorboard, Ctrl-C / SIGTERM handlers
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
-    tmp = path.with_name(f".tmp_{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+def close_episodes(state: TrainState) -> None:
+    """--resume begins new episodes: the row each env was at becomes its episode's final row, a truncation (bootstrapped
+    from) where the episode had not ended, so the replay registers its last sequences and none runs into the next. Its
+    memory entry is zeros: no window reads it (each sequence of its episode starts before it; later ones mask it)."""
+    keep = ~state.first  # a reset row: no previous action or reward
+    row = state.row() | {"final": np.ones_like(keep), "prev_action": np.where(keep, state.prev_action, NO_ACTION)}
+    entry = np.zeros((len(keep), len(state.q_network.blocks), state.q_network.d_model), np.float32)
+    no_action = {"action": np.zeros(len(keep), np.int64), "reward": np.zeros(len(keep), np.float32)}  # a final row's
+    state.rb.add(**row | {"prev_reward": np.where(keep, state.prev_reward, 0.0)}, layer_inputs=entry, **no_action)
+
+
+TRAIN_STATE = "train_state.safetensors"  # RUN_DIR/<this>: the checkpoint of training that --resume continues from
+
+
+def save_train_state(run_dir: Path, state: dict) -> None:
+    """nanoGPT's checkpoint without pickle: the tensors and arrays in `state` (models, optimizers, replay, RNG
+    states) as one safetensors file, the rest (counters, args, param groups) as JSON in its header; written under a
+    temporary name and renamed, so a kill leaves the previous checkpoint or this one, never half of one."""
+    tensors = {}
+
+    def split(value, key: str):  # the JSON tree, with {"tensor" | "array": key} where a tensor or array was
+        if isinstance(value, torch.Tensor | np.ndarray):
+            tensors[key] = torch.as_tensor(value).detach().cpu().contiguous().clone()  # own copy (tied weights)
+            return {"array" if isinstance(value, np.ndarray) else "tensor": key}
+        if isinstance(value, dict):  # as [key, value] pairs: JSON keeps int keys (an optimizer's state) in a list
+            return {"dict": [[name, split(item, f"{key}/{name}")] for name, item in value.items()]}
+        if isinstance(value, list | tuple):
+            return [split(item, f"{key}/{i}") for i, item in enumerate(value)]
+        return value  # a number, a string, a bool or None
+
+    tree = json.dumps(split(state, ""))
+    save_file(tensors, str(run_dir / f".tmp_{TRAIN_STATE}"), metadata={"script": SCRIPT, "state": tree})
+    os.replace(run_dir / f".tmp_{TRAIN_STATE}", run_dir / TRAIN_STATE)
+
+
+def read_train_state(run_dir: Path) -> dict:
+    """The `state` save_train_state wrote in `run_dir` (tensors on the CPU, arrays as numpy, tuples as lists); a
+    one-line error if it is missing, unreadable, or a checkpoint of another script."""
+    path = run_dir / TRAIN_STATE
+    try:
+        with safe_open(str(path), "pt") as file:
+            tensors, meta = {key: file.get_tensor(key) for key in file.keys()}, file.metadata()
+        tree = json.loads(meta["state"])
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError) as err:
+        raise SystemExit(f"error: cannot read checkpoint {path}: {err}") from None
+    if meta.get("script") != SCRIPT:
+        raise SystemExit(f"error: {run_dir} is a run of {meta.get('script')}.py, not of {SCRIPT}.py")
+
+    def join(value):
+        if isinstance(value, list):
+            return [join(item) for item in value]
+        if not isinstance(value, dict):
+            return value
+        if "dict" in value:
+            return {name: join(item) for name, item in value["dict"]}
+        return tensors[value["tensor"]] if "tensor" in value else tensors[value["array"]].numpy()
+
+    return join(tree)
+
+
+def rng_state() -> dict:
+    """The global RNGs training draws from (python, numpy, torch, CUDA), for the checkpoint."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "cuda": cuda}
+
+
+def set_rng_state(state: dict) -> None:
+    """Put back what rng_state returned (read back from a checkpoint: its tuples came back as lists)."""
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    np.random.set_state(tuple(state["numpy"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def resume_args(cli: Args) -> tuple[Args, dict]:
+    """`--resume RUN_DIR`: the run's own Args (RESUME_FREE_FIELDS as given on the command line) and its checkpoint;
+    one-line errors for a finished run, another script's run, or an argument given that differs from the run's."""
+    run_dir = Path(cli.resume)
+    if (run_dir / "summary.json").is_file():
+        raise SystemExit(f"error: run {run_dir} has finished (summary.json exists); there is nothing to resume")
+    checkpoint, defaults = read_train_state(run_dir), asdict(Args())
+    saved, given = checkpoint["args"], {key: value for key, value in asdict(cli).items() if value != defaults[key]}
+    for key, value in given.items():
+        if key not in RESUME_FREE_FIELDS and json.loads(json.dumps(value)) != saved.get(key):  # a tuple saved as a list
+            raise SystemExit(
+                f"error: --{key.replace('_', '-')} {value} differs from the run's {saved.get(key)}; "
+                "--resume continues a run with its own arguments"
+            )
+    try:
+        return Args(**(saved | {key: value for key, value in given.items() if key in RESUME_FREE_FIELDS})), checkpoint
+    except TypeError as err:
+        raise SystemExit(f"error: the arguments saved in {run_dir} do not fit this script: {err}") from None
 
 
 STOP_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C (a SIGTERM stop exits alike)
@@ -1147,206 +1148,6 @@ def restore_signal_handlers(stop: dict) -> None:
     """Training is over: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows)."""
     for sig, previous in stop["previous"].items():
         signal.signal(sig, previous)
-
-
-def track_episodes(episodes: dict, vec_env, first: np.ndarray, final: np.ndarray, action: np.ndarray) -> None:
-    """After a vector step, record per env what replaying its current episode needs (`restore_envs`): the actions it
-    took since its reset, and the env's RNG state just before that reset. `first`: this step was the env's reset step
-    (NEXT_STEP autoreset: its action was ignored); `final`: the next step resets it, from the RNG state it has now,
-    kept in next_reset_rng until then. Reads, never draws."""
-    for e in range(len(final)):
-        if first[e]:
-            episodes["reset_rng"][e], episodes["actions"][e] = episodes["next_reset_rng"][e], []
-        else:
-            episodes["actions"][e].append(int(action[e]))
-        if final[e]:
-            episodes["next_reset_rng"][e] = vec_env.envs[e].unwrapped.np_random.bit_generator.state
-
-
-def restore_envs(vec_env, seed: int, obs: np.ndarray, final: np.ndarray, episodes: dict) -> None:
-    """Bring the vector env back to the checkpoint: the seeded reset of the run's start, then per env in a later
-    episode its RNG state of just before that episode's reset and a reset, then the episode's actions replayed.
-    Exact for envs whose randomness comes from their `np_random` (gymnasium's seeding contract); checked against the
-    stored observation. Envs whose episode had ended reset on the next step() (gymnasium's NEXT_STEP flag)."""
-    reset_obs, _ = vec_env.reset(seed=seed)
-    for e, env in enumerate(vec_env.envs):
-        env_obs = reset_obs[e]
-        if episodes["reset_rng"][e] is not None:
-            env.unwrapped.np_random.bit_generator.state = episodes["reset_rng"][e]
-            env_obs, _ = env.reset()
-        for action in episodes["actions"][e]:
-            env_obs, *_ = env.step(action)
-        if not np.array_equal(env_obs, obs[e]):
-            raise SystemExit(
-                f"error: cannot restore env {e} of the checkpoint: replaying its episode gives another "
-                "observation (does the env draw randomness outside its np_random?)"
-            )
-    if not hasattr(vec_env, "_autoreset_envs"):
-        raise SystemExit(f"error: gymnasium {gym.__version__}'s SyncVectorEnv has no _autoreset_envs to restore")
-    vec_env._autoreset_envs = final.copy()  # no public setter: these envs reset on the next step()
-
-
-def checkpoint_kind(value) -> str:
-    """How a checkpoint keeps a TrainState field: "module" / "tensors" (a dict of tensors) as safetensors,
-    "optimizer" with torch.save, "replay" (an object with state_dict / load_state_dict) as .npz, "tensor" / "array"
-    / "list" in arrays.npz, "generator" (its bit_generator state) and "value" (numbers, None) in state.json, "env"
-    not at all (`restore_envs` replays each env's episode)."""
-    kinds = (
-        (nn.Module, "module"),
-        (torch.optim.Optimizer, "optimizer"),
-        (gym.vector.VectorEnv, "env"),
-        (np.random.Generator, "generator"),
-        (dict, "tensors"),
-        (torch.Tensor, "tensor"),
-        (np.ndarray, "array"),
-        (list, "list"),
-    )
-    found = [kind for cls, kind in kinds if isinstance(value, cls)]
-    return found[0] if found else "replay" if hasattr(value, "load_state_dict") else "value"
-
-
-CHECKPOINT_SUFFIX = {"module": ".safetensors", "tensors": ".safetensors", "optimizer": ".pt", "replay": ".npz"}
-
-
-def save_training_checkpoint(run_dir: Path, global_step: int, state, extra: dict) -> Path:
-    """Write RUN_DIR/checkpoints/step_<global_step>/ (returned) atomically: the files go into a temporary dir that
-    os.replace moves into place, then latest.json (temp file + os.replace) names it, then older step dirs are
-    deleted. A kill at any point leaves latest.json naming a complete checkpoint. Reads RNG states, never draws.
-
-    Every field of the TrainState `state`, as `checkpoint_kind` says (<field>.safetensors / .pt / .npz, arrays.npz
-    with torch's RNG state), and state.json: the fields' kinds and JSON values, `extra` (the args, the envs' episodes,
-    the elapsed time), the python and numpy RNG states and the file sizes.
-    """
-    root = run_dir / "checkpoints"
-    step_dir, tmp = root / f"step_{global_step}", root / f".tmp_step_{global_step}"
-    if not step_dir.is_dir():  # (it exists when a kill came between its os.replace and latest.json)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a kill during a save
-        tmp.mkdir(parents=True)
-        kinds = {field.name: checkpoint_kind(getattr(state, field.name)) for field in dataclasses.fields(state)}
-        arrays, values = {"torch_rng": torch.get_rng_state().numpy()}, {}
-        for name, kind in kinds.items():
-            value = getattr(state, name)
-            path = tmp / f"{name}{CHECKPOINT_SUFFIX.get(kind, '')}"
-            if kind in ("module", "tensors"):
-                save_file(value.state_dict() if kind == "module" else value, str(path))
-            elif kind == "optimizer":
-                torch.save(value.state_dict(), path)
-            elif kind == "replay":
-                np.savez(path, **value.state_dict())
-            elif kind in ("tensor", "array", "list"):
-                arrays[name] = value.cpu().numpy() if kind == "tensor" else np.asarray(value)
-            elif kind == "generator":
-                values[name] = value.bit_generator.state
-            elif kind == "value":
-                values[name] = value
-        np.savez(tmp / "arrays.npz", **arrays)
-        np_global = np.random.get_state()
-        saved = extra | {
-            "script": SCRIPT,
-            "global_step": global_step,
-            "kinds": kinds,
-            "values": values,
-            "rng": {"python": random.getstate(), "numpy_global": [np_global[0], np_global[1].tolist(), *np_global[2:]]},
-            "files": {path.name: path.stat().st_size for path in sorted(tmp.iterdir())},
-        }
-        (tmp / "state.json").write_text(json.dumps(saved))
-        os.replace(tmp, step_dir)
-    write_json_atomic(root / "latest.json", {"step_dir": step_dir.name, "global_step": global_step})
-    for old in root.glob("step_*"):
-        if old != step_dir:
-            shutil.rmtree(old)
-    return step_dir
-
-
-def read_checkpoint_state(run_dir: Path) -> tuple[Path, dict]:
-    """(step dir, its state.json) of the checkpoint latest.json names, after checking that every file is complete
-    (the sizes recorded at save time) and that it is a checkpoint of this script; one-line errors otherwise."""
-    latest = run_dir / "checkpoints" / "latest.json"
-    if not latest.is_file():
-        raise SystemExit(f"error: {run_dir} has no checkpoint ({latest} not found)")
-    try:
-        step_dir = run_dir / "checkpoints" / json.loads(latest.read_text())["step_dir"]
-        state = json.loads((step_dir / "state.json").read_text())
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise SystemExit(f"error: checkpoint {latest} or its state.json is corrupt: {err}") from None
-    if state.get("script") != SCRIPT:
-        raise SystemExit(f"error: {run_dir} is a run of {state.get('script')}.py, not of {SCRIPT}.py")
-    for name, size in state["files"].items():
-        found = (step_dir / name).stat().st_size if (step_dir / name).is_file() else 0
-        if found != size:
-            raise SystemExit(
-                f"error: checkpoint file {step_dir / name} is truncated or missing ({found} of {size} "
-                "bytes); it cannot be resumed"
-            )
-    return step_dir, state
-
-
-def resume_args(cli: Args) -> tuple[Args, Path, Path, dict]:
-    """The run's own args for `--resume RUN_DIR` (plus RESUME_FREE_FIELDS given on the command line), its run dir,
-    checkpoint dir and state; one-line errors for a finished run, another script's run, or changed arguments."""
-    run_dir = Path(cli.resume)
-    if not run_dir.is_dir():
-        raise SystemExit(f"error: --resume {run_dir}: no such run directory")
-    if (run_dir / "summary.json").is_file():
-        try:
-            script = json.loads((run_dir / "summary.json").read_text()).get("script")
-        except ValueError:
-            script = None
-        if script is not None and script != SCRIPT:
-            raise SystemExit(f"error: {run_dir} is a run of {script}.py, not of {SCRIPT}.py")
-        raise SystemExit(f"error: run {run_dir} has finished (summary.json exists); there is nothing to resume")
-    step_dir, state = read_checkpoint_state(run_dir)
-    saved, defaults = state["args"], asdict(Args())
-    given = {key: value for key, value in asdict(cli).items() if value != defaults[key]}  # set on the command line
-    for key, value in given.items():
-        if key not in RESUME_FREE_FIELDS and value != saved.get(key):
-            raise SystemExit(
-                f"error: --{key.replace('_', '-')} {value} differs from the run's {saved.get(key)}; "
-                "--resume continues a run with its own arguments"
-            )
-    free = {key: value for key, value in given.items() if key in RESUME_FREE_FIELDS}
-    try:
-        return Args(**(saved | free)), run_dir, step_dir, state
-    except TypeError as err:
-        raise SystemExit(f"error: the arguments saved in {step_dir} do not fit this script: {err}") from None
-
-
-def load_training_checkpoint(step_dir: Path, saved: dict, state, device) -> None:
-    """Load what save_training_checkpoint wrote (`saved`: its state.json) into the fields of `state` (modules,
-    optimizers, replays and generators in place; the rest replaced, tensors on `device`) and the RNGs. One-line
-    errors name a bad file."""
-    path = step_dir / "arrays.npz"
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {name: data[name] for name in data.files}
-        for name, kind in saved["kinds"].items():
-            value = getattr(state, name)
-            path = step_dir / f"{name}{CHECKPOINT_SUFFIX.get(kind, '')}"
-            if kind == "module":
-                value.load_state_dict(load_file(str(path)))
-            elif kind == "tensors":
-                setattr(state, name, load_file(str(path), device=str(device)))
-            elif kind == "optimizer":
-                value.load_state_dict(torch.load(path, weights_only=True))
-            elif kind == "replay":
-                with np.load(path, allow_pickle=False) as data:
-                    value.load_state_dict({key: data[key] for key in data.files})
-            elif kind == "tensor":
-                setattr(state, name, torch.as_tensor(arrays[name], device=device))
-            elif kind == "array":
-                setattr(state, name, arrays[name])
-            elif kind == "list":
-                setattr(state, name, arrays[name].tolist())
-            elif kind == "generator":
-                value.bit_generator.state = saved["values"][name]
-            elif kind == "value":
-                setattr(state, name, saved["values"][name])
-    except (SafetensorError, OSError, RuntimeError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
-        raise SystemExit(f"error: cannot load checkpoint file {path}: {str(err).splitlines()[0]}") from None
-    torch.set_rng_state(torch.from_numpy(arrays["torch_rng"]))
-    random.setstate((saved["rng"]["python"][0], tuple(saved["rng"]["python"][1]), saved["rng"]["python"][2]))
-    kind, keys, *rest = saved["rng"]["numpy_global"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
 
 
 if __name__ == "__main__":

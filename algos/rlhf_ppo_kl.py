@@ -32,8 +32,8 @@ Implementation details:
   8. Approximate KL, clip fraction and ratio are logged with TRL's metric names.
   9. Evaluation: one completion per held-out prompt with fixed noise: gold, proxy and KL(pi || pi_SFT), a curve point.
  10. torchrun: each rank generates its shard of the global batch; its loss is scaled by its share of the global
-     minibatch's tokens (`token_share`), so the ranks' summed gradients (`run.sync_grads`) are the global ones.
- 11. Checkpoints and `--resume` continue a run exactly (RUN MANAGEMENT); STEPS 1-3 are saved once.
+     minibatch's tokens (`token_share`), so the ranks' gradients, summed by DDP (`run.data_parallel`), are global.
+ 11. Checkpoints and `--resume` continue a run exactly (RUN_DIR/train_state.safetensors, STEPS 1-3 included).
  12. STEP 4 re-seeds: a run given another run's `sft_model/` and `reward_model/` (same seed) is that run from STEP 4 on.
 Problem 21.3(c), --reward-offset: a constant c(s) per prompt keeps the optimum; the value head absorbs it once learned.
 
@@ -46,18 +46,17 @@ Reproduce: python algos/rlhf_ppo_kl.py --seed 1 --kl-coef 0.1
 """
 
 import copy
-import dataclasses
+import functools
 import inspect
 import json
 import math
 import os
 import random
 import re
-import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -73,7 +72,9 @@ import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
-from safetensors.torch import load_model, save_file, save_model
+from safetensors import SafetensorError
+from safetensors.torch import safe_open, save_file
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
@@ -113,10 +114,10 @@ class Args:
     checkpoint: str | None = None
     """a run dir written by this script, for `--eval-only`"""
     save_every: int = 20
-    """write a checkpoint every this many PPO updates (and when PPO starts, and on Ctrl-C), for `--resume`; 0 = off.
-    20 = five per default run"""
+    """write the checkpoint RUN_DIR/train_state.safetensors every this many PPO updates (and when PPO starts), for
+    `--resume`; 0 = only on Ctrl-C / SIGTERM. 20 = five per default run"""
     resume: str | None = None
-    """continue the run in this run dir from its newest checkpoint (its args are used; flags that change the run are
+    """continue the run in this run dir from its checkpoint (its args are used; flags that change the run are
     refused)"""
 
     # models
@@ -343,7 +344,7 @@ def ppo_minibatch_loss(
 
 def token_share(mb_mask: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
     """This rank's completion tokens / the global minibatch's (details 10; 1 in one process): a rank's masked-mean loss
-    times this has the gradient sum_shard / n_global, so the ranks' SUM (`run.sync_grads`) is the global one's."""
+    times this has the gradient sum_shard / n_global, so the ranks' SUM (`run.data_parallel`) is the global one's."""
     return mb_mask.sum() / global_tokens
 
 
@@ -615,18 +616,18 @@ def sample_completions(lm, tokenizer, not_text, prompts, args, device, generator
     return completions
 
 
-def fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, log):
-    """STEPS 2-3: sample K completions per prompt from pi_SFT, let the labeler rank them, fit Bradley-Terry."""
+def fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, log, fit=True):
+    """STEPS 2-3: sample K completions per prompt from pi_SFT, let the labeler rank them, fit Bradley-Terry (if fit)."""
     from transformers import AutoModelForSequenceClassification
 
     # STEP 2: K samples per prompt from the SFT policy, ranked by the (noisy) labeler (Plackett-Luce)
     rng = np.random.default_rng(args.seed)
-    prompts = [train_prompts[i] for i in rng.integers(0, len(train_prompts), size=args.pref_prompts)]
+    prompts = [train_prompts[i] for i in rng.integers(0, len(train_prompts), size=args.pref_prompts * fit)]
     repeated = [p for p in prompts for _ in range(args.pref_k)]
     completions = sample_completions(sft_lm, tokenizer, not_text, repeated, args, device)
     groups = [completions[j * args.pref_k : (j + 1) * args.pref_k] for j in range(len(prompts))]
     labeler = preference.Labeler(temperature=args.labeler_temperature, flip_prob=args.labeler_flip_prob, seed=args.seed)
-    rankings = labeler.rank_batch(prompts, groups)  # (pref_prompts, K) indices, best first
+    rankings = labeler.rank_batch(prompts, groups) if fit else []  # (pref_prompts, K) indices, best first
     chosen, rejected, pair_prompts = [], [], []
     for prompt, group, ranking in zip(prompts, groups, rankings, strict=True):
         for a in range(args.pref_k):  # all C(K, 2) pairs of the ranking (InstructGPT)
@@ -643,7 +644,7 @@ def fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, l
     rm.base_model.load_state_dict(sft_lm.base_model.state_dict())
     optimizer = torch.optim.Adam(rm.parameters(), lr=args.rm_lr)
     n = len(chosen)
-    for epoch in range(args.rm_epochs):
+    for epoch in range(args.rm_epochs * fit):
         perm, accs = np.random.permutation(n), []
         for start in range(0, n, args.rm_batch_size):
             idx = perm[start : start + args.rm_batch_size]
@@ -704,7 +705,7 @@ def main():
 
         tokenizer = build_tokenizer()
         sft_lm = AutoModelForCausalLM.from_config(tiny_gpt2_config(len(tokenizer), args, tokenizer))
-    if args.sft_model_path is None:
+    if args.sft_model_path is None and not run.resuming:  # a resume restores the run's own (run.restore)
         supervised_fine_tune(disable_dropout(sft_lm).to(device), tokenizer, args, device, run.log)
     sft_lm = disable_dropout(sft_lm).to(device).eval()
     run.broadcast_params(sft_lm)  # torchrun: every rank ran STEP 1 identically; rank 0's weights make sure of it
@@ -717,8 +718,8 @@ def main():
     rm_tokenizer = tokenizer  # a loaded reward model brings its own
     if args.reward_model_path is not None:
         rm, rm_tokenizer = run.load_pretrained(args.reward_model_path, "classifier")
-    else:
-        rm = fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, run.log)
+    else:  # a resume: no data, no fit (fit=False); run.restore loads the run's reward model
+        rm = fit_reward_model(sft_lm, tokenizer, not_text, train_prompts, args, device, run.log, fit=not run.resuming)
     rm = rm.to(device).eval()
     run.broadcast_params(rm)
     rm.requires_grad_(False)
@@ -740,7 +741,7 @@ def main():
         policy.lm = disable_dropout(run.load_pretrained(str(Path(args.checkpoint) / "policy"), "causal")[0])
         policy = policy.to(device)
     policy.requires_grad_(True)
-    run.broadcast_params(policy)
+    minibatch_loss = run.data_parallel(ppo_minibatch_loss, policy)  # torchrun: through DDP (details 10)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-5)  # CleanRL's Adam eps
     setup = {"sft_model": (sft_lm, tokenizer), "reward_model": (rm, rm_tokenizer)}  # STEPS 1-3, saved once
     state = TrainState(policy, optimizer, sample_gen, np.random.default_rng(args.seed), norm, args.kl_coef, setup)
@@ -798,11 +799,10 @@ def main():
             for start in range(0, local_batch_size, local_minibatch_size):
                 mb = perm[start : start + local_minibatch_size]  # torchrun: the ranks' mb together = the global one
                 mb_mask = maskf[mb]
-                loss, mb_stats = ppo_minibatch_loss(policy, *(x[mb] for x in rollout), args, pad_id, not_text)
+                loss, mb_stats = minibatch_loss(*(x[mb] for x in rollout), args, pad_id, not_text)
                 loss = loss * token_share(mb_mask, run.global_sum(mb_mask.sum()))  # x 1 in one process (details 10)
                 optimizer.zero_grad()
-                loss.backward()
-                run.sync_grads(policy.parameters())  # torchrun: the sum over ranks, the global minibatch's gradient
+                loss.backward()  # torchrun: DDP sums the ranks' gradients, the global minibatch's gradient
                 nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 optimizer.step()
                 for k, v in mb_stats.items():
@@ -949,278 +949,224 @@ def best_of_n(
 # === RUN MANAGEMENT (not the algorithm: validation, run dir, torchrun, checkpoints and --resume, Ctrl-C, summary) ===
 TASK_ID = "seqrl-preference"  # the task name in the run dir
 DIST_TIMEOUT = timedelta(minutes=10)  # a rank waiting this long in a collective gives up (a failed rank never hangs)
-SCRIPT = Path(__file__).stem  # names this script in summary.json and in checkpoints (a resume checks it)
+SCRIPT = Path(__file__).stem  # names this script in summary.json and in the checkpoint (a resume checks it)
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "gpt2", "EleutherAI/pythia-70m": a name from_pretrained fetches
-RESUME_FREE_FIELDS = (
-    "resume",
-    "save_every",
-    "cuda",
-    "runs_dir",
-    "minibatch_size",
-    "threads",
-)  # may differ in the resuming call
+RESUME_FREE_FIELDS = ("resume", "save_every", "cuda", "runs_dir", "minibatch_size", "threads")  # may differ on resume
+AT_LEAST = [  # (least value, Args fields): each a one-line error naming the flag
+    (0, "seed sft_epochs rm_epochs num_updates save_every kl_coef reward_offset sft_lr rm_lr learning_rate vf_coef"),
+    (0, "missing_eos_penalty"),
+    (1, "threads batch_size num_minibatches update_epochs eval_episodes eval_every bon_max_n kl_horizon sft_examples"),
+    (1, "sft_batch_size pref_prompts rm_batch_size n_embd n_layer n_head n_positions"),
+    (2, "pref_k"),
+]
+POSITIVE = "temperature labeler_temperature cliprange cliprange_value max_grad_norm target_kl".split()  # > 0
 
 
 def parse_args() -> Args:
-    """The command line, checked before any work (one-line errors); the minibatch size; a resume's own args (a flag
-    that would change the run is refused); `--eval-only`'s SFT reference and reward model from its run dir."""
-    args = tyro.cli(Args)
-    if args.threads < 1:
-        raise SystemExit(f"error: --threads must be at least 1, got {args.threads}")
-    world_size = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun (details 10)
-    if args.resume is not None:
-        if args.eval_only:
-            raise SystemExit("error: --resume continues training; it does not combine with --eval-only")
-        saved = read_checkpoint_state(args.resume)[0]
-        args = resume_args(args, saved["args"])
-        if saved["world_size"] != world_size:
-            raise SystemExit(f"error: the run used {saved['world_size']} processes; resume it with as many")
-        setup = Path(args.resume) / "checkpoints" / "setup"  # STEPS 1-3 as the run saved them when its PPO started
-        args.sft_model_path, args.reward_model_path = str(setup / "sft_model"), str(setup / "reward_model")
-    if min(args.batch_size, args.num_minibatches, args.update_epochs) < 1:
-        raise SystemExit("error: --batch-size, --num-minibatches and --update-epochs must be >= 1")
-    if args.batch_size % args.num_minibatches != 0:
-        raise SystemExit(
-            f"error: --batch-size {args.batch_size} not divisible by --num-minibatches {args.num_minibatches}"
-        )
-    args.minibatch_size = args.batch_size // args.num_minibatches
-    if args.minibatch_size % world_size != 0:
-        raise SystemExit(
-            f"error: the minibatch size {args.minibatch_size} (--batch-size / --num-minibatches) is not "
-            f"divisible by the {world_size} torchrun processes"
-        )
-    if args.save_every < 0:
-        raise SystemExit("error: --save-every must be >= 0 (0 = no checkpoints)")
-    for flag, path in (("--reward-model-path", args.reward_model_path), ("--sft-model-path", args.sft_model_path)):
-        if path is not None and not Path(path).is_dir():
-            raise SystemExit(f"error: {flag} '{path}' does not exist or is not a directory")
-    if args.eval_only and (args.checkpoint is None or not (Path(args.checkpoint) / "policy").is_dir()):
-        raise SystemExit(f"error: --eval-only needs --checkpoint RUN_DIR with policy/ inside (got {args.checkpoint})")
-    if args.temperature <= 0 or args.kl_coef < 0 or args.reward_offset < 0:
-        raise SystemExit("error: --temperature must be > 0, --kl-coef >= 0 and --reward-offset >= 0")
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise SystemExit("error: --max-new-tokens must be >= 1")
-    if args.seed < 0 or min(args.sft_epochs, args.rm_epochs, args.num_updates) < 0:
-        raise SystemExit("error: --seed, --sft-epochs, --rm-epochs and --num-updates must be >= 0")
-    if min(args.eval_episodes, args.eval_every, args.bon_max_n, args.kl_horizon) < 1:
-        raise SystemExit("error: --eval-episodes, --eval-every, --bon-max-n and --kl-horizon must be >= 1")
-    if min(args.sft_examples, args.sft_batch_size, args.pref_prompts, args.rm_batch_size) < 1:
-        raise SystemExit("error: --sft-examples, --sft-batch-size, --pref-prompts and --rm-batch-size must be >= 1")
-    if args.pref_k < 2:
-        raise SystemExit(f"error: --pref-k must be >= 2 (a ranking gives C(K, 2) pairs), got {args.pref_k}")
-    if min(args.n_embd, args.n_layer, args.n_head, args.n_positions) < 1 or args.n_embd % args.n_head:
-        raise SystemExit(
-            "error: --n-embd, --n-layer, --n-head, --n-positions must be >= 1, --n-embd divisible by --n-head"
-        )
-    if args.labeler_temperature <= 0 or not 0 <= args.labeler_flip_prob <= 1:
-        raise SystemExit("error: --labeler-temperature must be > 0 and --labeler-flip-prob in [0, 1]")
-    if not 0 <= args.gamma <= 1 or not 0 <= args.lam <= 1:
-        raise SystemExit(f"error: --gamma and --lam must be in [0, 1], got {args.gamma}, {args.lam}")
-    if min(args.sft_lr, args.rm_lr, args.learning_rate, args.vf_coef, args.missing_eos_penalty) < 0:
-        raise SystemExit("error: --sft-lr, --rm-lr, --learning-rate, --vf-coef and --missing-eos-penalty must be >= 0")
-    if min(args.cliprange, args.cliprange_value, args.max_grad_norm, args.target_kl) <= 0:
-        raise SystemExit("error: --cliprange, --cliprange-value, --max-grad-norm and --target-kl must be > 0")
+    """tyro.cli(Args), each check a one-line `error:` before any work; the minibatch size; `--resume`: the run's own
+    args; `--eval-only`: the SFT reference and reward model of its run dir."""
+    args, world = tyro.cli(Args), int(os.environ.get("WORLD_SIZE", 1))  # WORLD_SIZE: set by torchrun (details 10)
+    if args.resume is not None and not args.eval_only:  # the run's own args; the command line may only repeat them
+        args, saved = resume_args(args)
+        if len(saved["rng"]) != world:
+            raise SystemExit(f"error: the run used {len(saved['rng'])} processes; resume it with as many")
+    args.minibatch_size = args.batch_size // max(args.num_minibatches, 1)
+    flag = {field: "--" + field.replace("_", "-") for field in asdict(args)}
+    for ok, message in [
+        *[(getattr(args, f) >= n, f"{flag[f]} must be >= {n}") for n, names in AT_LEAST for f in names.split()],
+        *[(getattr(args, f) > 0, f"{flag[f]} must be > 0") for f in POSITIVE],
+        *[(0 <= getattr(args, f) <= 1, f"{flag[f]} must be in [0, 1]") for f in ("labeler_flip_prob", "gamma", "lam")],
+        (args.batch_size % max(args.num_minibatches, 1) == 0, "--batch-size not divisible by --num-minibatches"),
+        (args.minibatch_size % world == 0, f"the minibatch {args.minibatch_size} must split over {world} ranks"),
+        (args.n_embd % max(args.n_head, 1) == 0, "--n-embd must be divisible by --n-head"),
+        (args.max_new_tokens is None or args.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
+        (not args.reward_model_path or Path(args.reward_model_path).is_dir(), "--reward-model-path: no such directory"),
+        (not args.sft_model_path or Path(args.sft_model_path).is_dir(), "--sft-model-path: no such directory"),
+        (not (args.eval_only and args.resume), "--eval-only evaluates a saved run: there is nothing to --resume"),
+        (
+            not args.eval_only or (Path(args.checkpoint or "-") / "policy").is_dir(),
+            "--eval-only needs --checkpoint RUN",
+        ),
+    ]:
+        if not ok:
+            raise SystemExit(f"error: {message}")
     if args.eval_only:  # a run dir of this script: its policy, SFT reference and reward model
-        ckpt = Path(args.checkpoint)
-        args.sft_model_path = args.sft_model_path or str(ckpt / "sft_model")
-        args.reward_model_path = args.reward_model_path or str(ckpt / "reward_model")
-    if args.resume is None:
-        check_writable_dir(Path(args.runs_dir), "--runs-dir")
+        args.sft_model_path = args.sft_model_path or str(Path(args.checkpoint) / "sft_model")
+        args.reward_model_path = args.reward_model_path or str(Path(args.checkpoint) / "reward_model")
     return args
 
 
 def start_run(args: Args) -> "Run":
-    """Join torchrun (rank > 0 prints nothing), make the run dir (rank 0; a resume: the run's own) and open
-    tensorboard there (a resume drops what the stopped run logged after its checkpoint); with checkpoints, Ctrl-C and
-    SIGTERM set the stop flag."""
-    rank, world_size, device = init_torchrun(args.cuda)
-    if rank > 0:
-        sys.stdout = open(os.devnull, "w")  # rank 0 prints (errors still reach stderr)
-    resume = read_checkpoint_state(args.resume) if args.resume is not None else None
-    if resume is not None:
-        run_dir = Path(args.resume)
-    else:
-        made = [new_run_dir(args.runs_dir, TASK_ID, args.exp_name, args.seed) if rank == 0 else None]
-        if world_size > 1:
-            dist.broadcast_object_list(made, src=0)
-        run_dir = made[0]
-    writer = NullWriter()
-    if rank == 0:  # tensorboard continues after the checkpoint's update on a resume
-        writer = open_writer(run_dir, args, resume[0]["update"] + 1 if resume is not None else None)
-    stop = install_stop_handlers() if checkpointing(args) else None  # Ctrl-C / SIGTERM: a checkpoint, then exit
-    return Run(args, rank, world_size, device, run_dir, writer, resume, stop)
+    return Run(args)  # torchrun, the device, the run dir (new, or --resume's), tensorboard, Ctrl-C / SIGTERM
 
 
 class Run:
-    """Everything main() needs from run management. One process: rank 0 of 1, every collective the identity.
+    """This process under torchrun (rank, world_size, device; DDP and collectives, details 10), the run dir with
+    tensorboard and curve.jsonl (rank 0), the checkpoint a --resume continues (details 11), the stop flag."""
 
-    torchrun (details 10; data-parallel): each rank generates its contiguous shard of every rollout batch with its
-    own sampling noise (a generator seeded `seed + SEED_STRIDE * rank`), and shuffles it into `--num-minibatches`
-    local minibatches; the ranks' i-th minibatches together are the global minibatch. A rank's loss is scaled by its
-    share of the global minibatch's completion tokens, so the sum of the ranks' gradients (one flat all-reduce,
-    `sync_grads`, as CleanRL's ppo_atari_multigpu.py but summing, not DDP: each step runs several forward passes,
-    `generate` and frozen reference models, which DDP's one-forward-one-backward hooks do not fit) is exactly the
-    gradient of the global masked mean. Global (all_reduce / all_gather): advantage and reward whitening
-    (`masked_mean_var` with `run.global_sum`), the bandit baseline, the reward normalization (its 512 SFT samples
-    split over ranks), the KL fed to the adaptive controller and every logged batch statistic (`run.global_sum`),
-    evaluation and best-of-n (prompts split over ranks, per-sample values gathered). There is no early stopping to
-    synchronize. STEPS 1-3 (SFT, preference data, reward model) are not sharded: every rank runs them identically
-    from the same seed and rank 0's weights are broadcast (to scale them, train the reward model with
-    rlhf_reward_model.py under torchrun and pass `--sft-model-path` / `--reward-model-path`). Only rank 0 writes.
+    def __init__(self, args: Args):
+        self.args, self.start_time, self.stop = args, time.time(), {"signal": None, "previous": {}}
+        self.rank, self.world_size, self.device = init_torchrun(args.cuda)
+        self.ddp = None  # torchrun: the DistributedDataParallel module of data_parallel
+        if self.rank > 0:
+            sys.stdout = open(os.devnull, "w")  # rank 0 prints (errors still reach stderr)
+        self.checkpoint = read_train_state(Path(args.resume)) if args.resume else None  # (parse_args: not --eval-only)
+        self.resuming, self.run_dir = self.checkpoint is not None, Path(args.resume or ".")
+        self.start_time -= self.checkpoint["elapsed_s"] if self.resuming else 0  # SPS and wall time of the whole run
+        name = f"{TASK_ID}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        for suffix in range(0 if self.resuming or self.rank else 10**6):  # a new dir (mkdir is atomic): -1, -2, ...
+            self.run_dir = Path(args.runs_dir) / (f"{name}-{suffix}" if suffix else name)
+            try:
+                self.run_dir.mkdir(parents=True)
+                break
+            except FileExistsError:  # taken by a run started in the same second
+                continue
+            except OSError as err:
+                raise SystemExit(f"error: --runs-dir {args.runs_dir}: {err.strerror}") from None
+        if self.world_size > 1:  # every rank learns rank 0's run dir
+            dist.broadcast_object_list(shared := [self.run_dir], src=0)
+            self.run_dir = shared[0]
+        purge = self.checkpoint["update"] + 1 if self.resuming else None  # drop what was logged after the checkpoint
+        self.writer = SummaryWriter(str(self.run_dir), purge_step=purge) if self.rank == 0 else None
+        if self.rank == 0 and not self.resuming:  # the hyperparameter table
+            table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        if not args.eval_only:  # Ctrl-C / SIGTERM: a checkpoint at the end of the update, then exit (end_step)
+            self.stop = install_stop_handlers()
 
-    Checkpoints (details 11; `--save-every N` PPO updates, `--resume RUN_DIR`): when PPO starts, the finished SFT
-    policy and reward model are saved once (`checkpoints/setup/`, save_pretrained), so a resume skips STEPS 1-3;
-    then every N updates `checkpoints/step_<N>/` holds the policy + value head (safetensors), the Adam state, beta,
-    the prompt sampler, python / numpy / torch RNG states (one file per rank), the reward normalization and the
-    curve so far. Atomic: written under a temporary name, renamed into place, then `checkpoints/latest.json` (temp
-    file + rename) names it; older step dirs are deleted after. The resumed run ends with the same metrics as an
-    uninterrupted one (bit-identical on CPU, tested). Ctrl-C / SIGTERM: the update in progress finishes, a
-    checkpoint is written and the run exits (code 130) naming the `--resume` command (from the start of the run: a
-    signal during STEPS 1-3 stops the run at update 0, after their checkpoint)."""
-
-    def __init__(self, args, rank=0, world_size=1, device=None, run_dir=None, writer=None, resume=None, stop=None):
-        self.args, self.rank, self.world_size, self.run_dir = args, rank, world_size, run_dir
-        self.device = torch.device("cpu") if device is None else device
-        self.writer = NullWriter() if writer is None else writer
-        self.resuming = resume is not None
-        self._resume_state, self._resume_step_dir = resume if resume is not None else (None, None)
-        self._checkpointing = checkpointing(args)
-        self._stop = {"signal": None, "previous": {}} if stop is None else stop  # install_stop_handlers' flag
-        self._curve_written = 0  # points of state.curve in curve.jsonl
-        self.start_time = time.time()
-
-    # ---- torchrun: the identity (or the plain expression) in one process
     def shard(self, items: list) -> list:
         """This rank's contiguous share of a global list (all of it in one process)."""
         n = len(items)
         return items[self.rank * n // self.world_size : (self.rank + 1) * n // self.world_size]
 
     def gather(self, obj) -> list:
-        """Every rank's obj (e.g. a tensor or numpy array of per-sample values, tensors moved to the CPU), in rank
-        order; [obj] in one process."""
-        if self.world_size == 1:
-            return [obj]
-        parts = [None] * self.world_size
-        dist.all_gather_object(parts, obj.cpu() if torch.is_tensor(obj) else obj)
+        """Every rank's obj (tensors moved to the CPU), in rank order; [obj] in one process."""
+        parts = [obj] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(parts, obj.cpu() if torch.is_tensor(obj) else obj)
         return parts
 
     def global_sum(self, x: torch.Tensor) -> torch.Tensor:
-        return global_sum(x, self.world_size)
+        """x summed over the ranks, in place (x itself in one process)."""
+        if self.world_size > 1:
+            dist.all_reduce(x)
+        return x
 
     def broadcast_params(self, *modules: nn.Module) -> None:
-        for module in modules:
-            broadcast_params(module, self.world_size)
+        """Rank 0's weights on every rank, for the frozen models (the policy's DDP does this for it)."""
+        for tensor in [t for m in modules for t in m.state_dict().values()] if self.world_size > 1 else []:
+            dist.broadcast(tensor, src=0)
 
-    def sync_grads(self, params) -> None:
-        sync_grads(params, self.world_size)
+    def data_parallel(self, forward, *modules: nn.Module):
+        """`forward(*modules, ...)` as one call; under torchrun a DistributedDataParallel module: rank 0's weights on
+        every rank, and backward() SUMS the ranks' gradients (DDP's default averages them; each shard's loss is its
+        share of the global minibatch's mean); it finds parameters a step leaves unused (bandit: the value head)."""
+        if self.world_size == 1:
+            return functools.partial(forward, *modules)
+        holder = nn.ModuleList(modules)  # DDP's module: its forward is `forward` over `modules`
+        holder.forward = functools.partial(forward, *modules)
+        self.ddp = DDP(holder, find_unused_parameters=True)
 
-    # ---- outputs
+        def sum_hook(_, bucket):  # DDP's default comm hook, but a sum
+            return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+        self.ddp.register_comm_hook(None, sum_hook)
+        return lambda *inputs: self.ddp(*inputs)  # (end_training lets DDP go: it holds the process group)
+
     def log(self, step: int, metrics: dict) -> None:
-        for tag, value in metrics.items():
-            if isinstance(value, str):
-                self.writer.add_text(tag, value, step)
-            else:
-                self.writer.add_scalar(tag, value, step)
+        for tag, value in metrics.items() if self.rank == 0 else ():  # tensorboard: a str value as text
+            (self.writer.add_text if isinstance(value, str) else self.writer.add_scalar)(tag, value, step)
 
     def load_pretrained(self, path: str, kind: Literal["causal", "classifier"]):
-        """(model, tokenizer) from a `save_pretrained` dir or a hub id (`load_pretrained`; one-line errors naming the
-        flag that gave `path`), the tokenizer with a pad token (`with_pad_token`)."""
-        flags = (f"--{name.replace('_', '-')}" for name, value in asdict(self.args).items() if value == path)
-        what = next(flags, "checkpoint")
+        """(model, tokenizer) of a `save_pretrained` dir or hub id with a pad token; one-line errors name the flag."""
+        what = next((f"--{k.replace('_', '-')}" for k, v in asdict(self.args).items() if v == path), "checkpoint")
         return with_pad_token(*load_pretrained(path, kind, what), f"{what} '{path}'")
 
-    # ---- checkpoints, resume, stop signals (details 11)
     def restore(self, state: TrainState) -> int:
-        """A resume: the checkpoint's TrainState, weights, Adam and RNG states (this rank's) loaded into `state`,
-        curve.jsonl rewritten up to it; returns the updates it had done. Otherwise 0, `state` as it is."""
+        """--resume: the checkpoint's fields (weights and optimizer by state_dict, STEPS 1-3's models, the prompt
+        sampler, this rank's RNGs) loaded into `state`; returns the updates it had done. Otherwise 0."""
         if not self.resuming:
             return 0
-        saved = self._resume_state
-        restore_train_state(self._resume_step_dir, state, self.device, self.rank)
-        self.start_time -= saved["elapsed_s"]  # wall time and SPS count the whole run
+        rng = self.checkpoint["rng"][self.rank]  # this rank's
+        for f in fields(state):
+            value, saved = getattr(state, f.name), self.checkpoint.get(f.name)
+            if isinstance(value, torch.Generator):
+                value.set_state(rng[f.name])
+            elif isinstance(value, np.random.Generator):
+                value.bit_generator.state = saved
+            elif f.name == "setup":  # name -> (model, tokenizer): the models of STEPS 1-3
+                for name, (model, _) in value.items():
+                    model.load_state_dict(saved[name])
+            else:
+                value.load_state_dict(saved) if hasattr(value, "load_state_dict") else setattr(state, f.name, saved)
+        set_rng_state(rng["global"])
+        print(f"resumed {self.run_dir} after update {self.checkpoint['update']}")
+        return self.checkpoint["update"]
+
+    def end_step(self, step: int, state: TrainState) -> None:
+        """After update `step`: curve.jsonl; the checkpoint every --save-every updates (update 0: with STEPS 1-3) and on
+        a stop signal to any rank, after which every rank exits with STOP_EXIT_CODE naming the --resume command."""
         if self.rank == 0:
             (self.run_dir / "curve.jsonl").write_text("".join(json.dumps(point) + "\n" for point in state.curve))
-        self._curve_written = len(state.curve)
-        print(f"resumed {self.run_dir} after update {saved['update']}")
-        return saved["update"]
+        stop = self.global_sum(torch.tensor([float(self.stop["signal"] is not None)], device=self.device)).item() > 0
+        if self.args.eval_only or not stop and (self.args.save_every == 0 or step % self.args.save_every):
+            return
+        values = {f.name: getattr(state, f.name) for f in fields(state)}
+        rng = {"global": rng_state()} | {k: v.get_state() for k, v in values.items() if isinstance(v, torch.Generator)}
+        rngs = [rng] * self.world_size  # each rank draws from its own RNGs (sample_gen): rank 0 saves them all
+        if self.world_size > 1:
+            dist.all_gather_object(rngs, rng)
+        if self.rank == 0:
+            saved = {}
+            for key, value in values.items():
+                if isinstance(value, np.random.Generator):
+                    saved[key] = value.bit_generator.state
+                elif key == "setup":  # name -> (model, tokenizer): the models of STEPS 1-3
+                    saved[key] = {name: model.state_dict() for name, (model, _) in value.items()}
+                elif not isinstance(value, torch.Generator):  # (in rngs)
+                    saved[key] = value.state_dict() if hasattr(value, "state_dict") else value
+            extra = {"args": asdict(self.args), "update": step, "rng": rngs, "elapsed_s": time.time() - self.start_time}
+            save_train_state(self.run_dir, saved | extra)
+            self.writer.flush()  # the scalars logged so far reach the disk with the checkpoint
+        if self.world_size > 1:
+            dist.barrier()  # no rank goes on, or exits (torchrun would stop rank 0), before the checkpoint is complete
+        if stop:
+            launcher = "python" if self.world_size == 1 else f"torchrun --nproc_per_node {self.world_size}"
+            if self.rank == 0:
+                self.writer.close()
+                print(f"interrupted; continue with: {launcher} {sys.argv[0]} --resume {self.run_dir}", file=sys.stderr)
+            self.ddp = None  # DDP lets go of the process group
+            if self.world_size > 1:
+                dist.destroy_process_group()
+            raise SystemExit(STOP_EXIT_CODE)
 
     def end_training(self) -> None:
-        """After the last step: Ctrl-C and SIGTERM stop the run at once again (a resume would redo what follows);
-        under torchrun every rank tears down together and rank 0 alone goes on."""
-        restore_signal_handlers(self._stop)
+        """After the last update: Ctrl-C and SIGTERM stop at once again; under torchrun rank 0 alone goes on."""
+        restore_signal_handlers(self.stop)
+        self.ddp = None  # DDP lets go of the process group
         if self.world_size > 1:
             dist.barrier()  # every rank tears down together (then each frees its gloo threads)
             dist.destroy_process_group()
             if self.rank != 0:
                 raise SystemExit(0)
 
-    def end_step(self, step: int, state: TrainState) -> None:
-        """After update `step`: a checkpoint every --save-every updates (update 0: with STEPS 1-3 and args.json)
-        and when a stop signal arrived (decided by all ranks together); after a stop, the run exits with
-        STOP_EXIT_CODE naming the --resume command. First, the evaluations since the last call go to curve.jsonl."""
-        if self.rank == 0 and self.run_dir is not None:
-            with open(self.run_dir / "curve.jsonl", "a") as curve_file:
-                curve_file.writelines(json.dumps(point) + "\n" for point in state.curve[self._curve_written :])
-        self._curve_written = len(state.curve)
-        if not self._checkpointing:
-            return
-        stop = self._stop["signal"] is not None
-        if self.world_size > 1:  # a stop decided per rank would hang the next collective
-            stop = global_sum(torch.tensor([int(stop)], device=self.device), self.world_size).item() > 0
-        if step % self.args.save_every == 0 or stop:
-            extra = {"args": asdict(self.args), "elapsed_s": time.time() - self.start_time}
-            save_checkpoint(self.run_dir, step, state, extra, self.device, self.rank, self.world_size)
-            self.writer.flush()  # the scalars logged so far reach the disk with the checkpoint
-        if stop:
-            self.writer.close()
-            if self.rank == 0:
-                launcher = "python" if self.world_size == 1 else f"torchrun --nproc_per_node {self.world_size}"
-                print(
-                    f"interrupted after update {step}, checkpoint saved; continue with: "
-                    f"{launcher} {sys.argv[0]} --resume {self.run_dir}",
-                    file=sys.stderr,
-                )
-            if self.world_size > 1:  # rank 0 has saved (save_checkpoint's barrier): every rank tears down, then exits
-                dist.destroy_process_group()
-            raise SystemExit(STOP_EXIT_CODE)
-
     def finish(self, metrics: dict, models: dict, samples: int) -> None:
-        """Rank 0 at the end (`end_training`): the models (`save_models`: loadable by `--sft-model-path` /
-        `--reward-model-path` / `--eval-only`), args.json, then summary.json (last: a run with summary.json is
-        complete; sps = samples / wall time); closes tensorboard."""
+        """`models` (save_models: loadable by --sft-model-path / --reward-model-path / --eval-only), args.json, then
+        summary.json (renamed into place: a run dir with one holds a finished run); the checkpoint goes."""
         wall = time.time() - self.start_time
         self.writer.close()
-        run_dir = self.run_dir
-        summary = {
-            "script": SCRIPT,
-            "run_name": run_dir.name,
-            "run_dir": str(run_dir),
-            "args": asdict(self.args),
-            "metrics": metrics,
-            "wall_time_s": wall,
-            "sps": samples / wall,
-        }
-        save_models(run_dir, models)
-        (run_dir / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
-        write_json_atomic(run_dir / "summary.json", summary)
+        summary = {"script": SCRIPT, "run_name": self.run_dir.name, "run_dir": str(self.run_dir)}
+        summary |= {"args": asdict(self.args), "metrics": metrics, "wall_time_s": wall, "sps": samples / wall}
+        save_models(self.run_dir, models)
+        (self.run_dir / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
+        write_json_atomic(self.run_dir / "summary.json", summary)
+        (self.run_dir / TRAIN_STATE).unlink(missing_ok=True)
         print(json.dumps(metrics, indent=1))
 
 
-def checkpointing(args: Args) -> bool:
-    """Whether this run writes checkpoints (and so catches Ctrl-C / SIGTERM): training with --save-every > 0."""
-    return args.save_every > 0 and not args.eval_only and args.num_updates > 0
-
-
 def load_pretrained(path, kind, what):
-    """from_pretrained (model and tokenizer) with a clear one-line error; `path` may also be a hub id (parse_args has
-    checked that --sft-model-path, --reward-model-path and --checkpoint are directories).
-
-    Real models: the checkpoint is loaded with `from_pretrained` (weights and tokenizer; SFT fine-tunes the
-    pretrained weights); a pad token "<pad>" is added when the tokenizer has none (or pads with EOS) and the
-    embeddings are resized (`with_pad_token`); the end of an answer is the tokenizer's EOS; `--max-new-tokens`
-    defaults to the longest demonstration in the model's tokens. The default learning rates were chosen for the tiny
-    model trained from scratch; for a pretrained model, lower `--sft-lr` and `--rm-lr` are the usual choice (not
-    tuned here). Offline, a hub id that is not cached is a one-line error."""
+    """from_pretrained (model and tokenizer) of a local dir or a hub id, with one-line errors naming `what` (the flag);
+    offline, a hub id that is not cached is one too. docs/rlhf_ppo_kl.md: real models."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     local = Path(path).exists() or not HUB_ID.fullmatch(path)
@@ -1228,16 +1174,14 @@ def load_pretrained(path, kind, what):
         raise SystemExit(f"error: {what} '{path}' is not a save_pretrained directory (no config.json)")
     cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
     try:
-        model = cls.from_pretrained(path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:  # offline and not cached, no such repo, no tokenizer, ...
         raise SystemExit(f"error: could not load {what} '{path}': {str(e).splitlines()[0]}") from None
-    return model, tokenizer
 
 
 def with_pad_token(model, tokenizer, what):
-    """Give the tokenizer a pad token distinct from EOS if it has none ("<pad>", embeddings resized; GPT-2 and Llama
-    checkpoints ship without one) and the model's config its id. Returns (model, tokenizer)."""
+    """The tokenizer with a pad token distinct from EOS ("<pad>", embeddings resized; GPT-2 and Llama checkpoints ship
+    without one), the model's config with its id. Returns (model, tokenizer)."""
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: the tokenizer of {what} has no EOS token to end an answer with")
     if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
@@ -1246,6 +1190,13 @@ def with_pad_token(model, tokenizer, what):
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
 
 
 def save_models(run_dir: Path, models: dict) -> None:
@@ -1259,199 +1210,88 @@ def save_models(run_dir: Path, models: dict) -> None:
                 save_file({k: v.contiguous() for k, v in part.state_dict().items()}, run_dir / f"{name}.safetensors")
 
 
-def file_sizes(root: Path, directory: Path) -> dict[str, int]:
-    """{path relative to root: size in bytes} of every file under directory: the manifest a load checks."""
-    return {str(f.relative_to(root)): f.stat().st_size for f in sorted(directory.rglob("*")) if f.is_file()}
+TRAIN_STATE = "train_state.safetensors"  # RUN_DIR/<this>: the checkpoint of training that --resume continues from
 
 
-def save_checkpoint(run_dir: Path, update: int, state: TrainState, extra: dict, device, rank, world) -> None:
-    """checkpoints/step_<update>/ from the fields of `state` (`write_checkpoint`) and `extra` (args, ...); every rank
-    sends its RNG states (torch, cuda, its generators), rank 0 writes, and no rank returns before rank 0's checkpoint
-    is complete (a rank that exited early would make torchrun's agent stop rank 0 mid-write). Atomic (details 11)."""
-    rng = {"torch": torch.get_rng_state()}
-    for f in dataclasses.fields(state):
-        if isinstance(getattr(state, f.name), torch.Generator):
-            rng[f.name] = getattr(state, f.name).get_state()
-    if device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(device)
-    rngs = [rng]
-    if world > 1:
-        rngs = [None] * world
-        dist.all_gather_object(rngs, rng)
-    if rank == 0:
-        write_checkpoint(run_dir, update, state, rngs, extra, world)
-    if world > 1:
-        dist.barrier()  # every rank waits for rank 0's write
+def save_train_state(run_dir: Path, state: dict) -> None:
+    """nanoGPT's checkpoint without pickle: the tensors and arrays in `state` (models, optimizers, replay, RNG
+    states) as one safetensors file, the rest (counters, args, param groups) as JSON in its header; written under a
+    temporary name and renamed, so a kill leaves the previous checkpoint or this one, never half of one."""
+    tensors = {}
+
+    def split(value, key: str):  # the JSON tree, with {"tensor" | "array": key} where a tensor or array was
+        if isinstance(value, torch.Tensor | np.ndarray):
+            tensors[key] = torch.as_tensor(value).detach().cpu().contiguous().clone()  # own copy (tied weights)
+            return {"array" if isinstance(value, np.ndarray) else "tensor": key}
+        if isinstance(value, dict):  # as [key, value] pairs: JSON keeps int keys (an optimizer's state) in a list
+            return {"dict": [[name, split(item, f"{key}/{name}")] for name, item in value.items()]}
+        if isinstance(value, list | tuple):
+            return [split(item, f"{key}/{i}") for i, item in enumerate(value)]
+        return value  # a number, a string, a bool or None
+
+    tree = json.dumps(split(state, ""))
+    save_file(tensors, str(run_dir / f".tmp_{TRAIN_STATE}"), metadata={"script": SCRIPT, "state": tree})
+    os.replace(run_dir / f".tmp_{TRAIN_STATE}", run_dir / TRAIN_STATE)
 
 
-def write_checkpoint(run_dir: Path, update: int, state: TrainState, rngs: list, extra: dict, world: int) -> None:
-    """Rank 0's part of save_checkpoint, field by field of `state`: the setup models (STEPS 1-3) once, into
-    checkpoints/models/ with args.json; the module to <name>.safetensors, the optimizer to <name>.pt, a numpy
-    generator's state and plain values to state.json, the ranks' RNG states to rng_rank<r>.pt; renamed into place
-    when complete, then latest.json."""
-    ckpt = run_dir / "checkpoints"
-    step_dir, tmp = ckpt / f"step_{update}", ckpt / f".tmp_step_{update}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    plain = {}
-    for f in dataclasses.fields(state):
-        value = getattr(state, f.name)
-        if isinstance(value, nn.Module):  # the LM and the value head; tied embeddings handled
-            save_model(value, str(tmp / f"{f.name}.safetensors"))
-        elif isinstance(value, torch.optim.Optimizer):
-            torch.save(value.state_dict(), tmp / f"{f.name}.pt")
-        elif isinstance(value, np.random.Generator):
-            plain[f.name] = value.bit_generator.state
-        elif isinstance(value, dict) and value and all(isinstance(v, tuple) for v in value.values()):  # models
-            if not (ckpt / f.name).exists():  # saved once
-                (run_dir / "args.json").write_text(json.dumps(extra["args"], indent=2))
-                shutil.rmtree(ckpt / f".tmp_{f.name}", ignore_errors=True)
-                save_models(ckpt / f".tmp_{f.name}", value)
-                os.replace(ckpt / f".tmp_{f.name}", ckpt / f.name)
-        elif not isinstance(value, torch.Generator | None):  # generators: in the ranks' RNG files
-            plain[f.name] = value
-    for r, rank_rng in enumerate(rngs):
-        torch.save(rank_rng, tmp / f"rng_rank{r}.pt")
-    numpy_state = np.random.get_state(legacy=False)
-    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
-    files = {
-        **file_sizes(ckpt, ckpt / "setup"),
-        **{f"{step_dir.name}/{k}": v for k, v in file_sizes(tmp, tmp).items()},
-    }
-    saved = {
-        **plain,
-        **extra,
-        "script": SCRIPT,
-        "update": update,
-        "world_size": world,
-        "python_random": random.getstate(),
-        "numpy_random": numpy_state,
-        "files": files,
-    }
-    (tmp / "state.json").write_text(json.dumps(saved))
-    shutil.rmtree(step_dir, ignore_errors=True)  # left by a kill between the rename and latest.json: never named
-    os.replace(tmp, step_dir)
-    write_json_atomic(ckpt / "latest.json", {"script": SCRIPT, "step_dir": step_dir.name, "update": update})
-    for old in [*ckpt.glob("step_*"), *ckpt.glob(".tmp_step_*")]:  # only now: a kill before this point leaves the
-        if old != step_dir:  # previous checkpoint usable (and a stale temporary dir is never read)
-            shutil.rmtree(old)
-
-
-def read_checkpoint_state(run_dir_str: str) -> tuple[dict, Path]:
-    """Check a run dir for `--resume` (one-line errors) and return the state.json of its newest complete checkpoint
-    and that checkpoint's dir. Every file is checked against the sizes recorded when it was written."""
-    run_dir = Path(run_dir_str)
-    latest = run_dir / "checkpoints" / "latest.json"
-    if not run_dir.is_dir():
-        raise SystemExit(f"error: --resume {run_dir_str} is not a directory")
-    if (run_dir / "summary.json").exists():
-        raise SystemExit(f"error: --resume {run_dir_str} is a finished run (summary.json present): nothing to resume")
-    if not latest.is_file():
-        raise SystemExit(
-            f"error: --resume {run_dir_str} has no checkpoints/latest.json (not a run of {SCRIPT} "
-            "with --save-every, or stopped before its first checkpoint)"
-        )
+def read_train_state(run_dir: Path) -> dict:
+    """The `state` save_train_state wrote in `run_dir` (tensors on the CPU, arrays as numpy, tuples as lists); a
+    one-line error if it is missing, unreadable, or a checkpoint of another script."""
+    path = run_dir / TRAIN_STATE
     try:
-        info = json.loads(latest.read_text())
-        if info.get("script") != SCRIPT:
-            raise SystemExit(f"error: --resume {run_dir_str} is a run of {info.get('script')}, not of {SCRIPT}")
-        step_dir = latest.parent / info["step_dir"]
-        state = json.loads((step_dir / "state.json").read_text())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise SystemExit(f"error: checkpoint in {run_dir_str} is unreadable ({type(err).__name__}: {err})") from None
-    for rel, size in state["files"].items():
-        path = latest.parent / rel
-        found = path.stat().st_size if path.is_file() else 0
-        if found != size:
-            raise SystemExit(f"error: checkpoint file {path} is truncated or missing ({found} of {size} bytes)")
-    return state, step_dir
+        with safe_open(str(path), "pt") as file:
+            tensors, meta = {key: file.get_tensor(key) for key in file.keys()}, file.metadata()
+        tree = json.loads(meta["state"])
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError) as err:
+        raise SystemExit(f"error: cannot read checkpoint {path}: {err}") from None
+    if meta.get("script") != SCRIPT:
+        raise SystemExit(f"error: {run_dir} is a run of {meta.get('script')}.py, not of {SCRIPT}.py")
+
+    def join(value):
+        if isinstance(value, list):
+            return [join(item) for item in value]
+        if not isinstance(value, dict):
+            return value
+        if "dict" in value:
+            return {name: join(item) for name, item in value["dict"]}
+        return tensors[value["tensor"]] if "tensor" in value else tensors[value["array"]].numpy()
+
+    return join(tree)
 
 
-def resume_args(args: Args, saved: dict) -> Args:
-    """The run's own args; a flag given now that differs from the run's (and from the default) is refused, except
-    RESUME_FREE_FIELDS, which a flag given now (not at its default) overrides."""
-    defaults, given = asdict(Args()), asdict(args)
-    for k, v in given.items():
-        if k not in RESUME_FREE_FIELDS and v != defaults[k] and v != saved[k]:
-            flag = "--" + k.replace("_", "-")
-            raise SystemExit(f"error: {flag} {v} differs from the resumed run's {saved[k]} (a resume continues a run)")
-    return Args(**{**saved, **{k: given[k] for k in RESUME_FREE_FIELDS if given[k] != defaults[k]}})
+def rng_state() -> dict:
+    """The global RNGs training draws from (python, numpy, torch, CUDA), for the checkpoint."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "cuda": cuda}
 
 
-def restore_train_state(step_dir: Path, state: TrainState, device, rank: int) -> None:
-    """Restore what save_checkpoint wrote into `state`, field by field (this rank's RNG states included; the setup
-    models are loaded by main from the paths parse_args set); a corrupt file is a one-line error."""
-    saved = json.loads((step_dir / "state.json").read_text())
-    path = step_dir / f"rng_rank{rank}.pt"
+def set_rng_state(state: dict) -> None:
+    """Put back what rng_state returned (read back from a checkpoint: its tuples came back as lists)."""
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    np.random.set_state(tuple(state["numpy"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def resume_args(cli: Args) -> tuple[Args, dict]:
+    """`--resume RUN_DIR`: the run's own Args (RESUME_FREE_FIELDS as given on the command line) and its checkpoint;
+    one-line errors for a finished run, another script's run, or an argument given that differs from the run's."""
+    run_dir = Path(cli.resume)
+    if (run_dir / "summary.json").is_file():
+        raise SystemExit(f"error: run {run_dir} has finished (summary.json exists); there is nothing to resume")
+    checkpoint, defaults = read_train_state(run_dir), asdict(Args())
+    saved, given = checkpoint["args"], {key: value for key, value in asdict(cli).items() if value != defaults[key]}
+    for key, value in given.items():
+        if key not in RESUME_FREE_FIELDS and json.loads(json.dumps(value)) != saved.get(key):  # a tuple saved as a list
+            raise SystemExit(
+                f"error: --{key.replace('_', '-')} {value} differs from the run's {saved.get(key)}; "
+                "--resume continues a run with its own arguments"
+            )
     try:
-        rng = torch.load(path, weights_only=True)
-        for f in dataclasses.fields(state):
-            value = getattr(state, f.name)
-            if isinstance(value, nn.Module):
-                path = step_dir / f"{f.name}.safetensors"
-                load_model(value, str(path), device=str(device))
-            elif isinstance(value, torch.optim.Optimizer):
-                path = step_dir / f"{f.name}.pt"
-                value.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-            elif isinstance(value, torch.Generator):
-                value.set_state(rng[f.name])
-            elif isinstance(value, np.random.Generator):
-                value.bit_generator.state = saved[f.name]
-            elif f.name in saved:
-                setattr(state, f.name, saved[f.name])
-    except Exception as err:  # safetensors / zip / unpickler errors have no common base class
-        raise SystemExit(f"error: checkpoint file {path} is corrupt ({type(err).__name__}: {err})") from None
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"], device)
-    py = saved["python_random"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    numpy_state = saved["numpy_random"]
-    numpy_state["state"]["key"] = np.array(numpy_state["state"]["key"], dtype=np.uint32)
-    np.random.set_state(numpy_state)
-
-
-def check_writable_dir(path: Path, flag: str) -> None:
-    """A one-line error, before any work, if `path` is a file, cannot be created, or is not writable."""
-    if path.exists() and not path.is_dir():
-        raise SystemExit(f"error: {flag} {path} is a file, not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise SystemExit(f"error: cannot create {flag} {path}: {err.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SystemExit(f"error: {flag} {path} is not writable")
-
-
-def new_run_dir(runs_dir: str, task: str, exp_name: str, seed: int) -> Path:
-    """Create and return runs_dir/{task}__{exp_name}__{seed}__{unix time}; never an existing directory: mkdir is
-    atomic, so runs started in the same second get -1, -2, ..."""
-    run_name = f"{task.replace('/', '-').replace(':', '-')}__{exp_name}__{seed}__{int(time.time())}"
-    run_dir, suffix = Path(runs_dir) / run_name, 0
-    while True:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=False)
-            return run_dir
-        except FileExistsError:
-            suffix += 1
-            run_dir = Path(runs_dir) / f"{run_name}-{suffix}"
-
-
-def open_writer(run_dir: Path, args, purge_step: int | None = None) -> SummaryWriter:
-    """tensorboard in the run dir with the hyperparameters as a markdown table (CleanRL). On a resume, purge_step (the
-    checkpoint's step + 1) drops what the killed run logged after its checkpoint, and the table is already there."""
-    writer = SummaryWriter(str(run_dir), purge_step=purge_step)
-    if purge_step is None:
-        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    return writer
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
-    tmp = path.with_name(f".tmp_{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+        return Args(**(saved | {key: value for key, value in given.items() if key in RESUME_FREE_FIELDS})), checkpoint
+    except TypeError as err:
+        raise SystemExit(f"error: the arguments saved in {run_dir} do not fit this script: {err}") from None
 
 
 STOP_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C (a SIGTERM stop exits alike)
@@ -1499,48 +1339,6 @@ def init_torchrun(cuda: bool) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=DIST_TIMEOUT)
     return dist.get_rank(), world_size, torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-
-
-def sync_grads(params, world_size: int) -> None:
-    """SUM the gradients over ranks, one flat all-reduce after backward() and before clipping (CleanRL's
-    ppo_atari_multigpu.py averages instead): each rank's loss is already weighted by its share of the global batch,
-    so the sum is the gradient of the global batch's loss. Parameters without a gradient are skipped (identically on
-    every rank). One process: nothing."""
-    if world_size == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def global_sum(x: torch.Tensor, world_size: int) -> torch.Tensor:
-    """The sum of x over ranks (a new tensor); x itself in one process."""
-    if world_size == 1:
-        return x
-    x = x.clone()
-    dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x
-
-
-def broadcast_params(module: nn.Module, world_size: int) -> None:
-    """Rank 0's parameters and floating-point buffers on every rank: identical starts whatever each rank's RNG use."""
-    if world_size > 1:
-        with torch.no_grad():
-            for t in [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]:
-                dist.broadcast(t.data, src=0)
-
-
-class NullWriter:
-    """What ranks other than 0 write to instead of tensorboard: SummaryWriter's calls as no-ops."""
-
-    def add_scalar(self, *args, **kwargs):
-        pass
-
-    add_text = add_histogram = flush = close = add_scalar
 
 
 if __name__ == "__main__":

@@ -28,9 +28,9 @@ Implementation details:
   6. No dropout by default: on tiny data and short runs it only slowed convergence.
   7. Three Spearman ρ with the gold utility: pooled, within-prompt, and prompt-centered (r minus the mean reward of
      SFT-like completions of the same prompt): Bradley-Terry fixes r only up to a constant per prompt.
-  8. torchrun: each rank takes its share of every global minibatch, its loss weighted by that share, and the ranks'
-     gradients are summed (`run.sync_grads`), so the sum is the global minibatch's gradient.
-  9. Checkpoints (`--save-every`, Ctrl-C) and `--resume` continue a run exactly (all in RUN MANAGEMENT).
+  8. torchrun: each rank takes its share of every global minibatch, its loss weighted by that share, and DDP sums the
+     ranks' gradients (`run.data_parallel`), so the sum is the global minibatch's gradient.
+  9. Checkpoints (`--save-every`, Ctrl-C) and `--resume` continue a run exactly (RUN_DIR/train_state.safetensors).
  10. `--learning-rate 1e-3`, not 3e-3: the larger rate makes the reward step forget the SFT fact table. LP-FT
      (`--head-only-fraction`: the head first, on the frozen backbone) is off by default (docs/tuning.md).
 
@@ -45,15 +45,15 @@ Reproduce: python algos/rlhf_reward_model.py --seed 1
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import random
 import re
-import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -70,7 +70,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from safetensors import SafetensorError
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import safe_open, save_file
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `envs/` importable as `python algos/x.py`
@@ -113,10 +114,10 @@ class Args:
     checkpoint: str | None = None
     """path of a saved run dir or `save_pretrained` reward-model dir to evaluate with `--eval-only`"""
     save_every: int = 250
-    """write a training checkpoint into RUN_DIR/checkpoints/ every N gradient steps (SFT and reward-model updates
-    counted together; the default run has ~1,130) and at the last update; 0 = only on Ctrl-C (details 9)"""
+    """write the training checkpoint RUN_DIR/train_state.safetensors every N gradient steps (SFT and reward-model
+    updates counted together; the default run has ~1,130); 0 = only on Ctrl-C (details 9)"""
     resume: str | None = None
-    """continue the run in this run dir from its latest checkpoint, with its saved args (details 9)"""
+    """continue the run in this run dir from its checkpoint, with its saved args (details 9)"""
 
     # model
     model_name_or_path: str | None = None
@@ -416,8 +417,8 @@ def reward_minibatch_loss(model, ids: torch.Tensor, mask: torch.Tensor, args) ->
 
 @dataclass
 class TrainState:
-    """Where a training phase's loop stands: all a checkpoint holds (saved and loaded field by field). One phase at a
-    time: "sft" (the causal LM on demonstrations, `fine_tune_backbone`), then "reward" (the preference loss)."""
+    """Where a training phase's loop stands: all a checkpoint holds (field by field; a state_dict where a field has
+    one). One phase at a time: "sft" (the causal LM on demonstrations, `fine_tune_backbone`), then "reward"."""
 
     phase: Literal["sft", "reward"]
     model: nn.Module  # the causal LM (sft) or the reward model (reward)
@@ -469,11 +470,10 @@ def validation_metrics(model, ids: torch.Tensor, mask: torch.Tensor, args, devic
 
 
 def gradient_step(state: TrainState, loss: torch.Tensor, run, max_grad_norm: float) -> None:
-    """One AdamW step of state.model (and its scheduler) on this rank's share of the loss: the gradients summed over
-    ranks (`run.sync_grads`: the gradient of the global minibatch's loss, details 8), then clipped."""
+    """One AdamW step of state.model (and its scheduler) on this rank's share of the loss, computed through
+    `run.data_parallel`: backward() sums the ranks' gradients, the global minibatch's (details 8); then clipped."""
     state.optimizer.zero_grad()
     loss.backward()
-    run.sync_grads(state.model.parameters())
     torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_grad_norm)
     state.optimizer.step()
     state.scheduler.step()
@@ -487,7 +487,7 @@ def fine_tune_backbone(lm, tokenizer, args, run) -> float | None:
 
     The input is the reward model's exact input format (`encode`: prompt + completion + EOS if it ended, right
     padded), so predicting "paris" after "what is the capital of france ?" teaches the backbone the fact table.
-    `run`: this process's share under torchrun and the checkpoint it resumes (details 8-9); `Run(args)` in a test.
+    `run`: this process's share and DDP under torchrun, and the checkpoint it resumes (details 8-9).
     """
     device = run.device
     demos = preference.make_sft_dataset(args.sft_examples, seed=args.seed + 30_000, split="train")
@@ -501,6 +501,7 @@ def fine_tune_backbone(lm, tokenizer, args, run) -> float | None:
     if run.restore(state) > num_updates:  # a checkpoint of the reward phase: SFT is over
         return None
     lm.train()
+    minibatch_loss = run.data_parallel(sft_minibatch_loss, lm)  # torchrun: through DDP (details 8)
     epoch_nll = float("nan")
     for epoch in range(state.epoch, args.sft_epochs):
         if epoch > state.epoch or state.perm is None:  # a new epoch: a new order, a new running NLL
@@ -511,7 +512,7 @@ def fine_tune_backbone(lm, tokenizer, args, run) -> float | None:
             width = int(mask[mb].sum(-1).max())  # right padding: drop its all-pad columns
             n_targets = float(mask[mb, 1:width].sum().clamp(min=1))  # its predicted tokens: the loss is their mean
             part = run.shard(mb)  # this rank's share of it
-            loss = sft_minibatch_loss(lm, ids[part, :width].to(device), mask[part, :width].to(device), n_targets)
+            loss = minibatch_loss(ids[part, :width].to(device), mask[part, :width].to(device), n_targets)
             gradient_step(state, loss, run, args.max_grad_norm)
             nll = run.global_sum(torch.tensor([loss.item()], dtype=torch.float64, device=device)).item()  # global
             state.next_start = start + args.sft_batch_size
@@ -559,7 +560,6 @@ def main():
         else []
     )
     lm, tokenizer = build_lm(args, device)
-    run.broadcast_params(lm)
     # 2. supervised fine-tuning on demonstrations; the reward model starts from the SFT model's backbone
     sft_updates = args.sft_epochs * ((args.sft_examples + args.sft_batch_size - 1) // args.sft_batch_size)
     sft_nll = fine_tune_backbone(lm, tokenizer, args, run) if args.sft_epochs > 0 else None
@@ -568,7 +568,7 @@ def main():
             print(f"SFT: {args.sft_examples} demos x {args.sft_epochs} epochs ({time.time() - start_time:.0f}s)")
     model = reward_model_from(lm, tokenizer, device)
     del lm
-    run.broadcast_params(model)
+    minibatch_loss = run.data_parallel(reward_minibatch_loss, model)  # torchrun: through DDP (details 8)
     # 3. the comparisons as token ids: one group of G sequences per example, best first
     ids, mask = group_ids(tokenizer, data, args)  # (N, G, L)
     val_ids, val_mask = group_ids(tokenizer, val_data, args) if val_data else (None, None)  # (V, G, L)
@@ -594,10 +594,8 @@ def main():
             part = run.shard(mb)  # this rank's share of it
             head_only = state.global_step < args.head_only_fraction * num_updates  # LP-FT: the backbone frozen first
             model.base_model.requires_grad_(not head_only)  # frozen: no gradient, AdamW skips it
-            loss, rewards = reward_minibatch_loss(
-                model, ids[part, :, :width].to(device), mask[part, :, :width].to(device), args
-            )
-            loss = loss * (len(part) / len(mb))  # weighted by its share: summed over ranks, the global mean
+            loss, rewards = minibatch_loss(ids[part, :, :width].to(device), mask[part, :, :width].to(device), args)
+            loss = loss * (len(part) / len(mb))  # weighted by its share of the global minibatch (details 8)
             gradient_step(state, loss, run, args.max_grad_norm)
             # the global minibatch's loss and how often it scores the top-ranked completion above the second
             stats = torch.tensor([loss.item(), (rewards[:, 0] > rewards[:, 1]).sum().item()], dtype=torch.float64)
@@ -723,244 +721,192 @@ def lecture_scores(model, tokenizer, device) -> tuple[dict, str]:
 
 # === RUN MANAGEMENT (not the algorithm: validation, run dir, torchrun, checkpoints and --resume, Ctrl-C, summary) ===
 TASK_ID = "seqrl-preference"  # run-name prefix
-SCRIPT = Path(__file__).stem  # named in summary.json and in every checkpoint's state.json
-RESUME_FREE_FIELDS = (
-    "cuda",
-    "runs_dir",
-    "save_every",
-    "resume",
-    "threads",
-)  # what a resumed run may change (rest: the algorithm)
+SCRIPT = Path(__file__).stem  # named in summary.json and in the checkpoint
+RESUME_FREE_FIELDS = ("cuda", "runs_dir", "save_every", "resume", "threads")  # what a resumed run may change
 DIST_TIMEOUT = timedelta(minutes=10)  # a rank waiting this long in a collective gives up (a failed rank never hangs)
+AT_LEAST = [  # (least value, Args fields): each a one-line error naming the flag
+    (0, "seed save_every sft_epochs val_prompts sft_learning_rate learning_rate weight_decay center_coef"),
+    (1, "threads sft_examples sft_batch_size n_train_prompts eval_episodes epochs batch_size n_center_samples"),
+    (1, "n_layer n_embd n_head"),
+    (2, "k n_norm_samples"),
+]
 
 
 def parse_args() -> Args:
-    """The command line, checked (one-line errors before any work); with --resume, the resumed run's args."""
-    args = tyro.cli(Args)
-    if args.threads < 1:
-        raise SystemExit(f"error: --threads must be at least 1, got {args.threads}")
-    world_size = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun
-    if args.save_every < 0:
-        raise SystemExit("error: need --save-every >= 0 (0 = checkpoint only on Ctrl-C)")
-    if args.resume is not None and args.eval_only:
-        raise SystemExit("error: --resume continues a training run; --eval-only has nothing to resume")
-    if args.eval_only and world_size > 1:
-        raise SystemExit("error: --eval-only runs in one process (not under torchrun)")
-    if args.resume is not None:  # the run's own args; the command line may only repeat them (details 9)
-        args = resume_args(args, find_checkpoint(Path(args.resume))["state"]["args"])
-    else:
-        check_writable_dir(Path(args.runs_dir), "--runs-dir")
-    if args.eval_only and args.checkpoint is None:
-        raise SystemExit("error: --eval-only needs --checkpoint PATH (a run dir or its reward_model/ dir)")
-    if args.checkpoint is not None and not Path(args.checkpoint).exists():
-        raise SystemExit(f"error: --checkpoint '{args.checkpoint}' does not exist")
-    if args.sft_epochs < 0 or args.sft_examples < 1 or args.sft_batch_size < 1:
-        raise SystemExit("error: need --sft-epochs >= 0 and positive --sft-examples, --sft-batch-size")
-    if args.k < 2 or args.n_train_prompts < 1 or args.eval_episodes < 1 or args.epochs < 1 or args.batch_size < 1:
-        raise SystemExit("error: need --k >= 2 and positive --n-train-prompts, --eval-episodes, --epochs, --batch-size")
-    if args.n_center_samples < 1:
-        raise SystemExit("error: need --n-center-samples >= 1")
-    if args.temperature <= 0 or not 0 <= args.flip_prob <= 1:
-        raise SystemExit("error: need --temperature > 0 and 0 <= --flip-prob <= 1")
-    if args.loss == "kwise" and args.kwise_form == "softmax" and args.margin != 0:
-        raise SystemExit("error: --margin is defined for pairwise / kwise-pairs losses, not --kwise-form softmax")
-    if not 0 <= args.head_only_fraction <= 1:
-        raise SystemExit(f"error: --head-only-fraction must be in [0, 1], got {args.head_only_fraction}")
-    if args.val_prompts < 0:
-        raise SystemExit(f"error: --val-prompts must be >= 0 (0 = none), got {args.val_prompts}")
-    if args.seed < 0 or args.n_norm_samples < 2 or not 0 <= args.dropout < 1:
-        raise SystemExit("error: need --seed >= 0, --n-norm-samples >= 2 and 0 <= --dropout < 1")
-    if min(args.n_layer, args.n_embd, args.n_head) < 1 or args.n_embd % args.n_head:
-        raise SystemExit("error: need positive --n-layer, --n-embd, --n-head, and --n-embd divisible by --n-head")
-    if min(args.sft_learning_rate, args.learning_rate, args.weight_decay, args.center_coef) < 0:
-        raise SystemExit("error: need --sft-learning-rate, --learning-rate, --weight-decay, --center-coef >= 0")
-    if args.max_grad_norm <= 0:
-        raise SystemExit(f"error: --max-grad-norm must be > 0, got {args.max_grad_norm}")
-    for flag, n, batch in (
-        ("--sft-batch-size", args.sft_examples, args.sft_batch_size),
-        ("--batch-size", n_train_examples(args), args.batch_size),
-    ):
-        if world_size > 1 and (batch % world_size or 0 < n % batch < world_size):  # every rank gets a share
-            raise SystemExit(
-                f"error: {flag} {batch} (and a last minibatch of {n % batch}) must split over {world_size} ranks"
-            )
+    """tyro.cli(Args), each check a one-line `error:` before any work; `--resume`: the run's own args."""
+    args, world = tyro.cli(Args), int(os.environ.get("WORLD_SIZE", 1))  # WORLD_SIZE: set by torchrun
+    if args.resume is not None and not args.eval_only:  # the run's own args; the command line may only repeat them
+        args, saved = resume_args(args)
+        if len(saved["rng"]) != world:
+            raise SystemExit(f"error: the run used {len(saved['rng'])} processes; resume it with as many")
+    examples = args.n_train_prompts * (args.k * (args.k - 1) // 2 if args.loss == "pairwise" else 1)  # (C(K,2) pairs)
+    splits = (("--sft-batch-size", args.sft_examples, args.sft_batch_size), ("--batch-size", examples, args.batch_size))
+    flag = {field: "--" + field.replace("_", "-") for field in asdict(args)}
+    for ok, message in [
+        *[(getattr(args, f) >= n, f"{flag[f]} must be >= {n}") for n, fields in AT_LEAST for f in fields.split()],
+        *[(getattr(args, f) > 0, f"{flag[f]} must be > 0") for f in ("temperature", "max_grad_norm")],
+        *[(0 <= getattr(args, f) <= 1, f"{flag[f]} must be in [0, 1]") for f in ("flip_prob", "head_only_fraction")],
+        (0 <= args.dropout < 1, "--dropout must be in [0, 1)"),
+        (args.n_embd % max(args.n_head, 1) == 0, "--n-embd must be divisible by --n-head"),
+        (args.margin == 0 or args.loss == "pairwise" or args.kwise_form == "pairs", "--margin is not for softmax"),
+        (not (args.eval_only and args.resume), "--eval-only evaluates a saved model: there is nothing to --resume"),
+        (not args.eval_only or world == 1, "--eval-only runs in one process (not under torchrun)"),
+        (args.checkpoint or not args.eval_only, "--eval-only needs --checkpoint PATH (a run dir or its reward_model/)"),
+        (not args.checkpoint or Path(args.checkpoint).exists(), f"--checkpoint {args.checkpoint} does not exist"),
+        *[
+            (b % world == 0 and not 0 < n % b < world, f"{flag} {b} must split over {world} ranks")
+            for flag, n, b in splits
+        ],
+    ]:
+        if not ok:
+            raise SystemExit(f"error: {message}")
     return args
 
 
-def n_train_examples(args: Args) -> int:
-    """Examples of the preference step: rankings (kwise) or their C(K,2) pairs each (pairwise)."""
-    return args.n_train_prompts * (args.k * (args.k - 1) // 2 if args.loss == "pairwise" else 1)
-
-
-def resume_args(args: Args, saved: dict) -> Args:
-    """The resumed run's args: its saved ones. A field given on the command line (other than its default) must
-    agree with them, except the RESUME_FREE_FIELDS, which come from the command line."""
-    defaults, merged = asdict(Args()), {}
-    for name, value in asdict(args).items():
-        if name in RESUME_FREE_FIELDS or name not in saved:
-            merged[name] = value
-        elif value != defaults[name] and value != saved[name]:
-            raise SystemExit(
-                f"error: --{name.replace('_', '-')} {value} differs from the resumed run's {saved[name]} (drop it)"
-            )
-        else:
-            merged[name] = saved[name]
-    return Args(**merged)
-
-
 def start_run(args: Args) -> "Run":
-    """Join torchrun (when launched by it) and pick the device; make the run dir (--resume: reopen it, and load its
-    checkpoint); tensorboard on rank 0 (others: NullWriter); when training, Ctrl-C / SIGTERM set the stop flag."""
-    rank, world_size, device = init_torchrun(args.cuda)
-    resume = find_checkpoint(Path(args.resume)) if args.resume is not None else None
-    start_time = time.time() - (resume["state"]["elapsed_s"] if resume else 0.0)
-    if resume is not None:
-        run_dir = Path(args.resume)
-    else:
-        run_dir = new_run_dir(args.runs_dir, TASK_ID, args.exp_name, args.seed) if rank == 0 else None
-        if world_size > 1:  # rank 0 made the run dir; every rank learns its name
-            shared = [str(run_dir) if rank == 0 else None]
-            dist.broadcast_object_list(shared, src=0)
-            run_dir = Path(shared[0])
-    writer = NullWriter()
-    if rank == 0 and resume is None:
-        writer = open_writer(run_dir, args)
-    elif rank == 0:  # continue the curves: drop what the interrupted run logged after its checkpoint (details 9)
-        st = resume["state"]  # losses/sft_nll is logged per SFT epoch, the rest per reward-model update
-        purge_step = st["epoch"] if st["phase"] == "sft" else max(st["global_step"] + 1, args.sft_epochs)
-        writer = open_writer(run_dir, args, purge_step)
-        if purge_step == 0:  # the purge drops the hyperparameter table too (it is logged at step 0)
-            table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
-            writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    sft_updates = args.sft_epochs * ((args.sft_examples + args.sft_batch_size - 1) // args.sft_batch_size)
-    total_updates = sft_updates + args.epochs * ((n_train_examples(args) + args.batch_size - 1) // args.batch_size)
-    stop = {"signal": None, "previous": {}} if args.eval_only else install_stop_handlers()
-    return Run(args, device, rank, world_size, run_dir, writer, resume, start_time, total_updates, stop)
+    return Run(args)  # torchrun, the device, the run dir (new, or --resume's), tensorboard, Ctrl-C / SIGTERM
 
 
-@dataclass
 class Run:
-    """What one process knows beyond Args: its place under torchrun, its device, the run dir, the tensorboard writer,
-    the checkpoint it resumes and the stop flag. `Run(args)`: one process on the CPU that writes nothing (tests)."""
+    """This process under torchrun (rank, world_size, device; DDP), the run dir with tensorboard (rank 0), the
+    checkpoint a --resume continues, the Ctrl-C / SIGTERM stop flag while training."""
 
-    args: Args
-    device: torch.device = torch.device("cpu")
-    rank: int = 0
-    world_size: int = 1
-    run_dir: Path | None = None  # None: no checkpoints
-    writer: SummaryWriter = field(default_factory=lambda: NullWriter())  # a NullWriter on ranks other than 0
-    resume: dict | None = None  # `find_checkpoint` of --resume
-    start_time: float = field(default_factory=time.time)  # moved back by the run's time before a resume
-    total_updates: int = 0  # SFT + reward-model updates: the last one is always checkpointed
-    stop: dict = field(default_factory=lambda: {"signal": None, "previous": {}})  # install_stop_handlers' flag
-    resuming: bool = field(init=False)  # --resume continues a checkpoint
-
-    def __post_init__(self):
-        self.resuming = self.resume is not None
-
-    def broadcast_params(self, *modules: nn.Module) -> None:
-        for module in modules:
-            broadcast_params(module, self.world_size)
-
-    def sync_grads(self, params) -> None:
-        sync_grads(list(params), self.world_size)
-
-    def global_sum(self, x: torch.Tensor) -> torch.Tensor:
-        return global_sum(x, self.world_size)
-
-    def shard(self, items: torch.Tensor) -> torch.Tensor:
-        """This rank's contiguous share of a global minibatch: items[rank * n : (rank + 1) * n] with n = len(items) /
-        world_size (a shorter last minibatch is split as evenly as it goes). One process: all of it."""
-        return items if self.world_size == 1 else items.tensor_split(self.world_size)[self.rank]
+    def __init__(self, args: Args):
+        self.args, self.start_time, self.stop = args, time.time(), {"signal": None, "previous": {}}
+        self.rank, self.world_size, self.device = init_torchrun(args.cuda)
+        self.ddp = None  # torchrun: the DistributedDataParallel module of data_parallel
+        self.checkpoint = read_train_state(Path(args.resume)) if args.resume else None  # (parse_args: not --eval-only)
+        self.run_dir, purge = Path(args.resume or "."), None
+        if self.checkpoint:  # tensorboard drops what the stopped run logged after its checkpoint (SFT: per epoch)
+            saved, self.start_time = self.checkpoint, self.start_time - self.checkpoint["elapsed_s"]
+            purge = saved["epoch"] if saved["phase"] == "sft" else max(saved["global_step"] + 1, args.sft_epochs)
+        name = f"{TASK_ID}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        for suffix in range(0 if self.checkpoint or self.rank else 10**6):  # a new dir (mkdir is atomic): -1, -2, ...
+            self.run_dir = Path(args.runs_dir) / (f"{name}-{suffix}" if suffix else name)
+            try:
+                self.run_dir.mkdir(parents=True)
+                break
+            except FileExistsError:  # taken by a run started in the same second
+                continue
+            except OSError as err:
+                raise SystemExit(f"error: --runs-dir {args.runs_dir}: {err.strerror}") from None
+        if self.world_size > 1:  # every rank learns rank 0's run dir
+            dist.broadcast_object_list(shared := [self.run_dir], src=0)
+            self.run_dir = shared[0]
+        self.writer = SummaryWriter(str(self.run_dir), purge_step=purge) if self.rank == 0 else None
+        if self.rank == 0 and not purge:  # the hyperparameter table (a purge from step 0 drops it too)
+            table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
+            self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        if not args.eval_only:  # Ctrl-C / SIGTERM: a checkpoint at the end of the step, then exit (end_step)
+            self.stop = install_stop_handlers()
 
     def log(self, step: int, metrics: dict) -> None:
-        for tag, value in metrics.items():
-            if isinstance(value, str):
-                self.writer.add_text(tag, value, step)
-            else:
-                self.writer.add_scalar(tag, value, step)
+        for tag, value in metrics.items() if self.rank == 0 else ():  # tensorboard: a str value as text
+            (self.writer.add_text if isinstance(value, str) else self.writer.add_scalar)(tag, value, step)
 
-    def restore(self, state: "TrainState") -> int:
-        """With --resume: the number of updates the checkpoint had done (SFT and reward updates counted together);
-        if it was written in state.phase, its model, optimizer, scheduler, place in the loop and every RNG are loaded
-        into `state` too. Otherwise 0, and `state` stays as it is."""
-        if not self.resuming:
-            return 0
-        if self.resume["state"]["phase"] == state.phase:
-            load_state(self.resume, state, self.device)
-        return self.resume["state"]["update"]
+    def data_parallel(self, forward, *modules: nn.Module):
+        """`forward(*modules, ...)` as one call; under torchrun a DistributedDataParallel module: rank 0's weights on
+        every rank, and backward() SUMS the ranks' gradients (DDP's default averages them; each shard's loss is its
+        share of the global minibatch's mean); it finds parameters a step leaves unused (LP-FT's frozen backbone)."""
+        if self.world_size == 1:
+            return functools.partial(forward, *modules)
+        holder = nn.ModuleList(modules)  # DDP's module: its forward is `forward` over `modules`
+        holder.forward = functools.partial(forward, *modules)
+        self.ddp = DDP(holder, find_unused_parameters=True)
 
-    def end_step(self, step: int, state: "TrainState") -> None:
-        """At a step boundary: checkpoint `state` when due (every --save-every updates, and the last one) or when a
-        stop signal reached any rank; after a stop, exit with STOP_EXIT_CODE and the --resume command."""
-        stop = self.stop["signal"] is not None
-        if self.world_size > 1:  # a signal to any rank stops every rank at the same step (details 8)
-            stop = global_sum(torch.tensor([float(stop)], device=self.device), self.world_size).item() > 0
-        every = self.args.save_every
-        due = every > 0 and (step % every == 0 or step == self.total_updates)
-        if self.run_dir is None or not (due or stop):
+        def sum_hook(_, bucket):  # DDP's default comm hook, but a sum
+            return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+        self.ddp.register_comm_hook(None, sum_hook)
+        return lambda *inputs: self.ddp(*inputs)  # (end_training lets DDP go: it holds the process group)
+
+    def shard(self, items: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous share of a global minibatch (a short last one split as evenly as it goes)."""
+        return items if self.world_size == 1 else items.tensor_split(self.world_size)[self.rank]
+
+    def global_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place (x itself in one process)."""
+        if self.world_size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def load_pretrained(self, path: str, kind: Literal["causal", "classifier"]):
+        """(model, tokenizer) of a `save_pretrained` dir (--eval-only: a run dir or its reward_model/ dir)."""
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+        path = Path(path) / "reward_model" if (Path(path) / "reward_model").is_dir() else Path(path)
+        try:
+            cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
+            return cls.from_pretrained(path).to(self.device), AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, KeyError) as err:
+            raise SystemExit(f"error: cannot load --checkpoint {path}: {str(err).splitlines()[0]}") from None
+
+    def restore(self, state: TrainState) -> int:
+        """--resume: the updates done (SFT and reward counted together); the checkpoint loaded into `state` (its fields,
+        as state_dicts where they have one, and this rank's RNGs) if it was written in state.phase. Otherwise 0."""
+        if self.checkpoint and self.checkpoint["phase"] == state.phase:
+            for f in dataclasses.fields(state):
+                value, saved = getattr(state, f.name), self.checkpoint[f.name]
+                value.load_state_dict(saved) if hasattr(value, "load_state_dict") else setattr(state, f.name, saved)
+            set_rng_state(self.checkpoint["rng"][self.rank])
+        return self.checkpoint["update"] if self.checkpoint else 0
+
+    def end_step(self, step: int, state: TrainState) -> None:
+        """After update `step`: the checkpoint every --save-every updates, and on a stop signal to any rank (then every
+        rank exits with STOP_EXIT_CODE)."""
+        stop = self.global_sum(torch.tensor([float(self.stop["signal"] is not None)], device=self.device)).item() > 0
+        if not stop and (self.args.save_every == 0 or step % self.args.save_every):
             return
+        rngs = [rng_state()] * self.world_size  # each rank draws from its own RNGs: rank 0 saves them all
+        if self.world_size > 1:
+            dist.all_gather_object(rngs, rngs[0])
         if self.rank == 0:
-            extra = {"update": step, "args": asdict(self.args), "elapsed_s": time.time() - self.start_time}
-            step_dir = save_checkpoint(self.run_dir, step, state, extra)
+            saved = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+            saved = {key: value.state_dict() if hasattr(value, "state_dict") else value for key, value in saved.items()}
+            extra = {"args": asdict(self.args), "update": step, "rng": rngs, "elapsed_s": time.time() - self.start_time}
+            save_train_state(self.run_dir, saved | extra)
             self.writer.flush()  # the scalars logged so far reach the disk with the checkpoint
+        if self.world_size > 1:
+            dist.barrier()  # no rank goes on, or exits (torchrun would stop rank 0), before the checkpoint is complete
         if stop:
-            if self.world_size > 1:
-                dist.barrier()  # no rank exits (torchrun would end the others) before rank 0's checkpoint is complete
-                dist.destroy_process_group()
+            launcher = "python" if self.world_size == 1 else f"torchrun --nproc_per_node {self.world_size}"
             if self.rank == 0:
                 self.writer.close()
-                launcher = "python" if self.world_size == 1 else f"torchrun --nproc_per_node {self.world_size}"
-                print(f"interrupted: saved {step_dir}; continue with: {launcher} {sys.argv[0]} --resume {self.run_dir}")
+                print(f"interrupted; continue with: {launcher} {sys.argv[0]} --resume {self.run_dir}", file=sys.stderr)
+            self.ddp = None  # DDP lets go of the process group
+            if self.world_size > 1:
+                dist.destroy_process_group()
             raise SystemExit(STOP_EXIT_CODE)
 
     def end_training(self) -> None:
-        """After the last update: Ctrl-C stops at once again (a resume would redo the evaluation); under torchrun no
-        collective follows: every rank tears down together, and rank 0 alone evaluates, normalizes and saves."""
+        """After the last update: Ctrl-C stops at once again; under torchrun rank 0 alone evaluates and saves."""
         restore_signal_handlers(self.stop)
+        self.ddp = None  # DDP lets go of the process group
         if self.world_size > 1:
             dist.barrier()  # every rank tears down together (then each frees its gloo threads)
             dist.destroy_process_group()
             if self.rank != 0:
                 raise SystemExit(0)
 
-    def load_pretrained(self, path: str, kind: Literal["causal", "classifier"]):
-        """(model, tokenizer) of a `save_pretrained` dir (--eval-only: a run dir or its reward_model/ dir)."""
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-        p = Path(path)
-        if (p / "reward_model").is_dir():
-            p = p / "reward_model"
-        if not (p / "config.json").exists():
-            raise SystemExit(f"error: --checkpoint '{path}' is not a run dir or save_pretrained dir (no config.json)")
-        cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
-        try:
-            model = cls.from_pretrained(p)
-            tokenizer = AutoTokenizer.from_pretrained(p)
-        except (OSError, ValueError, KeyError) as e:
-            raise SystemExit(f"error: could not load reward model from '{p}': {str(e).splitlines()[0]}") from None
-        return model.to(self.device), tokenizer
-
     def finish(self, metrics: dict, models: dict, samples: int) -> None:
-        """Rank 0 at the end: save `models` (`save_models`; the reward model is loadable with
-        AutoModelForSequenceClassification.from_pretrained), write args.json and then summary.json (last: its presence
-        marks a finished run for --resume; sps = samples / wall time), close tensorboard."""
-        run_dir = self.run_dir
-        save_models(run_dir, models)
+        """`models` (save_models), args.json, then summary.json (renamed into place: a run dir with one holds a
+        finished run); the checkpoint goes (nothing to resume)."""
+        save_models(self.run_dir, models)
         wall = time.time() - self.start_time
         print(json.dumps({k: round(v, 4) for k, v in metrics.items()}, indent=1))
-        summary = {
-            "script": SCRIPT,
-            "run_name": run_dir.name,
-            "run_dir": str(run_dir),
-            "args": asdict(self.args),
-            "metrics": metrics,
-            "wall_time_s": wall,
-            "sps": samples / wall,
-        }
-        (run_dir / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
-        write_json_atomic(run_dir / "summary.json", summary)
+        summary = {"script": SCRIPT, "run_name": self.run_dir.name, "run_dir": str(self.run_dir)}
+        summary |= {"args": asdict(self.args), "metrics": metrics, "wall_time_s": wall, "sps": samples / wall}
+        (self.run_dir / "args.json").write_text(json.dumps(asdict(self.args), indent=2))
+        write_json_atomic(self.run_dir / "summary.json", summary)
+        (self.run_dir / TRAIN_STATE).unlink(missing_ok=True)
         self.writer.close()
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
+    tmp = path.with_name(f".tmp_{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
 
 
 def save_models(run_dir: Path, models: dict) -> None:
@@ -974,50 +920,91 @@ def save_models(run_dir: Path, models: dict) -> None:
                 save_file({k: v.contiguous() for k, v in part.state_dict().items()}, run_dir / f"{name}.safetensors")
 
 
-def check_writable_dir(path: Path, flag: str) -> None:
-    """A one-line error, before any work, if `path` is a file, cannot be created, or is not writable."""
-    if path.exists() and not path.is_dir():
-        raise SystemExit(f"error: {flag} {path} is a file, not a directory")
+TRAIN_STATE = "train_state.safetensors"  # RUN_DIR/<this>: the checkpoint of training that --resume continues from
+
+
+def save_train_state(run_dir: Path, state: dict) -> None:
+    """nanoGPT's checkpoint without pickle: the tensors and arrays in `state` (models, optimizers, replay, RNG
+    states) as one safetensors file, the rest (counters, args, param groups) as JSON in its header; written under a
+    temporary name and renamed, so a kill leaves the previous checkpoint or this one, never half of one."""
+    tensors = {}
+
+    def split(value, key: str):  # the JSON tree, with {"tensor" | "array": key} where a tensor or array was
+        if isinstance(value, torch.Tensor | np.ndarray):
+            tensors[key] = torch.as_tensor(value).detach().cpu().contiguous().clone()  # own copy (tied weights)
+            return {"array" if isinstance(value, np.ndarray) else "tensor": key}
+        if isinstance(value, dict):  # as [key, value] pairs: JSON keeps int keys (an optimizer's state) in a list
+            return {"dict": [[name, split(item, f"{key}/{name}")] for name, item in value.items()]}
+        if isinstance(value, list | tuple):
+            return [split(item, f"{key}/{i}") for i, item in enumerate(value)]
+        return value  # a number, a string, a bool or None
+
+    tree = json.dumps(split(state, ""))
+    save_file(tensors, str(run_dir / f".tmp_{TRAIN_STATE}"), metadata={"script": SCRIPT, "state": tree})
+    os.replace(run_dir / f".tmp_{TRAIN_STATE}", run_dir / TRAIN_STATE)
+
+
+def read_train_state(run_dir: Path) -> dict:
+    """The `state` save_train_state wrote in `run_dir` (tensors on the CPU, arrays as numpy, tuples as lists); a
+    one-line error if it is missing, unreadable, or a checkpoint of another script."""
+    path = run_dir / TRAIN_STATE
     try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise SystemExit(f"error: cannot create {flag} {path}: {err.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SystemExit(f"error: {flag} {path} is not writable")
+        with safe_open(str(path), "pt") as file:
+            tensors, meta = {key: file.get_tensor(key) for key in file.keys()}, file.metadata()
+        tree = json.loads(meta["state"])
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError) as err:
+        raise SystemExit(f"error: cannot read checkpoint {path}: {err}") from None
+    if meta.get("script") != SCRIPT:
+        raise SystemExit(f"error: {run_dir} is a run of {meta.get('script')}.py, not of {SCRIPT}.py")
+
+    def join(value):
+        if isinstance(value, list):
+            return [join(item) for item in value]
+        if not isinstance(value, dict):
+            return value
+        if "dict" in value:
+            return {name: join(item) for name, item in value["dict"]}
+        return tensors[value["tensor"]] if "tensor" in value else tensors[value["array"]].numpy()
+
+    return join(tree)
 
 
-def new_run_dir(runs_dir: str, task: str, exp_name: str, seed: int) -> Path:
-    """Create and return runs_dir/{task}__{exp_name}__{seed}__{unix time}; never an existing directory: mkdir is
-    atomic, so runs started in the same second get -1, -2, ..."""
-    run_name = f"{task.replace('/', '-').replace(':', '-')}__{exp_name}__{seed}__{int(time.time())}"
-    run_dir, suffix = Path(runs_dir) / run_name, 0
-    while True:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=False)
-            return run_dir
-        except FileExistsError:
-            suffix += 1
-            run_dir = Path(runs_dir) / f"{run_name}-{suffix}"
+def rng_state() -> dict:
+    """The global RNGs training draws from (python, numpy, torch, CUDA), for the checkpoint."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "cuda": cuda}
 
 
-def open_writer(run_dir: Path, args, purge_step: int | None = None) -> SummaryWriter:
-    """tensorboard in the run dir with the hyperparameters as a markdown table (CleanRL). On a resume, purge_step (the
-    checkpoint's step + 1) drops what the killed run logged after its checkpoint, and the table is already there."""
-    writer = SummaryWriter(str(run_dir), purge_step=purge_step)
-    if purge_step is None:
-        table = "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    return writer
+def set_rng_state(state: dict) -> None:
+    """Put back what rng_state returned (read back from a checkpoint: its tuples came back as lists)."""
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    np.random.set_state(tuple(state["numpy"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file, then rename it into place: a kill leaves the old file or none, never half."""
-    tmp = path.with_name(f".tmp_{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+def resume_args(cli: Args) -> tuple[Args, dict]:
+    """`--resume RUN_DIR`: the run's own Args (RESUME_FREE_FIELDS as given on the command line) and its checkpoint;
+    one-line errors for a finished run, another script's run, or an argument given that differs from the run's."""
+    run_dir = Path(cli.resume)
+    if (run_dir / "summary.json").is_file():
+        raise SystemExit(f"error: run {run_dir} has finished (summary.json exists); there is nothing to resume")
+    checkpoint, defaults = read_train_state(run_dir), asdict(Args())
+    saved, given = checkpoint["args"], {key: value for key, value in asdict(cli).items() if value != defaults[key]}
+    for key, value in given.items():
+        if key not in RESUME_FREE_FIELDS and json.loads(json.dumps(value)) != saved.get(key):  # a tuple saved as a list
+            raise SystemExit(
+                f"error: --{key.replace('_', '-')} {value} differs from the run's {saved.get(key)}; "
+                "--resume continues a run with its own arguments"
+            )
+    try:
+        return Args(**(saved | {key: value for key, value in given.items() if key in RESUME_FREE_FIELDS})), checkpoint
+    except TypeError as err:
+        raise SystemExit(f"error: the arguments saved in {run_dir} do not fit this script: {err}") from None
 
 
-STOP_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C (a SIGTERM stop exits alike)
+STOP_EXIT_CODE = 130
 
 
 def install_stop_handlers() -> dict:
@@ -1062,158 +1049,6 @@ def init_torchrun(cuda: bool) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=DIST_TIMEOUT)
     return dist.get_rank(), world_size, torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-
-
-def sync_grads(params, world_size: int) -> None:
-    """SUM the gradients over ranks, one flat all-reduce after backward() and before clipping (CleanRL's
-    ppo_atari_multigpu.py averages instead): each rank's loss is already weighted by its share of the global batch,
-    so the sum is the gradient of the global batch's loss. Parameters without a gradient are skipped (identically on
-    every rank). One process: nothing."""
-    if world_size == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def global_sum(x: torch.Tensor, world_size: int) -> torch.Tensor:
-    """The sum of x over ranks (a new tensor); x itself in one process."""
-    if world_size == 1:
-        return x
-    x = x.clone()
-    dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x
-
-
-def broadcast_params(module: nn.Module, world_size: int) -> None:
-    """Rank 0's parameters and floating-point buffers on every rank: identical starts whatever each rank's RNG use."""
-    if world_size > 1:
-        with torch.no_grad():
-            for t in [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]:
-                dist.broadcast(t.data, src=0)
-
-
-class NullWriter:
-    """What ranks other than 0 write to instead of tensorboard: SummaryWriter's calls as no-ops."""
-
-    def add_scalar(self, *args, **kwargs):
-        pass
-
-    add_text = add_histogram = flush = close = add_scalar
-
-
-def save_checkpoint(run_dir: Path, step: int, state: "TrainState", extra: dict) -> Path:
-    """Write RUN_DIR/checkpoints/step_<step>/ atomically, point latest.json at it, delete older ones.
-
-    Every field of `state` (`dataclasses.fields`): a module to <name>.safetensors (`save_model`: tied weights stored
-    once), optimizer and scheduler state_dicts together to optimizer.pt (tensors and numbers only), tensors with the
-    torch RNG state to rng.safetensors, the rest to state.json (with `extra`, python and numpy RNG states, the byte
-    size of every file).
-    """
-    root = run_dir / "checkpoints"
-    final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
-    tmp.mkdir(parents=True)
-    rng, state_dicts, plain = {"torch_cpu": torch.get_rng_state()}, {}, {}
-    for f in dataclasses.fields(state):
-        value = getattr(state, f.name)
-        if isinstance(value, nn.Module):
-            save_model(value, str(tmp / f"{f.name}.safetensors"))
-        elif hasattr(value, "state_dict"):  # optimizer, scheduler
-            state_dicts[f.name] = value.state_dict()
-        elif isinstance(value, torch.Tensor):
-            rng[f.name] = value
-        else:
-            plain[f.name] = value
-    torch.save(state_dicts, tmp / "optimizer.pt")
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["torch_cuda"] = torch.cuda.get_rng_state()
-    save_file({k: v.contiguous().cpu() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
-    numpy_rng = np.random.get_state(legacy=False)
-    numpy_rng["state"]["key"] = numpy_rng["state"]["key"].tolist()
-    python_rng = random.getstate()
-    files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
-    saved = {
-        **plain,
-        **extra,
-        "script": SCRIPT,
-        "step": step,
-        "files": files,
-        "numpy_rng": numpy_rng,
-        "python_rng": [python_rng[0], list(python_rng[1]), python_rng[2]],
-    }
-    (tmp / "state.json").write_text(json.dumps(saved))
-    if final.exists():  # complete, but latest.json never named it (the run was killed right after the rename)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    write_json_atomic(root / "latest.json", {"step": step, "dir": final.name, "phase": state.phase})
-    for old in root.glob("step_*"):  # the previous checkpoint goes only now that the new one is complete
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def find_checkpoint(run_dir: Path) -> dict:
-    """The newest complete checkpoint of a run dir, checked: {"state": state.json, "dir": its step dir}; one-line
-    errors for a finished run, another script's run, no checkpoint, a missing or truncated file."""
-    if not run_dir.is_dir():
-        raise SystemExit(f"error: --resume '{run_dir}' is not a run directory")
-    if (run_dir / "summary.json").exists():
-        raise SystemExit(f"error: --resume '{run_dir}': the run is finished (summary.json exists); nothing to resume")
-    latest = run_dir / "checkpoints" / "latest.json"
-    if not latest.exists():
-        raise SystemExit(f"error: --resume '{run_dir}' has no checkpoint ({latest} missing; see --save-every)")
-    try:
-        step_dir = latest.parent / json.loads(latest.read_text())["dir"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"error: checkpoint index {latest} is unreadable ({e})") from None
-    try:
-        state = json.loads((step_dir / "state.json").read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: checkpoint file {step_dir / 'state.json'} is corrupt or missing ({e})") from None
-    if state.get("script") != SCRIPT:
-        raise SystemExit(f"error: --resume '{run_dir}' is a run of {state.get('script')}, not of {SCRIPT}")
-    for name, size in state["files"].items():
-        got = (step_dir / name).stat().st_size if (step_dir / name).exists() else 0
-        if got != size:
-            raise SystemExit(f"error: checkpoint file {step_dir / name} is truncated ({got} of {size} bytes)")
-    return {"state": state, "dir": step_dir}
-
-
-def load_state(ckpt: dict, state: "TrainState", device) -> None:
-    """Load a checkpoint (`find_checkpoint`) into `state`, field by field as `save_checkpoint` wrote them, and set
-    every RNG; a corrupt file is a one-line error."""
-
-    def read(name, fn):
-        try:
-            return fn(ckpt["dir"] / name)
-        except (OSError, RuntimeError, ValueError, SafetensorError) as e:
-            message = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise SystemExit(f"error: checkpoint file {ckpt['dir'] / name} is corrupt ({message})") from None
-
-    state_dicts = read("optimizer.pt", lambda f: torch.load(f, map_location=device, weights_only=True))
-    tensors = read("rng.safetensors", lambda f: load_file(str(f)))
-    saved = ckpt["state"]
-    for f in dataclasses.fields(state):
-        value = getattr(state, f.name)
-        if isinstance(value, nn.Module):
-            read(f"{f.name}.safetensors", lambda path, value=value: load_model(value, str(path), device=str(device)))
-        elif hasattr(value, "state_dict"):
-            value.load_state_dict(state_dicts[f.name])
-        elif f.name in tensors:
-            setattr(state, f.name, tensors[f.name])
-        else:
-            setattr(state, f.name, saved[f.name])
-    torch.set_rng_state(tensors["torch_cpu"])
-    cuda_rng = tensors.get("torch_cuda")
-    if cuda_rng is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(cuda_rng)
-    random.setstate((saved["python_rng"][0], tuple(saved["python_rng"][1]), saved["python_rng"][2]))
-    np.random.set_state(saved["numpy_rng"])
 
 
 if __name__ == "__main__":

@@ -334,9 +334,10 @@ def test_smoke_run_and_eval_only(runs_dir):
         ({"eval_only": True, "checkpoint": "/nonexistent_run"}, "--eval-only needs"),
     ],
 )
-def test_validate_rejects_bad_args(bad, message):
+def test_parse_args_rejects_bad_args(bad, message, monkeypatch):
+    monkeypatch.setattr(m.tyro, "cli", lambda _: m.Args(**bad))  # the command line that gives these Args
     with pytest.raises(SystemExit, match=message):
-        m.validate(m.Args(**bad))
+        m.parse_args()
 
 
 def test_bad_input_clear_error_cli(runs_dir):

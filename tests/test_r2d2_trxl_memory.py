@@ -20,6 +20,7 @@ def test_what_both_r2d2_scripts_define_is_the_same_text():
     """A function, class or constant both scripts define is the same text in each (where they must differ, the names
     differ: MemoryReplay, memory_actor_step, final_delta_q_memory, replay_bytes_memory), but the script's own."""
     own = {"Args", "main", "evaluate", "TrainState", "Run", "parse_args", "start_run", "ARCH_FIELDS", "SCRIPT"}
+    own |= {"POSITIVE_FIELDS", "ZERO_OK_FIELDS", "close_episodes"}  # the checks and the replay row of each script
     texts = []
     for name in ("r2d2_trxl_memory", "r2d2_rnnstate"):
         text = (ROOT / "algos" / f"{name}.py").read_text()
@@ -31,7 +32,7 @@ def test_what_both_r2d2_scripts_define_is_the_same_text():
                 nodes[node.targets[0].id] = ast.get_source_segment(text, node)
         texts.append(nodes)
     shared = (texts[0].keys() & texts[1].keys()) - own
-    assert {"value_rescale", "nstep_rescaled_targets", "save_training_checkpoint", "restore_envs"} <= shared
+    assert {"value_rescale", "nstep_rescaled_targets", "save_train_state", "install_stop_handlers"} <= shared
     assert [name for name in sorted(shared) if texts[0][name] != texts[1][name]] == []
 
 
@@ -378,12 +379,11 @@ def test_exact_mode_equals_the_episode_re_encode_float64():
 @pytest.mark.parametrize("memory", list(trxl.MEMORY_MODES))
 def test_replay_checkpoint_round_trips_without_pickles(tmp_path, memory):
     """The replay's state_dict is plain arrays and numbers in every mode (the episode mode's unbounded lead is not
-    saved as an object array): np.savez, then np.load(allow_pickle=False) restores every array."""
+    saved): through save_train_state and read_train_state (safetensors and JSON) it restores every array."""
     rb, _ = fill_replay(memory, num_vector_steps=30)
-    np.savez(tmp_path / "replay.npz", **rb.state_dict())
+    trxl.save_train_state(tmp_path, {"rb": rb.state_dict()})
     fresh, _ = fill_replay(memory, num_vector_steps=0)
-    with np.load(tmp_path / "replay.npz", allow_pickle=False) as data:
-        fresh.load_state_dict({key: data[key] for key in data.files})
+    fresh.load_state_dict(trxl.read_train_state(tmp_path)["rb"])
     for key, value in rb.state_dict().items():
         np.testing.assert_array_equal(getattr(fresh, key), value)
     assert fresh.lead == rb.lead
@@ -526,10 +526,10 @@ def test_learning_rate_zero_stored_memory_is_exact_in_the_main_loop(runs_dir, st
     [
         (["--env-id", "Pendulum-v1", "--env-kwargs", "{}"], "only Discrete action spaces"),
         (["--env-id", "seqrl/NoSuchEnv-v0"], "cannot make env"),
-        (["--memory-length", "0"], "--memory-length >= 1"),
-        (["--window", "0", "--memory", "window"], "--window >= 1"),
+        (["--memory-length", "0"], "--memory-length must be at least 1"),
+        (["--window", "0", "--memory", "window"], "--window must be at least 1"),
         (["--burn-in", "40", "--memory-length", "32"], "longer than the memory"),
-        (["--burn-in", "-1"], "--burn-in >= 0"),
+        (["--burn-in", "-1"], "--burn-in must be at least 0"),
         (["--d-model", "30", "--num-heads", "4"], "multiple of --num-heads"),
         (["--buffer-size", "1000"], "buffer-size"),
         (["--memory", "window", "--window", "8"], "more than --window 8"),

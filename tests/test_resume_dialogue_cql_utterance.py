@@ -1,5 +1,5 @@
-"""Per-utterance CQL (algos/dialogue_cql_utterance.py), issue 17: checkpoints at the phase ends and every
---save-every critic steps, --resume and Ctrl-C continue a run exactly.
+"""Per-utterance CQL (algos/dialogue_cql_utterance.py), issue 17: RUN_DIR/train_state.safetensors at the phase ends
+and every --save-every critic steps; --resume and Ctrl-C continue a run exactly.
 
 A run killed (SIGKILL) or interrupted (SIGINT) after a checkpoint of the BC, candidate or critic phase and resumed
 ends with the same metrics, bit for bit, as the same run uninterrupted; so does a run that writes no checkpoints.
@@ -9,9 +9,11 @@ import json
 import signal
 import subprocess
 import time
+from dataclasses import replace
 
 import pytest
 from conftest import ROOT, load_script, run_script, script_command, start_script, subprocess_env
+from safetensors.torch import save_file
 
 cql = load_script("dialogue_cql_utterance")
 
@@ -21,7 +23,7 @@ TINY = list(
     "--n-candidates 2 --n-embd 16 --critic-dim 16 --critic-hidden 16 --log-every 10 --val-episodes 18 "
     "--act-temperatures 1.0 0.5".split()
 )
-SAVE_EVERY = ["--save-every", "20"]  # checkpoints bc_0, candidates_0, critic_20, critic_40, critic_60
+SAVE_EVERY = ["--save-every", "20"]  # checkpoints after BC, after the candidates, at critic steps 20, 40, 60
 TIMEOUT = 300  # seconds for one subprocess run (a tiny run takes seconds)
 
 
@@ -30,12 +32,12 @@ def start_run(runs_dir, log_path) -> subprocess.Popen:
 
 
 def wait_for_checkpoint(proc: subprocess.Popen, runs_dir, phases: tuple[str, ...]):
-    """The run dir once latest.json names a checkpoint of one of `phases`; the run must still be going."""
+    """The run dir once its train_state.safetensors is one of `phases`; the run must still be going."""
     deadline = time.time() + TIMEOUT
     while time.time() < deadline:
-        for latest in runs_dir.glob("*/checkpoints/latest.json"):
-            if json.loads(latest.read_text())["step_dir"].startswith(phases):
-                return latest.parents[1]
+        for checkpoint in runs_dir.glob(f"*/{cql.TRAIN_STATE}"):
+            if cql.read_train_state(checkpoint.parent)["phase"] in phases:
+                return checkpoint.parent
         assert proc.poll() is None, f"the run ended before a checkpoint of {phases}"
         time.sleep(0.01)
     proc.kill()
@@ -47,21 +49,22 @@ def resume(run_dir, *args: str, expect_fail: bool = False):
     proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=TIMEOUT)
     if expect_fail:
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
-        return proc.stderr.strip().splitlines()[-1]
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # a one-line error
+        return proc.stderr.strip()
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert f"resumed {run_dir} after the" in proc.stdout
+    assert f"resumed {run_dir}: " in proc.stdout
     return json.loads((run_dir / "summary.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The tiny run without checkpoints and with all of them: identical metrics (saving never draws a random number),
-    and the checkpoints are gone once the run has finished."""
+    and the checkpoint is gone once the run has finished."""
     runs_dir = tmp_path_factory.mktemp("uninterrupted")
     plain = run_script("dialogue_cql_utterance", *TINY, "--save-every", "0", runs_dir=runs_dir / "off", timeout=TIMEOUT)
     saving = run_script("dialogue_cql_utterance", *TINY, *SAVE_EVERY, runs_dir=runs_dir / "on", timeout=TIMEOUT)
     assert saving["metrics"] == plain["metrics"]
-    assert not (runs_dir / "on" / saving["run_name"] / "checkpoints").exists()
+    assert not (runs_dir / "on" / saving["run_name"] / cql.TRAIN_STATE).exists()
     return plain
 
 
@@ -76,7 +79,7 @@ def test_sigkill_after_a_checkpoint_then_resume_matches_uninterrupted(uninterrup
     summary = resume(run_dir)
     assert summary["metrics"] == uninterrupted["metrics"]  # bit-identical
     assert summary["run_dir"] == str(run_dir) and list(runs_dir.iterdir()) == [run_dir]  # the same run dir
-    assert not (run_dir / "checkpoints").exists()
+    assert not (run_dir / cql.TRAIN_STATE).exists()
     assert (run_dir / "critic.safetensors").exists() and (run_dir / "bc_lm" / "config.json").exists()
 
 
@@ -87,49 +90,45 @@ def test_sigint_truncated_checkpoint_and_refusals(uninterrupted, tmp_path):
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=TIMEOUT) == cql.STOP_EXIT_CODE
     last_line = (tmp_path / "log.txt").read_text().strip().splitlines()[-1]
-    assert last_line.startswith("interrupted: checkpoint ") and f"--resume {run_dir}" in last_line
-    name = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step_dir"]
-    assert name != "bc_0" and not (run_dir / "summary.json").exists()  # the next boundary after the first one
+    assert last_line.startswith("SIGINT: checkpoint saved in ") and f"--resume {run_dir}" in last_line
+    assert cql.read_train_state(run_dir)["phase"] != "bc" and not (run_dir / "summary.json").exists()  # a later one
 
-    # changed arguments are refused; a checkpoint truncated half-way is refused naming its file
+    # changed arguments are refused; a checkpoint truncated half-way is a one-line error naming it
     assert "--critic-steps 61 differs from the run's 60" in resume(run_dir, "--critic-steps", "61", expect_fail=True)
-    weights = run_dir / "checkpoints" / name / "lm.safetensors"
-    content = weights.read_bytes()
-    weights.write_bytes(content[: len(content) // 2])
-    message = resume(run_dir, expect_fail=True)
-    assert "truncated" in message and str(weights) in message
-    # a kill during the next save leaves its temporary dir, and latest.json names the previous, complete checkpoint
-    weights.write_bytes(content)
-    (run_dir / "checkpoints" / ".tmp_critic_999").mkdir()
-    (run_dir / "checkpoints" / ".tmp_critic_999" / "lm.safetensors").write_bytes(content[:100])
-    summary = resume(run_dir)
+    checkpoint = run_dir / cql.TRAIN_STATE
+    content = checkpoint.read_bytes()
+    checkpoint.write_bytes(content[: len(content) // 2])
+    assert resume(run_dir, expect_fail=True).startswith(f"error: cannot read checkpoint {checkpoint}")
+    # a kill during the next save leaves its temporary file beside the previous, complete checkpoint
+    checkpoint.write_bytes(content)
+    (run_dir / f".tmp_{cql.TRAIN_STATE}").write_bytes(content[:100])
+    summary = resume(run_dir, *TINY)  # repeating the run's own arguments is fine
     assert summary["metrics"] == uninterrupted["metrics"]  # bit-identical
-    assert not (run_dir / "checkpoints").exists()
+    assert not checkpoint.exists()
 
     # a finished run, another script's run, a dir without checkpoint: one-line errors
     finished = resume(run_dir, expect_fail=True)
     assert finished == f"error: run {run_dir} has finished (summary.json exists); there is nothing to resume"
     foreign = tmp_path / "foreign"
-    (foreign / "checkpoints" / "step_8").mkdir(parents=True)
-    (foreign / "checkpoints" / "latest.json").write_text(json.dumps({"step_dir": "step_8"}))
-    (foreign / "checkpoints" / "step_8" / "state.json").write_text(json.dumps({"script": "r2d2_rnnstate"}))
+    foreign.mkdir()
+    save_file({}, str(foreign / cql.TRAIN_STATE), metadata={"script": "r2d2_rnnstate", "state": "{}"})
     for run, message in (
         (foreign, "is a run of r2d2_rnnstate.py, not of dialogue_cql_utterance.py"),
-        (tmp_path, "has no checkpoint"),
+        (tmp_path, "cannot read checkpoint"),
     ):
         with pytest.raises(SystemExit, match=message):
             cql.resume_args(cql.Args(resume=str(run)))
 
 
 def test_checkpoint_round_trip_is_exact(tmp_path):
-    """What save_training_checkpoint writes of a TrainState (proposer with tied embeddings, utterance table,
-    candidates, critic, target, Adam, minibatch rng, RNG states), load_training_checkpoint restores bit for bit, the
-    critic phase's parts once they are built; the older checkpoint is deleted."""
+    """What Run.end_step writes of a TrainState (proposer with tied embeddings, utterance table, candidates, critic,
+    target, Adam, minibatch rng, RNG states), Run.restore of the resumed run restores bit for bit: the phases done
+    first, the critic phase's parts once they are built."""
     import numpy as np
     import torch
 
     torch.manual_seed(0)
-    args = cql.Args(n_embd=16, n_head=4, critic_dim=8, critic_hidden=8)
+    args = cql.Args(n_embd=16, n_head=4, critic_dim=8, critic_hidden=8, runs_dir=str(tmp_path), save_every=20)
     lm, tokenizer = cql.build_proposer(args)
     new_critic = lambda: cql.UtteranceCritic(len(tokenizer), 8, 8, tokenizer.pad_token_id)  # noqa: E731
     critic, target = new_critic(), new_critic()
@@ -139,29 +138,28 @@ def test_checkpoint_round_trip_is_exact(tmp_path):
     rng = np.random.default_rng(0)
     table = cql.UtteranceTable(tokenizer)
     table.add("is it red ?")  # the data's utterance
-    state = cql.TrainState(phase="bc", lm=lm, table=table, bc_nll={"model/bc_nll_end": 1.25}, timings={"bc_s": 1.0})
-    cql.save_training_checkpoint(tmp_path, "bc_0", state, {"critic_step": 0, "args": {}})
-    state.phase, state.cand = "critic", torch.from_numpy(rng.integers(-1, 9, size=(5, 3)))
-    state.critic, state.target, state.optimizer, state.rng = critic, target, optimizer, rng
     table.add("it is big .")  # a sampled one
-    cql.save_training_checkpoint(tmp_path, "critic_20", state, {"critic_step": 20, "args": {}})
-    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["critic_20", "latest.json"]
+    state = cql.TrainState(phase="critic", lm=lm, table=table, bc_nll={"model/bc_nll_end": 1.25}, timings={"bc_s": 1.0})
+    state.cand = torch.from_numpy(rng.integers(-1, 9, size=(5, 3)))
+    state.critic, state.target, state.optimizer, state.rng = critic, target, optimizer, rng
+    run = cql.start_run(args)
+    run.end_step(20, state)
+    run.end_training()
     expected = (rng.random(), torch.rand(1), np.random.random())  # the draws after the save
 
-    step_dir, saved = cql.read_checkpoint_state(tmp_path)
-    assert saved["fields"]["phase"] == "critic" and saved["critic_step"] == 20
     torch.manual_seed(1)
     fresh_lm, _ = cql.build_proposer(args)
-    fresh_critic, fresh_target = new_critic(), new_critic()
     fresh_table = cql.UtteranceTable(tokenizer)
     fresh_table.add("is it red ?")
     fresh = cql.TrainState(phase=None, lm=fresh_lm, table=fresh_table)
-    done = cql.load_training_checkpoint(step_dir, saved, fresh, set())  # the start of main: the phases done
+    resumed = cql.start_run(replace(args, resume=str(run.run_dir)))
+    assert resumed.restore(fresh) == 0  # the start of main: the phases done
     assert fresh.phase == "critic" and fresh.bc_nll == state.bc_nll and fresh.timings == state.timings
     assert torch.equal(fresh.cand, state.cand) and list(fresh_table.ids) == ["is it red ?", "it is big ."]
-    fresh.critic, fresh.target, fresh.rng = fresh_critic, fresh_target, np.random.default_rng(3)
+    fresh.critic, fresh.target, fresh.rng = new_critic(), new_critic(), np.random.default_rng(3)
     fresh.optimizer = torch.optim.Adam(fresh.critic.parameters(), lr=1e-3)
-    cql.load_training_checkpoint(step_dir, saved, fresh, done)  # the critic phase, once its parts are built
+    assert resumed.restore(fresh) == 20  # the critic phase, once its parts are built
+    resumed.end_training()
     for old, new in ((lm, fresh_lm), (critic, fresh.critic), (target, fresh.target)):
         assert all(torch.equal(value, new.state_dict()[key]) for key, value in old.state_dict().items())
     assert fresh_lm.lm_head.weight.data_ptr() == fresh_lm.transformer.wte.weight.data_ptr()  # still tied

@@ -91,13 +91,15 @@ def test_causal_lm_loss_by_hand():
 
 
 def test_sft_trains_the_lm_and_the_reward_model_gets_its_backbone(tmp_path):
-    from torch.utils.tensorboard import SummaryWriter
-
     torch.manual_seed(0)
-    args = rm.Args(sft_epochs=2, sft_examples=128, sft_batch_size=32)
+    args = rm.Args(sft_epochs=2, sft_examples=128, sft_batch_size=32, runs_dir=str(tmp_path), save_every=0)
     lm, tok = rm.build_lm(args, "cpu")
     before = {k: v.clone() for k, v in lm.base_model.state_dict().items()}
-    nll = rm.fine_tune_backbone(lm, tok, args, rm.Run(args, writer=SummaryWriter(str(tmp_path))))
+    run = rm.start_run(args)
+    try:
+        nll = rm.fine_tune_backbone(lm, tok, args, run)
+    finally:
+        rm.restore_signal_handlers(run.stop)
     assert math.isfinite(nll) and nll < math.log(len(tok))  # below the uniform guess after 4 updates
     changed = [k for k, v in lm.base_model.state_dict().items() if not torch.equal(v, before[k])]
     assert "wte.weight" in changed and any(k.startswith("h.1.") for k in changed)  # SFT trained the backbone
@@ -277,7 +279,7 @@ def test_bad_input_gives_clear_error(runs_dir, tmp_path, monkeypatch):
     proc = run_script("rlhf_reward_model", "--eval-only", runs_dir=runs_dir, expect_fail=True)
     assert "error: --eval-only needs --checkpoint" in proc.stderr
     proc = run_script("rlhf_reward_model", "--n-center-samples", "0", runs_dir=runs_dir, expect_fail=True)
-    assert "error: need --n-center-samples >= 1" in proc.stderr and "Traceback" not in proc.stderr
+    assert "error: --n-center-samples must be >= 1" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize(
@@ -286,17 +288,21 @@ def test_bad_input_gives_clear_error(runs_dir, tmp_path, monkeypatch):
         (["--head-only-fraction", "1.5"], "--head-only-fraction must be in [0, 1]"),
         (["--head-only-fraction", "-0.1"], "--head-only-fraction must be in [0, 1]"),
         (["--val-prompts", "-3"], "--val-prompts must be >= 0"),
-        (["--seed", "-1"], "--seed >= 0"),
-        (["--n-norm-samples", "1"], "--n-norm-samples >= 2"),
-        (["--dropout", "1.0"], "--dropout < 1"),
-        (["--n-head", "0"], "positive --n-layer, --n-embd, --n-head"),
+        (["--seed", "-1"], "--seed must be >= 0"),
+        (["--n-norm-samples", "1"], "--n-norm-samples must be >= 2"),
+        (["--dropout", "1.0"], "--dropout must be in [0, 1)"),
+        (["--n-head", "0"], "--n-head must be >= 1"),
         (["--n-embd", "30"], "divisible by --n-head"),
-        (["--learning-rate", "-1e-3"], "--learning-rate"),
-        (["--weight-decay", "-0.01"], "--weight-decay"),
-        (["--center-coef", "-1"], "--center-coef"),
+        (["--learning-rate", "-1e-3"], "--learning-rate must be >= 0"),
+        (["--weight-decay", "-0.01"], "--weight-decay must be >= 0"),
+        (["--center-coef", "-1"], "--center-coef must be >= 0"),
         (["--max-grad-norm", "0"], "--max-grad-norm must be > 0"),
-        (["--flip-prob", "1.5"], "0 <= --flip-prob <= 1"),
-        (["--k", "1"], "--k >= 2"),
+        (["--flip-prob", "1.5"], "--flip-prob must be in [0, 1]"),
+        (["--k", "1"], "--k must be >= 2"),
+        (["--sft-epochs", "-1"], "--sft-epochs must be >= 0"),
+        (["--save-every", "-1"], "--save-every must be >= 0"),
+        (["--temperature", "0"], "--temperature must be > 0"),
+        (["--margin", "0.1", "--kwise-form", "softmax"], "--margin"),
     ],
 )
 def test_parse_args_rejects_bad_values(argv, message, monkeypatch, tmp_path):

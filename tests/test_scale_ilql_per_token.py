@@ -1,16 +1,17 @@
 """Scaling out and long runs of algos/ilql_per_token.py: data-parallel training under torchrun (issue 16: the
 all-reduced gradient of a global minibatch split over 2 ranks is the one-process gradient; a 2-process run writes one
-run dir) and checkpoints (issue 17: SIGKILL or Ctrl-C after a checkpoint, then --resume, ends with exactly the metrics
-of the uninterrupted run; truncated checkpoints, finished runs, other scripts' runs are one-line errors).
+run dir; SIGTERM stops both ranks at one checkpoint, which a 2-process --resume continues) and checkpoints (issue 17:
+SIGKILL or Ctrl-C after a checkpoint, then --resume, ends with exactly the metrics of the uninterrupted run;
+truncated checkpoints, finished runs, other scripts' runs, changed arguments are one-line errors).
 
 Run as a script under torchrun, this file is the worker of the gradient test (see the end of the file)."""
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -69,9 +70,9 @@ def test_shard_losses_sum_to_the_global_minibatch_losses():
 
 def test_allreduced_gradient_equals_one_process_gradient(tmp_path):
     """Issue 16 (a). 2 gloo ranks each backpropagate their shard of GRAD_IDX (4 short and 3 long dialogues, each
-    shard trimmed to its own longest) and all-reduce; the result equals the one-process gradient of the whole
-    minibatch up to float summation order (the shards are padded to other widths): |Δ| <= 1e-4 * max|g| + 1e-7 per
-    tensor (measured: at most 2.9e-6 * max|g|); averaging the ranks' gradients instead of summing would halve them."""
+    shard trimmed to its own longest) through `run.data_parallel` (DDP with a summing comm hook); the result equals
+    the one-process gradient of the whole minibatch up to float summation order (the shards are padded to other
+    widths): |Δ| <= 1e-4 * max|g| + 1e-7 per tensor; DDP's default averaging would halve it."""
     proc = subprocess.run(
         [*TORCHRUN, __file__, str(tmp_path)],
         cwd=ROOT,
@@ -93,22 +94,37 @@ def test_allreduced_gradient_equals_one_process_gradient(tmp_path):
         assert reduced_losses[k] == pytest.approx(losses[k], rel=1e-5, abs=1e-7), k
 
 
-def test_torchrun_two_processes_write_one_run_dir(tmp_path):
-    """Issue 16 (b): 2 processes train, split the β sweep, agree on the β, and only rank 0 writes."""
+def torchrun(runs: Path, *args: str) -> subprocess.Popen:
+    cmd = [*TORCHRUN, SCRIPT, "--runs-dir", str(runs), *args]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def test_torchrun_two_processes_stop_resume_and_write_one_run_dir(tmp_path):
+    """Issue 16 (b): 2 processes train; SIGTERM (what torchrun's agent forwards) stops both at one step with one
+    checkpoint holding both ranks' RNG states; a resume on another number of processes is refused; the resumed 2
+    processes split the β sweep, agree on the β, and only rank 0 writes."""
     runs = tmp_path / "runs"
-    cmd = [*TORCHRUN, SCRIPT, "--runs-dir", str(runs), *TINY, "--num-steps", "20", "--save-every", "10"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    proc = torchrun(runs, *RESUMABLE, "--num-steps", "60")
+    run_dir = wait_for_first_checkpoint(runs, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "SIGTERM: checkpoint saved at step" in err, err  # (torchrun's own traceback too)
+    assert f"continue with: torchrun --nproc_per_node 2 {SCRIPT} --resume {run_dir}" in err, err
+    state = M.read_train_state(run_dir)
+    assert state["step"] < 60 and len(state["rngs"]) == 2  # rank 1 reseeds its torch RNG (dropout): its own state
+    assert not torch.equal(state["rngs"][0]["torch"], state["rngs"][1]["torch"])
+    assert resume(run_dir, expect_fail=True) == f"error: --resume {run_dir} ran on 2 processes, not 1"
+    proc = subprocess.run(
+        [*TORCHRUN, SCRIPT, "--resume", str(run_dir)], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    (run_dir,) = runs.iterdir()  # exactly one run dir
+    assert [p.name for p in runs.iterdir()] == [run_dir.name]  # exactly one run dir
     summary = json.loads((run_dir / "summary.json").read_text())
     check_evaluation_bookkeeping(summary["metrics"], betas=(0.0, 4.0))
-    assert len(list(run_dir.glob("events.out.tfevents*"))) == 1  # one tensorboard writer
-    assert [p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir()] == ["step_20"]
-    state = json.loads((run_dir / "checkpoints" / "step_20" / "state.json").read_text())
-    assert state["world_size"] == 2 and sorted(p.name for p in (run_dir / "checkpoints" / "step_20").glob("rng*")) == [
-        "rng_rank0.pt",
-        "rng_rank1.pt",
-    ]
+    assert len(list(run_dir.glob("events.out.tfevents*"))) == 2  # one tensorboard writer per start, rank 0's
+    assert not (run_dir / M.TRAIN_STATE).exists()  # a finished run keeps no checkpoint
     assert proc.stdout.count("β=0: val") == 1 and proc.stdout.count("β=4: val") == 1  # each β on one rank
     assert proc.stdout.count("best β=") == 1  # one summary line: rank 0
 
@@ -132,17 +148,13 @@ def start_run(runs: Path) -> subprocess.Popen:
 def wait_for_first_checkpoint(runs: Path, proc: subprocess.Popen, timeout: float = 120) -> Path:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        found = list(runs.glob("*/checkpoints/latest.json"))
+        found = list(runs.glob(f"*/{M.TRAIN_STATE}"))
         if found:
-            return found[0].parents[1]
+            return found[0].parent
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.01)
     proc.kill()
     raise AssertionError("no checkpoint appeared")
-
-
-def latest_step(run_dir: Path) -> int:
-    return json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"]
 
 
 def resume(run_dir: Path, *extra: str, expect_fail: bool = False):
@@ -151,7 +163,7 @@ def resume(run_dir: Path, *extra: str, expect_fail: bool = False):
     if expect_fail:
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # a one-line error
-        return proc.stderr
+        return proc.stderr.strip()
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -162,30 +174,24 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_sigkill_then_resume_ends_with_the_uninterrupted_metrics(uninterrupted, tmp_path):
-    """Issue 17: kill -9 after the first checkpoint; a newer checkpoint truncated half-way is refused naming the
-    file; with latest.json still naming the complete one (a kill during a save), --resume ends bit-identical."""
+    """Issue 17: kill -9 after the first checkpoint; a truncated checkpoint is a one-line error; a save killed half
+    way (its temporary file left beside the checkpoint) leaves the previous one, and --resume ends bit-identical."""
     runs = tmp_path / "runs"
     proc = start_run(runs)
     run_dir = wait_for_first_checkpoint(runs, proc)
     proc.kill()
     proc.communicate(timeout=60)
-    step = latest_step(run_dir)
-    assert step < 120 and not (run_dir / "summary.json").exists()  # killed during training
-    ckpt = run_dir / "checkpoints"
-    good_latest = (ckpt / "latest.json").read_text()
-    bad = ckpt / f"step_{step + 1}"
-    shutil.copytree(ckpt / f"step_{step}", bad)
-    weights = bad / "lm.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    (ckpt / "latest.json").write_text(json.dumps({"step": step + 1, "dir": bad.name}))
-    err = resume(run_dir, expect_fail=True)
-    assert "error: checkpoint file" in err and "lm.safetensors" in err and "truncated" in err
-    (ckpt / "latest.json").write_text(good_latest)  # the previous, complete checkpoint still loads
+    checkpoint = run_dir / M.TRAIN_STATE
+    assert M.read_train_state(run_dir)["step"] < 120 and not (run_dir / "summary.json").exists()  # killed in training
+    complete = checkpoint.read_bytes()
+    checkpoint.write_bytes(complete[: len(complete) // 2])
+    assert resume(run_dir, expect_fail=True).startswith(f"error: cannot read checkpoint {checkpoint}")
+    checkpoint.write_bytes(complete)
+    (run_dir / f".tmp_{M.TRAIN_STATE}").write_bytes(complete[: len(complete) // 3])  # a save killed half way
     resumed = resume(run_dir)
     assert resumed["metrics"] == uninterrupted["metrics"]  # bit-identical on CPU
-    assert [p.name for p in ckpt.iterdir() if p.is_dir()] == ["step_120"]  # only the newest is kept
-    err = resume(run_dir, expect_fail=True)
-    assert "is finished" in err
+    assert not checkpoint.exists()  # a finished run keeps no checkpoint
+    assert "has finished" in resume(run_dir, expect_fail=True)
 
 
 def test_sigint_writes_a_checkpoint_and_resume_ends_with_the_uninterrupted_metrics(uninterrupted, tmp_path):
@@ -194,9 +200,9 @@ def test_sigint_writes_a_checkpoint_and_resume_ends_with_the_uninterrupted_metri
     run_dir = wait_for_first_checkpoint(runs, proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0 and "Traceback" not in err, err
+    assert proc.returncode == M.STOP_EXIT_CODE and "Traceback" not in err, err
     assert f"--resume {run_dir}" in err and "SIGINT" in err
-    step = latest_step(run_dir)
+    step = M.read_train_state(run_dir)["step"]
     assert step < 120 and f"step {step} of 120" in err  # the checkpoint of the interrupted step
     err = resume(run_dir, "--seed", "7", expect_fail=True)  # a resumed run keeps its arguments
     assert "--seed 7 differs" in err
@@ -205,45 +211,43 @@ def test_sigint_writes_a_checkpoint_and_resume_ends_with_the_uninterrupted_metri
 
 
 def test_resume_refuses_other_scripts_and_bad_dirs(tmp_path):
-    other = tmp_path / "other_run" / "checkpoints"
-    (other / "step_5").mkdir(parents=True)
-    (other / "latest.json").write_text(json.dumps({"step": 5, "dir": "step_5"}))
-    (other / "step_5" / "state.json").write_text(json.dumps({"script": "rlhf_ppo_kl", "world_size": 1}))
-    for run_dir, message in (
-        (other.parent, "is a run of rlhf_ppo_kl"),
-        (tmp_path / "missing", "is not a directory"),
-        (tmp_path, "has no checkpoint"),
-    ):
+    """One-line errors: another script's checkpoint, a missing one, the arguments of another version; and a
+    --runs-dir that cannot hold a run dir."""
+    other = tmp_path / "other_run"
+    other.mkdir()
+    save_file({}, str(other / M.TRAIN_STATE), metadata={"script": "rlhf_ppo_kl", "state": "{}"})
+    for run_dir, message in ((other, "is a run of rlhf_ppo_kl.py"), (tmp_path / "missing", "cannot read checkpoint")):
         with pytest.raises(SystemExit, match=message):
-            M.read_resume(M.Args(resume=str(run_dir)), 1)
+            M.resume_args(M.Args(resume=str(run_dir)))
     old = {k: v for k, v in vars(M.Args()).items() if k not in ("tau", "expectile", "cql_alpha")}
     old.update(tau=0.7, polyak=0.05, cql_weight=0.1)  # a run of the version before the renames (tau: the expectile)
-    (other / "step_5" / "state.json").write_text(json.dumps({"script": "ilql_per_token", "world_size": 1, "args": old}))
-    with pytest.raises(SystemExit, match=r"has arguments \['cql_weight', 'polyak'\] of an older version"):
-        M.read_resume(M.Args(resume=str(other.parent)), 1)
-    (other / "step_5" / "state.json").write_text('{"script": "ilql_per_')  # truncated
-    with pytest.raises(SystemExit, match="state.json' is missing, truncated or corrupt"):
-        M.read_resume(M.Args(resume=str(other.parent)), 1)
+    state = json.dumps({"dict": [["args", {"dict": [[k, v] for k, v in old.items()]}]]})
+    save_file({}, str(other / M.TRAIN_STATE), metadata={"script": "ilql_per_token", "state": state})
+    with pytest.raises(SystemExit, match="do not fit this script"):
+        M.resume_args(M.Args(resume=str(other)))
     a_file = tmp_path / "a_file"
     a_file.write_text("")
-    with pytest.raises(SystemExit, match="is a file, not a directory"):
-        M.check_writable_dir(a_file, "--runs-dir")
+    with pytest.raises(SystemExit, match=f"error: --runs-dir {a_file}: Not a directory"):
+        M.start_run(M.Args(runs_dir=str(a_file), n_train_dialogues=300))
 
 
 # ----------------------------------------------------------------------------------------------------- worker
 if __name__ == "__main__":  # under torchrun: the 2 ranks of test_allreduced_gradient_equals_one_process_gradient
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     lm, heads, data, args = grad_problem()
-    losses = shard_losses_and_grads(lm, heads, data, args, rank, world_size)
-    M.sync_grads([p for p in [*lm.parameters(), *heads.parameters()] if p.requires_grad], world_size)
-    summed = M.global_sum(torch.tensor([*losses.values()], dtype=torch.float64), world_size)
+    run = M.start_run(replace(args, runs_dir=str(Path(sys.argv[1]) / "runs"), n_train_dialogues=24))
+    forward = run.data_parallel(M.forward_all, lm, heads)  # what main() trains through
+    idx = torch.tensor(GRAD_IDX)
+    batch = M.make_minibatch(data, idx, run.shard(idx), torch.device("cpu"))
+    losses = M.ilql_losses(forward(batch["input_ids"], batch["attention_mask"]), batch, args)
+    losses["loss"].backward()
+    summed = run.global_sum(torch.tensor([float(v.detach()) for v in losses.values()], dtype=torch.float64))
     losses = dict(zip(losses, summed.tolist(), strict=True))
-    if rank == 0:
+    if run.rank == 0:
         save_file(named_grads(lm, heads), str(Path(sys.argv[1]) / "grads.safetensors"))
         (Path(sys.argv[1]) / "losses.json").write_text(json.dumps(losses))
+    run.end_training()  # as main() does: DDP lets go of the process group
     dist.destroy_process_group()
     left = gloo_threads()
-    assert not left, f"rank {rank}: the process group outlived destroy_process_group ({left} still run)"
+    assert not left, f"rank {run.rank}: the process group outlived destroy_process_group ({left} still run)"

@@ -1,14 +1,15 @@
 """Tests of algos/rlhf_ppo_kl.py under torchrun (issue 16) and of its checkpoints / --resume / Ctrl-C (issue 17).
 
-torchrun: (a) the all-reduced, token-weighted gradient of a fixed global minibatch split over 2 gloo ranks equals the
+torchrun: (a) DDP's summed, token-weighted gradient of a fixed global minibatch split over 2 gloo ranks equals the
 one-process gradient of the whole minibatch, and the global whitening / mean / gather helpers equal their one-process
-values (this file is also the worker: `python -m torch.distributed.run ... tests/test_scale_rlhf_ppo_kl.py OUT`);
-(b) the script runs end to end under `python -m torch.distributed.run --standalone --nproc_per_node 2` and writes
-exactly one run dir. Resume: a tiny run killed with SIGKILL (or stopped with SIGINT) after a checkpoint and resumed
-ends with bit-identical metrics and curve to the same run uninterrupted (CPU); a truncated checkpoint is refused
-naming the file while a half-written newer one is ignored; a finished run, another script's run and changed flags
-are one-line errors."""
+values; every rank's RNG states are in rank 0's checkpoint, complete before any rank goes on (this file is also the
+worker: `python -m torch.distributed.run ... tests/test_scale_rlhf_ppo_kl.py OUT`); (b) the script runs end to end
+under `python -m torch.distributed.run --standalone --nproc_per_node 2` and writes exactly one run dir. Resume: a tiny
+run killed with SIGKILL (or stopped with SIGINT) after a checkpoint and resumed ends with bit-identical metrics and
+curve to the same run uninterrupted (CPU); a truncated checkpoint is refused naming the file while a half-written newer
+one is ignored; a finished run, another script's run and changed flags are one-line errors."""
 
+import functools
 import json
 import shutil
 import signal
@@ -22,6 +23,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, gloo_threads, load_script, run_script, scalar_steps, subprocess_env
+from safetensors import SafetensorError
+from safetensors.torch import safe_open, save_file
 
 M = load_script("rlhf_ppo_kl")
 SCRIPT = str(ROOT / "algos" / "rlhf_ppo_kl.py")
@@ -60,11 +63,10 @@ def flat_grad(policy) -> torch.Tensor:
 
 
 def gradient_worker(out_dir: str) -> None:
-    import torch.distributed as dist
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    run = M.start_run(M.Args(runs_dir=str(Path(out_dir) / "runs"), save_every=1))  # joins torchrun's process group
+    rank, world = run.rank, run.world_size
     torch.manual_seed(0)  # the same model and minibatch on every rank
     config = GPT2Config(
         vocab_size=12,
@@ -99,21 +101,19 @@ def gradient_worker(out_dir: str) -> None:
     args = SimpleNamespace(temperature=1.0, cliprange=0.2, cliprange_value=0.2, vf_coef=0.5, advantage="gae")
     batch = (query, response, mask, old_logprobs, values, advantages, returns)
 
-    def loss_of(rows):
-        return M.ppo_minibatch_loss(policy, *(x[rows] for x in batch), args, 0, not_text)[0]
+    def loss_of(forward, rows):
+        return forward(*(x[rows] for x in batch), args, 0, not_text)[0]
 
-    run = M.Run(M.Args(), rank, world)  # the script's collectives over the 2 ranks (no run dir)
     everything, mine = slice(0, B), slice(rank * B // world, (rank + 1) * B // world)  # as run.shard splits
     policy.zero_grad()
-    loss_of(everything).backward()  # the one-process gradient of the whole minibatch (no collective involved)
+    loss_of(functools.partial(M.ppo_minibatch_loss, policy), everything).backward()  # one process, no collective
     one_process = flat_grad(policy)
+    minibatch_loss = run.data_parallel(M.ppo_minibatch_loss, policy)  # DDP, as the script calls it
     policy.zero_grad()
-    (loss_of(mine) * M.token_share(mask[mine], run.global_sum(mask[mine].sum()))).backward()  # as the script does
-    run.sync_grads(policy.parameters())
+    (loss_of(minibatch_loss, mine) * M.token_share(mask[mine], run.global_sum(mask[mine].sum()))).backward()
     data_parallel = flat_grad(policy)
     policy.zero_grad()
-    loss_of(mine).backward()  # without the token share: the sum of the shards' means
-    run.sync_grads(policy.parameters())
+    loss_of(minibatch_loss, mine).backward()  # without the token share: the sum of the shards' means
     unweighted = flat_grad(policy)
 
     x = torch.randn(B, T)
@@ -121,16 +121,28 @@ def gradient_worker(out_dir: str) -> None:
     mean, var = M.masked_mean_var(x[mine], mask[mine], run.global_sum)  # as the script calls it
     whitened = M.masked_whiten(x[mine], mask[mine], mean_var=(mean, var))
     gathered_whitened = torch.cat(run.gather(whitened))
-    # issue 24: no rank leaves save_checkpoint before rank 0's checkpoint is complete (a rank that exits early makes
-    # torchrun's agent stop the others, rank 0 mid-write); rank 0's write is slowed so that an early return shows
-    write_checkpoint = M.write_checkpoint
-    M.write_checkpoint = lambda *a: (time.sleep(SLOW_WRITE_S), write_checkpoint(*a))
-    run_dir = Path(out_dir) / "run"
-    state = M.TrainState(policy, torch.optim.Adam(policy.parameters()), None, np.random.default_rng(0), None, 0.0, {})
-    M.save_checkpoint(run_dir, 1, state, {}, torch.device("cpu"), rank, world)
-    checkpoint_complete_on_return = (run_dir / "checkpoints" / "latest.json").is_file()
-    M.write_checkpoint = write_checkpoint
-    dist.destroy_process_group()  # from here on the helpers see one process: the single-process reference values
+    # issue 24: no rank leaves end_step before rank 0's checkpoint is complete (a rank that exits early makes
+    # torchrun's agent stop the others, rank 0 mid-write); rank 0's write is slowed so that an early return shows.
+    # Each rank samples with its own generator: rank 0's checkpoint holds every rank's, and each gets its own back
+    save_train_state = M.save_train_state
+    M.save_train_state = lambda *a: (time.sleep(SLOW_WRITE_S), save_train_state(*a))
+    sample_gen = torch.Generator().manual_seed(100 + rank)
+    state = M.TrainState(
+        policy, torch.optim.Adam(policy.parameters()), sample_gen, np.random.default_rng(0), None, 0.0, {}
+    )
+    mine = sample_gen.get_state()
+    run.end_step(1, state)
+    checkpoint_complete_on_return = (run.run_dir / M.TRAIN_STATE).is_file()
+    M.save_train_state = save_train_state
+    run.checkpoint, run.resuming = M.read_train_state(run.run_dir), True
+    sample_gen.manual_seed(999)
+    run.restore(state)
+    rng_restored = torch.equal(sample_gen.get_state(), mine) and len(run.checkpoint["rng"]) == world
+    if rank == 0:  # tears the group down: rank 0 goes on, the others leave
+        run.end_training()
+    else:
+        with pytest.raises(SystemExit):
+            run.end_training()
     left = gloo_threads()
     assert not left, f"rank {rank}: the process group outlived destroy_process_group ({left} still run)"
     result = {
@@ -143,6 +155,7 @@ def gradient_worker(out_dir: str) -> None:
         "whiten_max_abs_diff": (gathered_whitened - M.masked_whiten(x, mask)).abs().max().item(),
         "data_parallel_grad": data_parallel.tolist(),
         "checkpoint_complete_on_return": checkpoint_complete_on_return,
+        "rng_restored": rng_restored,
     }
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
 
@@ -157,6 +170,7 @@ def test_allreduced_gradient_of_a_split_minibatch_equals_the_one_process_gradien
         assert r["unweighted_max_abs_diff"] > 100 * r["grad_max_abs_diff"]  # the token weighting is what makes it
         assert r["mean_diff"] < 1e-6 and r["var_diff"] < 1e-5 and r["whiten_max_abs_diff"] < 1e-5
         assert r["checkpoint_complete_on_return"]  # rank 1 waited for rank 0's write
+        assert r["rng_restored"]  # each rank's sampling generator, saved by rank 0, back on its rank
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -170,9 +184,7 @@ def test_torchrun_two_processes_end_to_end_writes_exactly_one_run_dir(runs_dir):
     assert all(v == v for v in summary["metrics"].values())  # no NaN from a statistic over an empty shard
     assert len((run_dir / "curve.jsonl").read_text().splitlines()) == 3  # updates 0, 1, 2: one writer
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # one tensorboard writer
-    latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
-    step_dir = run_dir / "checkpoints" / latest["step_dir"]
-    assert latest["update"] == 2 and {p.name for p in step_dir.glob("rng_rank*.pt")} == {"rng_rank0.pt", "rng_rank1.pt"}
+    assert not (run_dir / M.TRAIN_STATE).exists()  # saved every update by rank 0, gone once the run has finished
     assert proc.stdout.count("[bon]") == 1  # only rank 0 prints
 
 
@@ -194,8 +206,8 @@ def start_and_stop_after_first_ppo_checkpoint(runs_dir: Path, sig: int) -> tuple
     )
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
-        latest = list(runs_dir.glob("*/checkpoints/latest.json"))
-        if latest and json.loads(latest[0].read_text())["update"] >= 2:
+        found = list(runs_dir.glob(f"*/{M.TRAIN_STATE}"))  # renamed into place: always a complete file
+        if found and checkpoint_header(found[0].parent)["update"] >= 2:
             proc.send_signal(sig)
             break
         time.sleep(0.01)
@@ -206,46 +218,54 @@ def start_and_stop_after_first_ppo_checkpoint(runs_dir: Path, sig: int) -> tuple
     return run_dir, proc
 
 
+def checkpoint_header(run_dir: Path) -> dict:
+    """The JSON part of the run's checkpoint (counters, args), read without its tensors."""
+    for _ in range(100):  # opened while the next checkpoint is renamed into place: read it again
+        try:
+            with safe_open(str(run_dir / M.TRAIN_STATE), "pt") as file:
+                return dict(json.loads(file.metadata()["state"])["dict"])
+        except (RuntimeError, SafetensorError):
+            time.sleep(0.01)
+    raise AssertionError(f"cannot read the checkpoint in {run_dir}")
+
+
 def assert_same_final_metrics(run_dir: Path, uninterrupted) -> None:
     summary, ref_dir = uninterrupted
     resumed = json.loads((run_dir / "summary.json").read_text())
     assert resumed["metrics"] == summary["metrics"]  # bit-identical floats
     assert (run_dir / "curve.jsonl").read_text() == (ref_dir / "curve.jsonl").read_text()
+    assert not (run_dir / M.TRAIN_STATE).exists()  # a finished run has nothing to resume
 
 
 def test_sigkill_then_resume_ends_bit_identical_and_truncated_checkpoints(runs_dir, tmp_path, uninterrupted):
     run_dir, proc = start_and_stop_after_first_ppo_checkpoint(runs_dir, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL
-    ckpt = run_dir / "checkpoints"
-    latest = json.loads((ckpt / "latest.json").read_text())
+    latest = checkpoint_header(run_dir)
     # none lost to the kill (a guard: tensorboard's writer thread also drains within ms, so this holds without the
     # flush at checkpoints too; the flush itself is tested on the reward model's end_of_step)
     logged = scalar_steps(run_dir, "objective/kl")
     assert set(range(1, latest["update"] + 1)) <= set(logged), (latest, logged)
-    # a copy whose newest checkpoint was truncated half-way (e.g. the disk filled up): refused, naming the file
+    # a copy whose checkpoint was truncated half-way (e.g. the disk filled up): refused, naming the file
     broken = tmp_path / "broken"
     shutil.copytree(run_dir, broken)
-    weights = broken / "checkpoints" / latest["step_dir"] / "policy.safetensors"
+    weights = broken / M.TRAIN_STATE
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     error = one_line_error(run([sys.executable, SCRIPT, "--resume", str(broken)], expect_fail=True))
-    assert "truncated" in error and str(weights) in error
-    # a kill during the next save leaves a half-written temporary dir: ignored, the previous checkpoint loads
-    half = ckpt / f".tmp_step_{latest['update'] + 2}"
-    shutil.rmtree(half, ignore_errors=True)  # (the SIGKILL itself may have hit a save)
-    shutil.copytree(ckpt / latest["step_dir"], half)
-    (half / "optimizer.pt").write_bytes((half / "optimizer.pt").read_bytes()[:100])
-    (half / "state.json").unlink()
+    assert "cannot read checkpoint" in error and str(weights) in error
+    # a kill during the next save leaves a half-written temporary file: ignored, the checkpoint before loads
+    half = run_dir / f".tmp_{M.TRAIN_STATE}"
+    half.write_bytes((run_dir / M.TRAIN_STATE).read_bytes()[:100])
     resumed = run([sys.executable, SCRIPT, "--resume", str(run_dir)])
     assert f"after update {latest['update']}" in resumed.stdout
     assert_same_final_metrics(run_dir, uninterrupted)
-    assert not half.exists()  # the stale temporary dir is cleaned up by the next save
+    assert not half.exists()  # the next save writes it whole and renames it into place
 
 
 def test_sigint_writes_a_checkpoint_then_resume_ends_bit_identical(runs_dir, uninterrupted):
     run_dir, proc = start_and_stop_after_first_ppo_checkpoint(runs_dir, signal.SIGINT)
     assert proc.returncode == 130, proc.stderr_text[-2000:]
     assert f"--resume {run_dir}" in proc.stderr_text.strip().splitlines()[-1]
-    stopped_at = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["update"]
+    stopped_at = checkpoint_header(run_dir)["update"]
     assert 2 <= stopped_at <= 12
     run([sys.executable, SCRIPT, "--resume", str(run_dir)])
     assert_same_final_metrics(run_dir, uninterrupted)
@@ -257,19 +277,20 @@ def test_resume_refuses_a_finished_run_another_scripts_run_and_changed_flags(tmp
     assert "finished" in error
     # another script's run (its own checkpoint naming it), and a run dir with no checkpoint at all
     other = tmp_path / "other_run"
-    (other / "checkpoints").mkdir(parents=True)
-    (other / "checkpoints" / "latest.json").write_text(json.dumps({"script": "rlhf_reward_model", "step_dir": "x"}))
+    other.mkdir()
+    save_file({}, str(other / M.TRAIN_STATE), metadata={"script": "rlhf_reward_model", "state": "{}"})
     error = one_line_error(run([sys.executable, SCRIPT, "--resume", str(other)], expect_fail=True))
     assert "rlhf_reward_model" in error
     empty = tmp_path / "empty_run"
     empty.mkdir()
-    assert "no checkpoints/latest.json" in one_line_error(
+    assert "cannot read checkpoint" in one_line_error(
         run([sys.executable, SCRIPT, "--resume", str(empty)], expect_fail=True)
     )
-    # a flag that changes the run (here, on a copy of a finished run made resumable by removing its summary)
+    # a flag that changes the run (here, on a copy of a finished run made resumable: no summary, a checkpoint)
     unfinished = tmp_path / "unfinished"
     shutil.copytree(finished, unfinished)
     (unfinished / "summary.json").unlink()
+    M.save_train_state(unfinished, {"args": json.loads((unfinished / "args.json").read_text())})
     error = one_line_error(run([sys.executable, SCRIPT, "--resume", str(unfinished), "--seed", "7"], expect_fail=True))
     assert "--seed 7" in error
 
@@ -278,7 +299,7 @@ def test_runs_dir_that_is_a_file_is_a_one_line_error(tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
     proc = run_script("rlhf_ppo_kl", *TINY, runs_dir=not_a_dir, expect_fail=True)
-    assert "is a file" in one_line_error(proc)
+    assert "--runs-dir" in one_line_error(proc)
 
 
 if __name__ == "__main__":  # the worker of test (a), started by torch.distributed.run

@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, load_script
 
-CHECKPOINTING = ["r2d2_rnnstate", "dialogue_cql_utterance", "ilql_per_token", "rlhf_ppo_kl", "rlhf_reward_model"]
+CHECKPOINTING = [
+    "r2d2_rnnstate", "r2d2_trxl_memory", "dialogue_cql_utterance", "ilql_per_token", "rlhf_ppo_kl", "rlhf_reward_model"
+]  # fmt: skip
 NO_CHECKPOINTS = ["dqn_framestack", "ppo_recurrent", "ssm_vae_q"]  # Run.finish renames summary.json into place
-WITH_WRITE_JSON_ATOMIC = sorted({p.stem for p in (ROOT / "algos").glob("*.py")} - set(NO_CHECKPOINTS))
+SCRIPTS = sorted(p.stem for p in (ROOT / "algos").glob("*.py"))
+WITH_WRITE_JSON_ATOMIC = [n for n in SCRIPTS if "def write_json_atomic(" in (ROOT / "algos" / f"{n}.py").read_text()]
 
 
 # The handlers are one text in every checkpointing script: tests/test_run_management.py diffs the copies.
@@ -44,12 +47,52 @@ def test_sigterm_stops_like_sigint(name):
         assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
-@pytest.mark.parametrize("name", WITH_WRITE_JSON_ATOMIC)
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_summary_json_is_written_by_a_rename(name):
-    """Every script writes summary.json to a temporary file and renames it into place (write_json_atomic)."""
+    """Every script writes summary.json to a temporary file and renames it into place (os.replace, or
+    write_json_atomic where a script keeps that helper)."""
     text = (ROOT / "algos" / f"{name}.py").read_text()
     assert '"summary.json").write_text' not in text
-    assert re.search(r'write_json_atomic\([^()]*"summary\.json"', text), "summary.json goes through write_json_atomic"
+    renamed = r'os\.replace\([^()]*summary\.json"\)|write_json_atomic\([^()]*"summary\.json"'
+    assert re.search(renamed, text), "summary.json is renamed into place"
+
+
+@pytest.mark.parametrize("name", CHECKPOINTING)
+def test_train_state_round_trip_and_a_save_cut_half_way_leaves_the_previous_one(name, tmp_path, monkeypatch):
+    """save_train_state / read_train_state (one text in the six scripts): tensors, arrays, an optimizer's int keys,
+    RNG states and plain values come back; a save killed mid-write leaves the checkpoint before it; a checkpoint of
+    another script is a one-line error."""
+    import numpy as np
+    import torch
+
+    M = load_script(name)
+    layer = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(layer.parameters())
+    layer(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    state = {"step": 7, "model": layer.state_dict(), "optimizer": optimizer.state_dict(), "rng": M.rng_state()}
+    state |= {"replay": {"obs": np.arange(6, dtype=np.float32).reshape(3, 2), "done": np.array([True, False])}}
+    M.save_train_state(tmp_path, state)
+    drawn = torch.rand(3)
+    back = M.read_train_state(tmp_path)
+    M.set_rng_state(back["rng"])
+    assert torch.equal(torch.rand(3), drawn)
+    assert back["step"] == 7 and isinstance(back["replay"]["done"], np.ndarray) and back["replay"]["done"][0]
+    assert all(torch.equal(back["model"][k], v) for k, v in layer.state_dict().items())
+    torch.optim.Adam(layer.parameters()).load_state_dict(back["optimizer"])  # int keys of its state survived
+
+    def cut_save(tensors, path, metadata=None):  # a kill half-way through the write
+        Path(path).write_bytes(b"half a file")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(M, "save_file", cut_save)
+    with pytest.raises(KeyboardInterrupt):
+        M.save_train_state(tmp_path, {**state, "step": 8})
+    monkeypatch.undo()
+    assert M.read_train_state(tmp_path)["step"] == 7
+    monkeypatch.setattr(M, "SCRIPT", "another_script")
+    with pytest.raises(SystemExit, match=f"^error: {tmp_path} is a run of {name}.py, not of another_script.py$"):
+        M.read_train_state(tmp_path)
 
 
 @pytest.mark.parametrize("name", WITH_WRITE_JSON_ATOMIC)
