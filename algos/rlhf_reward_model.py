@@ -97,6 +97,9 @@ class Args:
     """the name of this experiment"""
     seed: int = 1
     """seed of the experiment (data, labels, initialization)"""
+    data_seed: int | None = None
+    """seed of the data alone (comparisons, labels, demonstrations, held-out pairs); None: --seed. With another
+    --seed: the same data, another initialization and minibatch order"""
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = False
@@ -490,7 +493,7 @@ def fine_tune_backbone(lm, tokenizer, args, run) -> float | None:
     `run`: this process's share and DDP under torchrun, and the checkpoint it resumes (details 8-9).
     """
     device = run.device
-    demos = preference.make_sft_dataset(args.sft_examples, seed=args.seed + 30_000, split="train")
+    demos = preference.make_sft_dataset(args.sft_examples, seed=data_seed(args) + 30_000, split="train")
     enc = encode(tokenizer, [d[0] for d in demos], [d[1] for d in demos])
     ids, mask = enc["input_ids"], enc["attention_mask"]  # (N, L)
     steps_per_epoch = (len(ids) + args.sft_batch_size - 1) // args.sft_batch_size
@@ -536,7 +539,7 @@ def main():
     device, start_time = run.device, run.start_time
     # held-out comparisons: K completions of held-out prompts, ranked by the same labeler (other seed)
     heldout = preference.make_preference_dataset(
-        args.eval_episodes, args.k, args.seed + 10_000, args.temperature, args.flip_prob, split="heldout"
+        args.eval_episodes, args.k, data_seed(args) + 10_000, args.temperature, args.flip_prob, split="heldout"
     )
     if args.eval_only:  # a saved reward model: evaluate it on the Bradley-Terry scale, nothing else
         model, tokenizer = run.load_pretrained(args.checkpoint, "classifier")
@@ -549,12 +552,12 @@ def main():
 
     # 1. data: K SFT-like completions per training prompt, ranked by the simulated labeler
     data = preference.make_preference_dataset(
-        args.n_train_prompts, args.k, args.seed, args.temperature, args.flip_prob, split="train"
+        args.n_train_prompts, args.k, data_seed(args), args.temperature, args.flip_prob, split="train"
     )
     # validation comparisons (--val-prompts): more rankings of training prompts, another labeler seed, never trained on
     val_data = (
         preference.make_preference_dataset(
-            args.val_prompts, args.k, args.seed + 40_000, args.temperature, args.flip_prob, split="train"
+            args.val_prompts, args.k, data_seed(args) + 40_000, args.temperature, args.flip_prob, split="train"
         )
         if args.val_prompts > 0
         else []
@@ -628,7 +631,7 @@ def main():
         metrics["model/sft_nll"] = state.sft_nll
     metrics.update(val)  # the last epoch's validation loss and accuracy (--val-prompts)
     # 6. normalize to mean 0 / std 1 on SFT demonstrations, folded into the saved weights
-    demos = preference.make_sft_dataset(args.n_norm_samples, seed=args.seed + 20_000)
+    demos = preference.make_sft_dataset(args.n_norm_samples, seed=data_seed(args) + 20_000)
     raw = score_texts(model, tokenizer, [d[0] for d in demos], [d[1] for d in demos], device)
     where = fold_normalization(model, float(raw.mean()), float(raw.std()))
     normed = score_texts(model, tokenizer, [d[0] for d in demos], [d[1] for d in demos], device)
@@ -684,7 +687,9 @@ def evaluate(model, tokenizer, heldout, args, device, scale: float = 1.0) -> tup
     metrics["eval/spearman_gold_within_prompt"] = float(np.mean(within))
     # prompt-centered ρ: fix the free per-prompt constant c(s) by a baseline, r(s,a) - mean_{a'~SFT-like(.|s)} r(s,a')
     # (the comparison data's own distribution; no gold knowledge), then pool over prompts (details 7)
-    baseline = prompt_baselines(model, tokenizer, list(by_prompt), args.n_center_samples, args.seed + 30_000, device)
+    baseline = prompt_baselines(
+        model, tokenizer, list(by_prompt), args.n_center_samples, data_seed(args) + 30_000, device
+    )
     centered = rewards - np.array([baseline[p] for p in flat_p])  # (N,)
     metrics["eval/spearman_gold_centered"] = spearman(centered, gold)
     score_metrics, report = lecture_scores(model, tokenizer, device)
@@ -694,6 +699,11 @@ def evaluate(model, tokenizer, heldout, args, device, scale: float = 1.0) -> tup
     )
     report += "\n".join(f"| {lo:.1f}-{hi:.1f} | {n} | {a:.3f} | {b:.3f} |" for lo, hi, n, a, b in rows)
     return metrics, report
+
+
+def data_seed(args) -> int:
+    """The seed of the data (--data-seed, else --seed): comparisons, labels, demonstrations, held-out pairs."""
+    return args.seed if args.data_seed is None else args.data_seed
 
 
 def prompt_baselines(model, tokenizer, prompts: list[str], n: int, seed: int, device) -> dict[str, float]:
@@ -747,6 +757,7 @@ def parse_args() -> Args:
         *[(getattr(args, f) > 0, f"{flag[f]} must be > 0") for f in ("temperature", "max_grad_norm")],
         *[(0 <= getattr(args, f) <= 1, f"{flag[f]} must be in [0, 1]") for f in ("flip_prob", "head_only_fraction")],
         (0 <= args.dropout < 1, "--dropout must be in [0, 1)"),
+        (args.data_seed is None or args.data_seed >= 0, "--data-seed must be >= 0"),
         (args.n_embd % max(args.n_head, 1) == 0, "--n-embd must be divisible by --n-head"),
         (args.margin == 0 or args.loss == "pairwise" or args.kwise_form == "pairs", "--margin is not for softmax"),
         (not (args.eval_only and args.resume), "--eval-only evaluates a saved model: there is nothing to --resume"),

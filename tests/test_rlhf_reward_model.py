@@ -289,6 +289,7 @@ def test_bad_input_gives_clear_error(runs_dir, tmp_path, monkeypatch):
         (["--head-only-fraction", "-0.1"], "--head-only-fraction must be in [0, 1]"),
         (["--val-prompts", "-3"], "--val-prompts must be >= 0"),
         (["--seed", "-1"], "--seed must be >= 0"),
+        (["--data-seed", "-1"], "--data-seed must be >= 0"),
         (["--n-norm-samples", "1"], "--n-norm-samples must be >= 2"),
         (["--dropout", "1.0"], "--dropout must be in [0, 1)"),
         (["--n-head", "0"], "--n-head must be >= 1"),
