@@ -735,7 +735,7 @@ SCRIPT = Path(__file__).stem  # named in summary.json and in the checkpoint
 RESUME_FREE_FIELDS = ("cuda", "runs_dir", "save_every", "resume", "threads")  # what a resumed run may change
 DIST_TIMEOUT = timedelta(minutes=10)  # a rank waiting this long in a collective gives up (a failed rank never hangs)
 AT_LEAST = [  # (least value, Args fields): each a one-line error naming the flag
-    (0, "seed save_every sft_epochs val_prompts sft_learning_rate learning_rate weight_decay center_coef"),
+    (0, "seed data_seed save_every sft_epochs val_prompts sft_learning_rate learning_rate weight_decay center_coef"),
     (1, "threads sft_examples sft_batch_size n_train_prompts eval_episodes epochs batch_size n_center_samples"),
     (1, "n_layer n_embd n_head"),
     (2, "k n_norm_samples"),
@@ -753,11 +753,10 @@ def parse_args() -> Args:
     splits = (("--sft-batch-size", args.sft_examples, args.sft_batch_size), ("--batch-size", examples, args.batch_size))
     flag = {field: "--" + field.replace("_", "-") for field in asdict(args)}
     for ok, message in [
-        *[(getattr(args, f) >= n, f"{flag[f]} must be >= {n}") for n, fields in AT_LEAST for f in fields.split()],
+        *[((getattr(args, f) or 0) >= n, f"{flag[f]} must be >= {n}") for n, fs in AT_LEAST for f in fs.split()],
         *[(getattr(args, f) > 0, f"{flag[f]} must be > 0") for f in ("temperature", "max_grad_norm")],
         *[(0 <= getattr(args, f) <= 1, f"{flag[f]} must be in [0, 1]") for f in ("flip_prob", "head_only_fraction")],
         (0 <= args.dropout < 1, "--dropout must be in [0, 1)"),
-        (args.data_seed is None or args.data_seed >= 0, "--data-seed must be >= 0"),
         (args.n_embd % max(args.n_head, 1) == 0, "--n-embd must be divisible by --n-head"),
         (args.margin == 0 or args.loss == "pairwise" or args.kwise_form == "pairs", "--margin is not for softmax"),
         (not (args.eval_only and args.resume), "--eval-only evaluates a saved model: there is nothing to --resume"),
