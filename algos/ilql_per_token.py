@@ -66,6 +66,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 import tyro
 from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file, save_model
@@ -1139,49 +1140,32 @@ TRAIN_STATE = "train_state.safetensors"  # RUN_DIR/<this>: the checkpoint of tra
 
 
 def save_train_state(run_dir: Path, state: dict) -> None:
-    """nanoGPT's checkpoint without pickle: the tensors and arrays in `state` (models, optimizers, replay, RNG
-    states) as one safetensors file, the rest (counters, args, param groups) as JSON in its header; written under a
-    temporary name and renamed, so a kill leaves the previous checkpoint or this one, never half of one."""
-    tensors = {}
-
-    def split(value, key: str):  # the JSON tree, with {"tensor" | "array": key} where a tensor or array was
-        if isinstance(value, torch.Tensor | np.ndarray):
-            tensors[key] = torch.as_tensor(value).detach().cpu().contiguous().clone()  # own copy (tied weights)
-            return {"array" if isinstance(value, np.ndarray) else "tensor": key}
-        if isinstance(value, dict):  # as [key, value] pairs: JSON keeps int keys (an optimizer's state) in a list
-            return {"dict": [[name, split(item, f"{key}/{name}")] for name, item in value.items()]}
-        if isinstance(value, list | tuple):
-            return [split(item, f"{key}/{i}") for i, item in enumerate(value)]
-        return value  # a number, a string, a bool or None
-
-    tree = json.dumps(split(state, ""))
-    save_file(tensors, str(run_dir / f".tmp_{TRAIN_STATE}"), metadata={"script": SCRIPT, "state": tree})
+    """nanoGPT's checkpoint without pickle: torch's pytree splits `state` into leaves; its tensors and arrays go into
+    one safetensors file, the other leaves and the tree into its JSON header. Written under a temporary name and
+    renamed: a kill leaves the previous checkpoint or this one, never half of one."""
+    leaves, tree = pytree.tree_flatten(state)
+    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor | np.ndarray)]
+    tensors = {str(i): torch.as_tensor(leaves[i]).detach().cpu().contiguous().clone() for i in arrays}  # tied: copied
+    rest = json.dumps([None if str(i) in tensors else leaf for i, leaf in enumerate(leaves)])
+    numpy = json.dumps([i for i in arrays if isinstance(leaves[i], np.ndarray)])
+    meta = {"script": SCRIPT, "tree": pytree.treespec_dumps(tree), "rest": rest, "numpy": numpy}
+    save_file(tensors, str(run_dir / f".tmp_{TRAIN_STATE}"), metadata=meta)
     os.replace(run_dir / f".tmp_{TRAIN_STATE}", run_dir / TRAIN_STATE)
 
 
 def read_train_state(run_dir: Path) -> dict:
-    """The `state` save_train_state wrote in `run_dir` (tensors on the CPU, arrays as numpy, tuples as lists); a
-    one-line error if it is missing, unreadable, or a checkpoint of another script."""
-    path = run_dir / TRAIN_STATE
+    """The `state` save_train_state wrote in `run_dir` (tensors on the CPU, arrays as numpy); a one-line error if it
+    is missing, unreadable, or a checkpoint of another script."""
     try:
-        with safe_open(str(path), "pt") as file:
-            tensors, meta = {key: file.get_tensor(key) for key in file.keys()}, file.metadata()
-        tree = json.loads(meta["state"])
+        with safe_open(str(run_dir / TRAIN_STATE), "pt") as file:
+            meta, tensors = file.metadata(), {key: file.get_tensor(key) for key in file.keys()}
+        if meta["script"] != SCRIPT:
+            raise SystemExit(f"error: {run_dir} is a run of {meta['script']}.py, not of {SCRIPT}.py")
+        leaves, tree, numpy = json.loads(meta["rest"]), pytree.treespec_loads(meta["tree"]), json.loads(meta["numpy"])
     except (SafetensorError, OSError, KeyError, TypeError, ValueError) as err:
-        raise SystemExit(f"error: cannot read checkpoint {path}: {err}") from None
-    if meta.get("script") != SCRIPT:
-        raise SystemExit(f"error: {run_dir} is a run of {meta.get('script')}.py, not of {SCRIPT}.py")
-
-    def join(value):
-        if isinstance(value, list):
-            return [join(item) for item in value]
-        if not isinstance(value, dict):
-            return value
-        if "dict" in value:
-            return {name: join(item) for name, item in value["dict"]}
-        return tensors[value["tensor"]] if "tensor" in value else tensors[value["array"]].numpy()
-
-    return join(tree)
+        raise SystemExit(f"error: cannot read checkpoint {run_dir / TRAIN_STATE}: {err}") from None
+    leaves = [tensors[str(i)].numpy() if i in numpy else tensors.get(str(i), leaf) for i, leaf in enumerate(leaves)]
+    return pytree.tree_unflatten(leaves, tree)
 
 
 def rng_state() -> dict:
@@ -1191,9 +1175,9 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    """Put back what rng_state returned (read back from a checkpoint: its tuples came back as lists)."""
-    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
-    np.random.set_state(tuple(state["numpy"]))
+    """Put back what rng_state returned."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if state["cuda"]:
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -1208,11 +1192,9 @@ def resume_args(cli: Args) -> tuple[Args, dict]:
     checkpoint, defaults = read_train_state(run_dir), asdict(Args())
     saved, given = checkpoint["args"], {key: value for key, value in asdict(cli).items() if value != defaults[key]}
     for key, value in given.items():
-        if key not in RESUME_FREE_FIELDS and json.loads(json.dumps(value)) != saved.get(key):  # a tuple saved as a list
-            raise SystemExit(
-                f"error: --{key.replace('_', '-')} {value} differs from the run's {saved.get(key)}; "
-                "--resume continues a run with its own arguments"
-            )
+        if key not in RESUME_FREE_FIELDS and value != saved.get(key):
+            message = f"--{key.replace('_', '-')} {value} differs from the run's {saved.get(key)}"
+            raise SystemExit(f"error: {message}; --resume continues a run with its own arguments")
     try:
         return Args(**(saved | {key: value for key, value in given.items() if key in RESUME_FREE_FIELDS})), checkpoint
     except TypeError as err:
@@ -1223,26 +1205,19 @@ STOP_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stopped by 
 
 
 def install_stop_handlers() -> dict:
-    """Ctrl-C (SIGINT) and SIGTERM (what torchrun's agent, job schedulers and `kill` send) set stop["signal"] to the
-    signal's name; training reads it at the end of its current step, writes a checkpoint and exits with
-    STOP_EXIT_CODE. A second Ctrl-C stops at once; a repeated SIGTERM changes nothing (a scheduler that stops waiting
-    sends SIGKILL). stop["previous"] keeps the handlers before, which restore_signal_handlers puts back."""
-    stop = {"signal": None, "previous": {}}
+    """Ctrl-C and SIGTERM (what torchrun's agent, job schedulers and `kill` send) set stop["signal"]: training writes a
+    checkpoint at the end of its step and exits with STOP_EXIT_CODE. A second Ctrl-C stops at once; a repeated SIGTERM
+    changes nothing. stop["previous"]: the handlers before, which restore_signal_handlers puts back."""
+    stop = {"signal": None}
 
     def handler(signum, frame):
-        if signum == signal.SIGINT and stop["signal"] is not None:
+        if signum == signal.SIGINT and stop["signal"]:
             raise KeyboardInterrupt
-        if stop["signal"] is None:
+        if not stop["signal"]:  # os.write, not print: a handler that prints while the loop prints raises
             stop["signal"] = signal.Signals(signum).name
-            # os.write, not print: a handler that prints while the loop prints raises "reentrant call"
-            os.write(
-                2,
-                f"\n{stop['signal']}: a checkpoint follows this step, then the run exits (Ctrl-C again to "
-                "stop now)\n".encode(),
-            )
+            os.write(2, f"\n{stop['signal']}: a checkpoint after this step, then exit (Ctrl-C again: now)\n".encode())
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        stop["previous"][sig] = signal.signal(sig, handler)
+    stop["previous"] = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     return stop
 
 

@@ -221,8 +221,7 @@ def test_resume_refuses_other_scripts_and_bad_dirs(tmp_path):
             M.resume_args(M.Args(resume=str(run_dir)))
     old = {k: v for k, v in vars(M.Args()).items() if k not in ("tau", "expectile", "cql_alpha")}
     old.update(tau=0.7, polyak=0.05, cql_weight=0.1)  # a run of the version before the renames (tau: the expectile)
-    state = json.dumps({"dict": [["args", {"dict": [[k, v] for k, v in old.items()]}]]})
-    save_file({}, str(other / M.TRAIN_STATE), metadata={"script": "ilql_per_token", "state": state})
+    M.save_train_state(other, {"args": old})
     with pytest.raises(SystemExit, match="do not fit this script"):
         M.resume_args(M.Args(resume=str(other)))
     a_file = tmp_path / "a_file"

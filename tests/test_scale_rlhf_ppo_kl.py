@@ -23,8 +23,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, gloo_threads, load_script, run_script, scalar_steps, subprocess_env
-from safetensors import SafetensorError
-from safetensors.torch import safe_open, save_file
+from safetensors.torch import save_file
 
 M = load_script("rlhf_ppo_kl")
 SCRIPT = str(ROOT / "algos" / "rlhf_ppo_kl.py")
@@ -219,12 +218,11 @@ def start_and_stop_after_first_ppo_checkpoint(runs_dir: Path, sig: int) -> tuple
 
 
 def checkpoint_header(run_dir: Path) -> dict:
-    """The JSON part of the run's checkpoint (counters, args), read without its tensors."""
-    for _ in range(100):  # opened while the next checkpoint is renamed into place: read it again
+    """The run's checkpoint (counters, args), read again while the next one is renamed into place."""
+    for _ in range(100):
         try:
-            with safe_open(str(run_dir / M.TRAIN_STATE), "pt") as file:
-                return dict(json.loads(file.metadata()["state"])["dict"])
-        except (RuntimeError, SafetensorError):
+            return M.read_train_state(run_dir)
+        except SystemExit:
             time.sleep(0.01)
     raise AssertionError(f"cannot read the checkpoint in {run_dir}")
 

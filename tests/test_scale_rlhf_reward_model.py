@@ -22,7 +22,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import ROOT, gloo_threads, load_script, run_script, scalar_steps, subprocess_env
-from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
 from envs import preference
@@ -248,12 +247,11 @@ def start_and_interrupt(runs: Path, sig: int, phase: str) -> tuple[subprocess.Po
 
 
 def checkpoint_header(run_dir: Path) -> dict:
-    """The JSON part of the run's checkpoint (counters, phase, args), read without its tensors."""
-    for _ in range(100):  # opened while the next checkpoint is renamed into place: read it again
+    """The run's checkpoint (counters, phase, args), read again while the next one is renamed into place."""
+    for _ in range(100):
         try:
-            with safe_open(str(run_dir / rm.TRAIN_STATE), "pt") as file:
-                return dict(json.loads(file.metadata()["state"])["dict"])
-        except (RuntimeError, SafetensorError):
+            return rm.read_train_state(run_dir)
+        except SystemExit:
             time.sleep(0.01)
     raise AssertionError(f"cannot read the checkpoint in {run_dir}")
 
