@@ -102,6 +102,31 @@ def run_script(script: str, *args: str, runs_dir: Path, timeout: float = 300, ex
     return summary
 
 
+def run_in_process(module, runs_dir, *args: str) -> dict:
+    """`module.main()` (a script loaded with load_script) in this process on `--runs-dir RUNS_DIR ARGS...`: no
+    interpreter start and no second import of torch and transformers, for runs whose test is not about the command
+    line; returns the run's summary.json. What main changes in the process (torch's thread count, as --threads sets it
+    in a subprocess run; the Ctrl-C / SIGTERM handlers) is put back."""
+    import signal
+
+    import torch
+
+    runs_dir, handlers = Path(runs_dir), {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    threads, before = torch.get_num_threads(), set(runs_dir.glob("*/summary.json"))
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sys, "argv", [f"{module.SCRIPT}.py", "--runs-dir", str(runs_dir), *args])
+            module.main()
+    finally:
+        torch.set_num_threads(threads)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    (summary,) = set(runs_dir.glob("*/summary.json")) - before  # the run's own
+    summary = json.loads(summary.read_text())
+    assert summary["script"] == module.SCRIPT
+    return summary
+
+
 @pytest.fixture
 def runs_dir(tmp_path):
     return tmp_path / "runs"

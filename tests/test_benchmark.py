@@ -385,7 +385,7 @@ def test_a_command_reads_an_earlier_experiments_run_dir_of_the_same_seed(tmp_pat
         proc = validate(tmp_path / "bad", lines)
         assert proc.returncode == 2 and "{run:a} names no experiment of an earlier line" in proc.stderr, proc.stderr
     # two seeds, three runs at a time: the child of seed 1 starts beside the two bases; it waits for its own seed's
-    script = fake_benchmark(tmp_path / "good", "--value 5 --sleep 2")
+    script = fake_benchmark(tmp_path / "good", "--value 5 --sleep 1")
     run = ["bash", str(script), "--quick", "--only", "^fake_", "--seeds", "1 2", "--jobs", "3"]
     proc = subprocess.run(run, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

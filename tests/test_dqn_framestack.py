@@ -1,6 +1,7 @@
 """Tests of algos/dqn_framestack.py: stacks by index, replay validity, TD targets, autoreset, runs and errors."""
 
 import json
+import sys
 from pathlib import Path
 
 import gymnasium as gym
@@ -8,17 +9,18 @@ import numpy as np
 import pytest
 import spaces_env
 import torch
-from conftest import load_script, run_script
+from conftest import load_script, run_in_process, run_script
 
 dqn = load_script("dqn_framestack")
+
 
 TMAZE_STARTS = {(0.0, 1.0, 1.0), (1.0, 1.0, 0.0)}  # the two cue observations of TMaze, seen only at t = 0
 
 
-def eval_only(run_dir, runs_dir, episodes=4):
-    """The summary of `--eval-only` on a saved run (its env and architecture come from its args.json)."""
-    args = ("--eval-only", "--checkpoint", run_dir, "--eval-episodes", str(episodes))
-    return run_script("dqn_framestack", *args, runs_dir=runs_dir, timeout=120)
+def eval_only(monkeypatch, run_dir, runs_dir, episodes=4):
+    """The summary of `--eval-only` on a saved run (its env and architecture come from its args.json), in-process
+    (test_smoke_tmaze_and_eval_only_roundtrip runs it as a command)."""
+    return run_in_process(dqn, runs_dir, "--eval-only", "--checkpoint", run_dir, "--eval-episodes", str(episodes))
 
 
 def scripted_replay():
@@ -278,21 +280,29 @@ TMAZE_CLEANRL_LIKE = [
 TINY = ["--total-timesteps", "400", "--learning-starts", "128", "--batch-size", "32", "--num-envs", "2"]
 
 
-def test_smoke_tmaze_and_eval_only_roundtrip(runs_dir):
-    tmaze = ["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 2}', "--eval-episodes", "8"]
-    summary = run_script("dqn_framestack", *tmaze, *TINY, runs_dir=runs_dir, timeout=120)
+TMAZE = ["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 2}', "--eval-episodes", "8"]
+
+
+@pytest.fixture(scope="module")
+def tmaze_run(tmp_path_factory):
+    """One tiny TMaze run (frame stack 4, the default): smoke-tested, and its weights for the mismatch error."""
+    return run_script("dqn_framestack", *TMAZE, *TINY, runs_dir=tmp_path_factory.mktemp("tmaze"), timeout=120)
+
+
+def test_smoke_tmaze_and_eval_only_roundtrip(tmaze_run, runs_dir):
+    summary = tmaze_run
     metrics = summary["metrics"]
     assert {"eval/episodic_return", "eval/episodic_length", "eval/success_rate"} <= set(metrics)
     assert 0.0 <= metrics["eval/success_rate"] <= 1.0
     assert all(isinstance(v, float) for v in metrics.values())
     run_dir = summary["run_dir"]
-    assert json.loads((runs_dir / summary["run_name"] / "args.json").read_text())["frame_stack"] == 4
-    again = run_script("dqn_framestack", *tmaze, "--eval-only", "--checkpoint", run_dir, runs_dir=runs_dir, timeout=120)
+    assert json.loads((Path(run_dir) / "args.json").read_text())["frame_stack"] == 4
+    again = run_script("dqn_framestack", *TMAZE, "--eval-only", "--checkpoint", run_dir, runs_dir=runs_dir, timeout=120)
     assert again["run_dir"] != run_dir
     assert again["metrics"] == metrics  # same weights, same eval seed, greedy policy
 
 
-def test_eval_only_restores_the_architecture_from_args_json(runs_dir):
+def test_eval_only_restores_the_architecture_from_args_json(runs_dir, monkeypatch):
     """A --no-scale-obs, 2-frame, 32-unit model is evaluated as trained, without repeating those flags."""
     arch = [
         "--no-scale-obs",
@@ -305,24 +315,22 @@ def test_eval_only_restores_the_architecture_from_args_json(runs_dir):
         "--eval-episodes",
         "4",
     ]
-    summary = run_script("dqn_framestack", *arch, *TINY, runs_dir=runs_dir, timeout=120)
-    again = eval_only(summary["run_dir"], runs_dir, episodes=4)
+    summary = run_in_process(dqn, runs_dir, *arch, *TINY)
+    again = eval_only(monkeypatch, summary["run_dir"], runs_dir, episodes=4)
     restored = again["args"]
     assert (restored["scale_obs"], restored["frame_stack"], restored["hidden_size"]) == (False, 2, 32)
     assert restored["difference_scale"] == 10.0
     assert again["metrics"] == summary["metrics"]  # same inputs (unscaled), same weights, same eval seeds
 
 
-def test_eval_only_of_a_run_saved_before_difference_scale_reads_the_raw_stack(runs_dir):
+def test_eval_only_of_a_run_saved_before_difference_scale_reads_the_raw_stack(runs_dir, monkeypatch):
     """args.json without `difference_scale` (runs saved before the field existed): the raw stack, not the default."""
-    summary = run_script(
-        "dqn_framestack", "--difference-scale", "0", "--eval-episodes", "4", *TINY, runs_dir=runs_dir, timeout=120
-    )
+    summary = run_in_process(dqn, runs_dir, "--difference-scale", "0", "--eval-episodes", "4", *TINY)
     args_file = Path(summary["run_dir"]) / "args.json"
     saved = json.loads(args_file.read_text())
     del saved["difference_scale"]
     args_file.write_text(json.dumps(saved))
-    again = eval_only(summary["run_dir"], runs_dir, episodes=4)
+    again = eval_only(monkeypatch, summary["run_dir"], runs_dir, episodes=4)
     assert again["args"]["difference_scale"] == 0.0
     assert again["metrics"] == summary["metrics"]
 
@@ -341,15 +349,12 @@ def test_network_inputs_are_the_stack_and_its_scaled_differences_without_padding
     assert torch.equal(raw.inputs(full), full) and dqn.QNetwork(2, 1, 2, 8, 50.0).network[0].in_features == 2
 
 
-def test_keep_best_saves_and_reports_the_kept_network(runs_dir):
-    tmaze = ["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 2}', "--eval-episodes", "8"]
-    summary = run_script(
-        "dqn_framestack", *tmaze, *TINY, "--select-frequency", "200", "--keep-best", runs_dir=runs_dir, timeout=120
-    )
+def test_keep_best_saves_and_reports_the_kept_network(runs_dir, monkeypatch):
+    summary = run_in_process(dqn, runs_dir, *TMAZE, *TINY, "--select-frequency", "200", "--keep-best")
     metrics = summary["metrics"]
     assert metrics["select/best_global_step"] in (200.0, 400.0)  # evaluations at 200 and 400 env steps
     assert {"eval/last_network_episodic_return", "eval/last_network_success_rate"} <= set(metrics)
-    again = eval_only(summary["run_dir"], runs_dir, episodes=8)
+    again = eval_only(monkeypatch, summary["run_dir"], runs_dir, episodes=8)
     assert again["metrics"]["eval/episodic_return"] == metrics["eval/episodic_return"]  # the kept one is saved
     if metrics["select/best_global_step"] == 400.0:  # the kept network is the last one: same evaluation
         assert metrics["eval/last_network_episodic_return"] == metrics["eval/episodic_return"]
@@ -376,29 +381,20 @@ def test_eval_seeds_disjoint_across_training_seeds():
 
 
 @pytest.mark.parametrize("env_id", spaces_env.MODULE_IDS)
-def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
+def test_structured_observation_spaces_are_flattened(runs_dir, monkeypatch, env_id):
     env, raw = dqn.make_env(env_id, {}, scale_obs=True)(), gym.make(env_id)
     obs, raw_obs = env.reset(seed=0)[0], raw.reset(seed=0)[0]
     for _ in range(3):  # one-hot codes and Box parts within [-1, 1]: scaling leaves them unchanged
         assert obs.dtype == np.float32
         np.testing.assert_allclose(obs, spaces_env.expected_flat(raw_obs), rtol=1e-6)
         obs, raw_obs = env.step(1)[0], raw.step(1)[0]
-    summary = run_script("dqn_framestack", "--env-id", env_id, *TINY, "--eval-episodes", "2", runs_dir=runs_dir)
+    summary = run_in_process(dqn, runs_dir, "--env-id", env_id, *TINY, "--eval-episodes", "2")
     assert 0.0 <= summary["metrics"]["eval/episodic_return"] <= spaces_env.EPISODE_LENGTH
 
 
-def test_smoke_three_state_line_reports_failure_rate(runs_dir):
-    summary = run_script(
-        "dqn_framestack",
-        "--env-id",
-        "seqrl/ThreeStateLine-v0",
-        "--frame-stack",
-        "1",
-        *TINY,
-        "--double-q",
-        runs_dir=runs_dir,
-        timeout=120,
-    )
+def test_smoke_three_state_line_reports_failure_rate(runs_dir, monkeypatch):
+    args = ["--env-id", "seqrl/ThreeStateLine-v0", "--frame-stack", "1", *TINY, "--double-q"]
+    summary = run_in_process(dqn, runs_dir, *args)
     metrics = summary["metrics"]
     assert metrics["eval/failure_rate"] == metrics["eval/timeout_rate"]
     assert -20.0 <= metrics["eval/episodic_return"] <= -1.0
@@ -426,17 +422,20 @@ def test_smoke_three_state_line_reports_failure_rate(runs_dir):
         (["--eval-only", "--checkpoint", "/nonexistent/run"], "cannot read checkpoint /nonexistent/run: No such file"),
     ],
 )
-def test_clear_errors(runs_dir, args, message):
-    proc = run_script("dqn_framestack", *args, runs_dir=runs_dir, expect_fail=True, timeout=60)
-    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+def test_clear_errors(runs_dir, monkeypatch, args, message):
+    """In-process: parse_args (main's first call; it makes the env once) stops with SystemExit("error: ..."), which
+    Python prints as that one line on stderr, exit 1 (end to end: the mismatched checkpoint and the runs dir below)."""
+    monkeypatch.setattr(sys, "argv", ["dqn_framestack.py", "--runs-dir", str(runs_dir), *args])
+    with pytest.raises(SystemExit) as exc:
+        dqn.parse_args()
+    error = str(exc.value.code)
+    assert error.startswith("error: ") and message in error and "\n" not in error, error
+    assert not runs_dir.exists()  # before any run dir
 
 
-def test_clear_error_on_mismatched_checkpoint(runs_dir, tmp_path):
-    summary = run_script(
-        "dqn_framestack", "--env-id", "seqrl/TMaze-v0", *TINY, "--eval-episodes", "2", runs_dir=runs_dir, timeout=120
-    )
-    bare = tmp_path / "model.safetensors"  # the weights alone, without the run's args.json: the flags decide
-    bare.write_bytes((Path(summary["run_dir"]) / "model.safetensors").read_bytes())
+def test_clear_error_on_mismatched_checkpoint(tmaze_run, runs_dir, tmp_path):
+    bare = tmp_path / "model.safetensors"  # the weights alone (frame stack 4), without args.json: the flags decide
+    bare.write_bytes((Path(tmaze_run["run_dir"]) / "model.safetensors").read_bytes())
     proc = run_script(
         "dqn_framestack",
         "--env-id",

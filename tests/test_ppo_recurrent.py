@@ -435,10 +435,14 @@ def test_smoke_run_writes_summary_and_reloads(runs_dir):
     assert reloaded["args"]["env_kwargs"] == '{"corridor_length": 2}' and reloaded["run_dir"] != summary["run_dir"]
 
 
-def test_smoke_memoryless_three_state_line_and_module_env_id(runs_dir):
-    summary = run_script(
-        "ppo_recurrent", "--env-id", "seqrl/ThreeStateLine-v0", "--rnn", "none", *TINY, runs_dir=runs_dir, timeout=120
-    )
+def summary_of(g: dict) -> dict:
+    """The summary.json of a run_main run."""
+    return json.loads((Path(g["run_dir"]) / "summary.json").read_text())
+
+
+def test_smoke_memoryless_three_state_line_and_module_env_id(runs_dir, monkeypatch):
+    line = ["--env-id", "seqrl/ThreeStateLine-v0", "--rnn", "none", "--runs-dir", str(runs_dir / "line")]
+    summary = summary_of(run_main(monkeypatch, *line, *TINY))
     # the metric is the saved policy's own p(right) on the constant observation (eval samples 8 envs in parallel)
     state = ppo.load_file(str(ROOT / summary["run_dir"] / "model.safetensors"))
     agent = ppo.Agent(1, 2, "none", 64, True, False)
@@ -454,9 +458,8 @@ def test_smoke_memoryless_three_state_line_and_module_env_id(runs_dir):
         )
     p_right = torch.softmax(logits[0, 0], -1)[ppo.ThreeStateLineEnv.RIGHT].item()
     assert summary["metrics"]["eval/p_right_first_step"] == pytest.approx(p_right, abs=1e-5)
-    summary = run_script(
-        "ppo_recurrent", "--env-id", "gymnasium.envs.classic_control:CartPole-v1", *TINY, runs_dir=runs_dir, timeout=120
-    )
+    module_env = ["--env-id", "gymnasium.envs.classic_control:CartPole-v1", "--runs-dir", str(runs_dir / "cartpole")]
+    summary = summary_of(run_main(monkeypatch, *module_env, *TINY))
     assert summary["metrics"]["eval/episodic_return"] > 0 and "eval/success_rate" not in summary["metrics"]
 
 

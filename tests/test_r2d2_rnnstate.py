@@ -1,12 +1,14 @@
 """R2D2 (algos/r2d2_rnnstate.py): rescaling, n-step targets, priorities, sequence replay with NEXT_STEP autoreset,
 stored-state round trip, smoke runs, clear errors, and a slow learning test."""
 
+import sys
+
 import gymnasium as gym
 import numpy as np
 import pytest
 import spaces_env
 import torch
-from conftest import load_script, run_script
+from conftest import load_script, run_in_process, run_script
 
 r2d2 = load_script("r2d2_rnnstate")
 
@@ -309,16 +311,14 @@ def test_smoke_run_and_eval_only_round_trip(runs_dir):
 
 
 @pytest.mark.parametrize("anneal", [False, True])
-def test_anneal_lr_decays_the_learning_rate_linearly_to_zero(runs_dir, anneal):
+def test_anneal_lr_decays_the_learning_rate_linearly_to_zero(runs_dir, monkeypatch, anneal):
     """`--anneal-lr` (issue 28): the rate of each update is learning_rate * (1 - global_step / total_timesteps), as
     logged in charts/learning_rate; off (the default), the constant rate."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     assert r2d2.Args().anneal_lr is False
     flags = ["--anneal-lr"] if anneal else []
-    summary = run_script(
-        "r2d2_rnnstate", *TINY, "--train-frequency", "1", "--learning-rate", "1e-3", *flags, runs_dir=runs_dir
-    )
+    summary = run_in_process(r2d2, runs_dir, *TINY, "--train-frequency", "1", "--learning-rate", "1e-3", *flags)
     acc = EventAccumulator(summary["run_dir"])
     acc.Reload()
     logged = [(event.step, event.value) for event in acc.Scalars("charts/learning_rate")]
@@ -328,11 +328,12 @@ def test_anneal_lr_decays_the_learning_rate_linearly_to_zero(runs_dir, anneal):
 
 
 @pytest.mark.parametrize("state_init", ["stored", "zero"])
-def test_main_loop_delta_q_without_learning(runs_dir, state_init):
+def test_main_loop_delta_q_without_learning(runs_dir, monkeypatch, state_init):
     """With a learning rate of 0 the network never changes, so stored states are exact: Delta-Q is 0 with the stored
     state (with or without burn-in) and positive with the zero state (sequences that start mid-episode)."""
-    summary = run_script(
-        "r2d2_rnnstate",
+    summary = run_in_process(
+        r2d2,
+        runs_dir,
         *TINY,
         "--learning-rate",
         "0",
@@ -342,7 +343,6 @@ def test_main_loop_delta_q_without_learning(runs_dir, state_init):
         "0",
         "--env-kwargs",
         '{"corridor_length": 3, "max_steps": 60}',
-        runs_dir=runs_dir,
     )
     metrics = summary["metrics"]
     assert metrics["model/delta_q_first_episode_start"] < 1e-5
@@ -373,7 +373,7 @@ def test_scale_obs_divides_masked_cartpole_by_its_bounds_and_is_off_by_default()
 
 
 @pytest.mark.parametrize("env_id", spaces_env.MODULE_IDS)
-def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
+def test_structured_observation_spaces_are_flattened(runs_dir, monkeypatch, env_id):
     env = r2d2.make_flat_env(env_id, {})
     raw = gym.make(env_id)
     obs, _ = env.reset(seed=0)
@@ -403,12 +403,13 @@ def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
         "--burn-in",
         "2",
     ]
-    summary = run_script("r2d2_rnnstate", "--env-id", env_id, *tiny, runs_dir=runs_dir, timeout=120)
+    summary = run_in_process(r2d2, runs_dir, "--env-id", env_id, *tiny)
     assert 0.0 <= summary["metrics"]["eval/episodic_return"] <= spaces_env.EPISODE_LENGTH
 
 
-def test_keep_best_saves_and_reports_the_kept_network(runs_dir):
-    summary = run_script("r2d2_rnnstate", *TINY, "--select-frequency", "800", "--keep-best", runs_dir=runs_dir)
+def test_keep_best_saves_and_reports_the_kept_network(runs_dir, monkeypatch):
+    # in-process (test_smoke_run_and_eval_only_round_trip runs the commands)
+    summary = run_in_process(r2d2, runs_dir, *TINY, "--select-frequency", "800", "--keep-best")
     metrics = summary["metrics"]
     assert metrics["select/best_global_step"] in (800.0, 1600.0, 2400.0)  # evaluations at 800, 1600, 2400 steps
     assert np.isfinite(metrics["select/best_episodic_return"])
@@ -419,16 +420,7 @@ def test_keep_best_saves_and_reports_the_kept_network(runs_dir):
         else (late <= metrics["select/best_episodic_return"])
     )
     assert np.isfinite(metrics["eval/last_network_episodic_return"]) and np.isfinite(metrics["eval/episodic_return"])
-    again = run_script(
-        "r2d2_rnnstate",
-        "--eval-only",
-        "--checkpoint",
-        summary["run_dir"],
-        "--eval-episodes",
-        "4",
-        runs_dir=runs_dir,
-        timeout=120,
-    )
+    again = run_in_process(r2d2, runs_dir, "--eval-only", "--checkpoint", summary["run_dir"], "--eval-episodes", "4")
     assert again["metrics"]["eval/episodic_return"] == pytest.approx(metrics["eval/episodic_return"])  # kept = saved
 
 
@@ -449,17 +441,29 @@ def test_keep_best_saves_and_reports_the_kept_network(runs_dir):
         (["--eval-only", "--checkpoint", "/nonexistent/run"], "cannot read checkpoint /nonexistent/run: No such file"),
     ],
 )
-def test_clear_errors(runs_dir, args, message):
-    proc = run_script("r2d2_rnnstate", *args, runs_dir=runs_dir, expect_fail=True, timeout=60)
-    assert message in proc.stderr + proc.stdout
-    assert "Traceback" not in proc.stderr
+def test_clear_errors(runs_dir, monkeypatch, args, message):
+    """In-process: what main does before any work (parse_args, then the env check that opens start_run) stops with
+    SystemExit("error: ..."), which Python prints as that one line on stderr, exit 1 (end to end: the mismatched
+    checkpoint below)."""
+    error = cli_error(monkeypatch, runs_dir, *args)
+    assert message in error and "\n" not in error, error
+    assert not runs_dir.exists()  # before any run dir
 
 
-def test_corrupt_or_mismatched_checkpoint(runs_dir, tmp_path):
+def cli_error(monkeypatch, runs_dir, *args: str) -> str:
+    """The SystemExit message of parse_args and the env check (what main runs first) on the command line ARGS."""
+    monkeypatch.setattr(sys, "argv", ["r2d2_rnnstate.py", "--runs-dir", str(runs_dir), *args])
+    with pytest.raises(SystemExit) as exc:
+        parsed = r2d2.parse_args()
+        r2d2.check_env(parsed.env_id, parsed.env_kwargs)
+    assert str(exc.value.code).startswith("error: ")
+    return str(exc.value.code)
+
+
+def test_corrupt_or_mismatched_checkpoint(runs_dir, tmp_path, monkeypatch):
     bad = tmp_path / "model.safetensors"
     bad.write_bytes(b"not a safetensors file")
-    proc = run_script("r2d2_rnnstate", "--eval-only", "--checkpoint", str(bad), runs_dir=runs_dir, expect_fail=True)
-    assert "cannot read checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+    assert "cannot read checkpoint" in cli_error(monkeypatch, runs_dir, "--eval-only", "--checkpoint", str(bad))
     from safetensors.torch import save_file
 
     save_file({"lstm.weight_hh_l0": torch.zeros(32, 8), "foo": torch.zeros(1)}, str(bad))

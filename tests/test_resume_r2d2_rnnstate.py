@@ -8,12 +8,13 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, load_script, run_script, scalar_steps, script_command, start_script, subprocess_env
+from conftest import ROOT, load_script, scalar_steps, script_command, start_script, subprocess_env
 from safetensors.torch import save_file
 
 r2d2 = load_script("r2d2_rnnstate")
@@ -74,9 +75,16 @@ def assert_finished_like(summary: dict, uninterrupted: dict, run_dir) -> None:
 def uninterrupted(tmp_path_factory):
     """The tiny run without checkpoints (what benchmark.sh's fingerprint runs): nothing of a checkpoint left."""
     runs_dir = tmp_path_factory.mktemp("uninterrupted")
-    summary = run_script("r2d2_rnnstate", *TINY, "--save-every", "0", runs_dir=runs_dir, timeout=TIMEOUT)
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch:  # in-process: its command line and signals are not under test here
+        patch.setattr(sys, "argv", ["r2d2_rnnstate.py", "--runs-dir", str(runs_dir), *TINY, "--save-every", "0"])
+        try:
+            r2d2.main()
+        finally:
+            torch.set_num_threads(threads)  # main sets it
     assert not list(runs_dir.glob("*/*train_state*"))
-    return summary
+    (summary,) = runs_dir.glob("*/summary.json")
+    return json.loads(summary.read_text())
 
 
 def test_sigkill_after_a_checkpoint_then_resume_finishes_the_run(uninterrupted, tmp_path):

@@ -7,17 +7,19 @@ import json
 import random
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, load_script, run_script, scalar_steps, script_command, start_script, subprocess_env
+from conftest import ROOT, load_script, scalar_steps, script_command, start_script, subprocess_env
 
 trxl = load_script("r2d2_trxl_memory")
 
+# 1600 env steps, updates from step 400 (target copies every 20), the first checkpoint at 800 (--save-every 800)
 TINY = [
-    *("--total-timesteps", "2400", "--learning-starts", "400", "--num-envs", "4", "--buffer-size", "2000"),
+    *("--total-timesteps", "1600", "--learning-starts", "400", "--num-envs", "4", "--buffer-size", "2000"),
     *("--batch-size", "8", "--eval-episodes", "4", "--target-network-frequency", "20", "--d-model", "16"),
     *("--memory-length", "6", "--window", "15", "--final-delta-q-sequences", "64"),
     *("--env-kwargs", '{"corridor_length": 3}'),
@@ -26,12 +28,21 @@ TIMEOUT = 180  # seconds for one subprocess run (a tiny run takes seconds)
 
 
 @pytest.mark.parametrize("memory", ["stored", "window"])  # the actor carries a memory, or a window of rows
-def test_sigkill_after_first_checkpoint_then_resume_finishes_the_run(tmp_path, memory):
+def test_sigkill_after_first_checkpoint_then_resume_finishes_the_run(tmp_path, monkeypatch, memory):
     args = [*TINY, "--memory", memory]
-    plain = run_script("r2d2_trxl_memory", *args, "--save-every", "0", runs_dir=tmp_path / "plain", timeout=TIMEOUT)
+    # the uninterrupted run (its metric keys) in-process: its command line and signals are not under test here
+    plain_args = ["--runs-dir", str(tmp_path / "plain"), *args, "--save-every", "0"]
+    monkeypatch.setattr(sys, "argv", ["r2d2_trxl_memory.py", *plain_args])
+    threads = torch.get_num_threads()
+    try:
+        trxl.main()
+    finally:
+        torch.set_num_threads(threads)  # main sets it
+    (plain_summary,) = (tmp_path / "plain").glob("*/summary.json")
+    plain = json.loads(plain_summary.read_text())
     runs_dir = tmp_path / "runs"
     proc = start_script(
-        "r2d2_trxl_memory", tmp_path / "log.txt", "--runs-dir", str(runs_dir), *args, "--save-every", "1000"
+        "r2d2_trxl_memory", tmp_path / "log.txt", "--runs-dir", str(runs_dir), *args, "--save-every", "800"
     )
     deadline = time.time() + TIMEOUT
     while not list(runs_dir.glob(f"*/{trxl.TRAIN_STATE}")):
@@ -46,7 +57,7 @@ def test_sigkill_after_first_checkpoint_then_resume_finishes_the_run(tmp_path, m
     assert done.returncode == 0 and f"resumed {run_dir} at global_step=" in done.stdout, done.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["metrics"].keys() == plain["metrics"].keys() and summary["args"]["memory"] == memory
-    assert scalar_steps(run_dir, "eval/episodic_return") == [2400]  # the resumed run finished its steps
+    assert scalar_steps(run_dir, "eval/episodic_return") == [1600]  # the resumed run finished its steps
     assert sorted(path.name for path in run_dir.glob("*.safetensors")) == ["model.safetensors"]  # checkpoint gone
 
 

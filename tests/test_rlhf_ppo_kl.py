@@ -5,11 +5,12 @@ GPT-2 / Llama / GPT-NeoX checkpoints, loading saved SFT / reward models, bad inp
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from conftest import load_script, run_script
+from conftest import load_script, run_in_process, run_script
 
 from envs import preference
 from envs.preference import Completion
@@ -369,15 +370,16 @@ def test_smoke_run_writes_summary_curve_and_models(runs_dir):
         assert (run_dir / sub / "config.json").exists() and (run_dir / sub / "tokenizer.json").exists()
     # STEPS 1-3 skipped: load the saved SFT policy and reward model (as written by another run, same seed). STEP 4
     # re-seeds, so the run is the one that made them (what lets benchmark.sh's KL sweep share them); a per-prompt
-    # reward offset changes the training objective only, never the evaluation
+    # reward offset changes the training objective only, never the evaluation. The runs below are main() in this
+    # process, with the same arguments and one torch thread as the subprocess above (the command line is its)
     loaded = ("--sft-model-path", str(run_dir / "sft_model"), "--reward-model-path", str(run_dir / "reward_model"))
-    again = run_script("rlhf_ppo_kl", *SMOKE, *loaded, runs_dir=runs_dir, timeout=300)
+    again = run_in_process(M, runs_dir, *SMOKE, *loaded)
     assert again["metrics"] == m
-    offset = run_script("rlhf_ppo_kl", *SMOKE, *loaded, "--reward-offset", "2.0", runs_dir=runs_dir, timeout=300)
+    offset = run_in_process(M, runs_dir, *SMOKE, *loaded, "--reward-offset", "2.0")
     # same SFT policy, same eval noise: the same SFT gold reward
     assert offset["metrics"]["eval/sft_gold_reward"] == m["eval/sft_gold_reward"]
     # --eval-only on the run dir reproduces the final policy's evaluation
-    ev = run_script("rlhf_ppo_kl", *SMOKE, "--eval-only", "--checkpoint", str(run_dir), runs_dir=runs_dir)
+    ev = run_in_process(M, runs_dir, *SMOKE, "--eval-only", "--checkpoint", str(run_dir))
     assert ev["metrics"]["eval/gold_reward"] == pytest.approx(m["eval/gold_reward"])
 
 
@@ -385,7 +387,7 @@ def test_real_checkpoint_end_to_end_sft_ends_with_the_models_eos(hf_checkpoint, 
     # a tiny GPT-2 / Llama / GPT-NeoX with a BPE tokenizer and no pad token, as a user's --model-name-or-path
     from transformers import AutoConfig, AutoTokenizer
 
-    summary = run_script("rlhf_ppo_kl", *REAL_SMOKE, "--model-name-or-path", str(hf_checkpoint), runs_dir=runs_dir)
+    summary = run_in_process(M, runs_dir, *REAL_SMOKE, "--model-name-or-path", str(hf_checkpoint))
     m = summary["metrics"]
     assert m["eval/sft_eos_rate"] >= 0.9  # SFT taught the model to end its answers with its own EOS token
     assert summary["args"]["max_new_tokens"] > 16  # BPE spells the longest demonstrations in more than 16 tokens
@@ -400,15 +402,17 @@ def test_real_checkpoint_end_to_end_sft_ends_with_the_models_eos(hf_checkpoint, 
 
 
 def test_missing_reward_model_dir_is_a_clear_error(runs_dir, tmp_path, monkeypatch):
-    proc = run_script(
-        "rlhf_ppo_kl", *SMOKE, "--reward-model-path", str(tmp_path / "nope"), runs_dir=runs_dir, expect_fail=True
-    )
-    assert "error: --reward-model-path" in proc.stderr and "Traceback" not in proc.stderr
+    # the SystemExit message is what the command line prints (the CLI run at the end shows it: one line, no traceback)
+    monkeypatch.setattr("sys.argv", ["rlhf_ppo_kl.py", *SMOKE, "--reward-model-path", str(tmp_path / "nope")])
+    with pytest.raises(SystemExit) as err:
+        M.parse_args()
+    assert str(err.value.code).startswith("error: --reward-model-path")
     (tmp_path / "empty").mkdir()
-    proc = run_script(
-        "rlhf_ppo_kl", *SMOKE, "--sft-model-path", str(tmp_path / "empty"), runs_dir=runs_dir, expect_fail=True
-    )
-    assert "error: --sft-model-path" in proc.stderr and "Traceback" not in proc.stderr
+    for flag, path in (("sft_model_path", tmp_path / "empty"), ("model_name_or_path", tmp_path / "missing")):
+        run = SimpleNamespace(args=M.Args(**{flag: str(path)}))  # STEP 1's load, as main calls it, before any work
+        with pytest.raises(SystemExit) as err:
+            M.Run.load_pretrained(run, str(path), "causal")
+        assert str(err.value.code).startswith(f"error: --{flag.replace('_', '-')} "), err.value.code
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline, a hub id that is not cached: one line, no traceback
     proc = run_script(
         "rlhf_ppo_kl",
@@ -419,10 +423,6 @@ def test_missing_reward_model_dir_is_a_clear_error(runs_dir, tmp_path, monkeypat
         expect_fail=True,
     )
     assert "error: could not load --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_script(
-        "rlhf_ppo_kl", *SMOKE, "--model-name-or-path", str(tmp_path / "missing"), runs_dir=runs_dir, expect_fail=True
-    )
-    assert "error: --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize(

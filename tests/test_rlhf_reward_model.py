@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import load_script, run_script
+from conftest import load_script, run_in_process, run_script
 
 from envs import preference
 from envs.preference import Completion
@@ -14,7 +14,8 @@ from envs.preference import Completion
 rm = load_script("rlhf_reward_model")
 BAYES_GAP = 0.05  # the slow test's line = benchmark.sh's rlhf_rm claim: at most this far below the Bayes accuracy
 TINY = tuple(
-    "--n-train-prompts 48 --epochs 1 --eval-episodes 16 --n-norm-samples 64 --sft-epochs 1 --sft-examples 64".split()
+    "--n-train-prompts 48 --epochs 1 --eval-episodes 16 --n-norm-samples 64 --n-center-samples 8 --sft-epochs 1 "
+    "--sft-examples 64".split()
 )
 
 
@@ -163,8 +164,18 @@ def test_prompt_baselines_remove_a_per_prompt_offset(monkeypatch):
     assert rm.spearman(centered, gold) > 0.9  # only the sampling noise of the 64-sample baseline is left
 
 
-def test_smoke_run_and_eval_only(runs_dir):
-    summary = run_script("rlhf_reward_model", *TINY, "--loss", "pairwise", "--margin", "0.1", runs_dir=runs_dir)
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One tiny pairwise run (margin 0.1) with validation comparisons: the smoke and validation tests share it."""
+    runs = tmp_path_factory.mktemp("smoke")
+    summary = run_script(
+        "rlhf_reward_model", *TINY, "--loss", "pairwise", "--margin", "0.1", "--val-prompts", "16", runs_dir=runs
+    )
+    return summary, runs
+
+
+def test_smoke_run_and_eval_only(smoke_run):
+    summary, runs_dir = smoke_run
     m = summary["metrics"]
     for key in (
         "eval/preference_accuracy",
@@ -183,37 +194,50 @@ def test_smoke_run_and_eval_only(runs_dir):
     assert m["model/reward_mean_normalized"] == pytest.approx(0.0, abs=1e-3)
     assert m["model/reward_std_normalized"] == pytest.approx(1.0, abs=1e-3)
     run_dir = summary["run_dir"]
-    again = run_script("rlhf_reward_model", *TINY, "--eval-only", "--checkpoint", run_dir, runs_dir=runs_dir)
+    again = run_in_process(rm, runs_dir, *TINY, "--eval-only", "--checkpoint", run_dir)
     # same model, same held-out set -> same accuracy and correlation (calibration rescaled by the stored std)
     keys = ("eval/preference_accuracy", "eval/spearman_gold", "eval/calibration_error", "eval/spearman_gold_centered")
     for key in keys:
         assert again["metrics"][key] == pytest.approx(m[key], abs=1e-4)
 
 
-def test_smoke_validation_comparisons(runs_dir):
-    summary = run_script("rlhf_reward_model", *TINY, "--val-prompts", "16", runs_dir=runs_dir)
+def test_smoke_validation_comparisons(smoke_run):
+    summary, _ = smoke_run
+    assert summary["args"]["val_prompts"] == 16
     m = summary["metrics"]  # the last epoch's loss and pair accuracy on 16 rankings never trained on
     assert math.isfinite(m["val/loss"]) and m["val/loss"] > 0 and 0.0 <= m["val/accuracy"] <= 1.0
 
 
-def test_head_only_fraction_1_trains_the_head_and_leaves_the_backbone(runs_dir):
-    """--head-only-fraction 1.0 (LP-FT's first stage for the whole run): the backbone stays at its start, which an
-    untrained run (--learning-rate 0) from the same seed saves too; the scalar head has moved."""
+@pytest.fixture(scope="module")
+def head_only_runs(tmp_path_factory):
+    """The saved reward models of two K-wise softmax runs without SFT from the same seed: --head-only-fraction 1.0,
+    and untrained (--learning-rate 0); and the first run's summary."""
     from safetensors.torch import load_file
 
-    def saved(*extra):
-        summary = run_script("rlhf_reward_model", *TINY, "--sft-epochs", "0", *extra, runs_dir=runs_dir)
-        return load_file(str(Path(summary["run_dir"]) / "reward_model" / "model.safetensors"))
+    runs = tmp_path_factory.mktemp("head_only")
+    kwise = ("--loss", "kwise", "--kwise-form", "softmax", "--sft-epochs", "0")
 
-    frozen, untrained = saved("--head-only-fraction", "1.0"), saved("--learning-rate", "0")
+    def run(*extra):
+        summary = run_in_process(rm, runs, *TINY, *kwise, *extra)
+        return summary, load_file(str(Path(summary["run_dir"]) / "reward_model" / "model.safetensors"))
+
+    (summary, frozen), (_, untrained) = run("--head-only-fraction", "1.0"), run("--learning-rate", "0")
+    return summary, frozen, untrained
+
+
+def test_head_only_fraction_1_trains_the_head_and_leaves_the_backbone(head_only_runs):
+    """--head-only-fraction 1.0 (LP-FT's first stage for the whole run): the backbone stays at its start, which an
+    untrained run (--learning-rate 0) from the same seed saves too; the scalar head has moved."""
+    _, frozen, untrained = head_only_runs
     backbone = [k for k in frozen if k != "score.weight" and ".ln_f." not in k]  # ln_f: the normalization's shift
     assert backbone and all(torch.equal(frozen[k], untrained[k]) for k in backbone)
     assert not torch.allclose(frozen["score.weight"], untrained["score.weight"])
 
 
-def test_smoke_kwise_softmax(runs_dir):
-    summary = run_script("rlhf_reward_model", *TINY, "--loss", "kwise", "--kwise-form", "softmax", runs_dir=runs_dir)
-    assert summary["args"]["kwise_form"] == "softmax"
+def test_smoke_kwise_softmax(head_only_runs):
+    summary, _, _ = head_only_runs  # the head-only run trains through the K-wise softmax loss
+    assert summary["args"]["loss"] == "kwise" and summary["args"]["kwise_form"] == "softmax"
+    assert math.isfinite(summary["metrics"]["eval/preference_accuracy"])
 
 
 def test_real_checkpoint_keeps_its_weights_gets_a_pad_token_and_its_own_eos_and_bos(hf_checkpoint):
@@ -245,7 +269,7 @@ def test_real_checkpoint_keeps_its_weights_gets_a_pad_token_and_its_own_eos_and_
 def test_smoke_run_on_real_checkpoint(hf_checkpoint, runs_dir):
     from transformers import AutoConfig, AutoTokenizer
 
-    summary = run_script("rlhf_reward_model", *TINY, "--model-name-or-path", str(hf_checkpoint), runs_dir=runs_dir)
+    summary = run_in_process(rm, runs_dir, *TINY, "--model-name-or-path", str(hf_checkpoint))
     m = summary["metrics"]
     assert m["model/reward_mean_normalized"] == pytest.approx(0.0, abs=1e-3)
     assert m["model/reward_std_normalized"] == pytest.approx(1.0, abs=1e-3)
@@ -254,19 +278,23 @@ def test_smoke_run_on_real_checkpoint(hf_checkpoint, runs_dir):
     assert AutoConfig.from_pretrained(out).model_type == AutoConfig.from_pretrained(hf_checkpoint).model_type
     saved = AutoTokenizer.from_pretrained(out)
     assert saved.pad_token_id is not None and saved.pad_token_id != saved.eos_token_id
-    again = run_script("rlhf_reward_model", *TINY, "--eval-only", "--checkpoint", summary["run_dir"], runs_dir=runs_dir)
+    again = run_in_process(rm, runs_dir, *TINY, "--eval-only", "--checkpoint", summary["run_dir"])
     assert again["metrics"]["eval/spearman_gold"] == pytest.approx(m["eval/spearman_gold"], abs=1e-4)
 
 
 def test_bad_input_gives_clear_error(runs_dir, tmp_path, monkeypatch):
-    proc = run_script(
-        "rlhf_reward_model", "--eval-only", "--checkpoint", str(tmp_path / "nope"), runs_dir=runs_dir, expect_fail=True
-    )
-    assert "error: --checkpoint" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_script(
-        "rlhf_reward_model", "--model-name-or-path", str(tmp_path / "missing"), runs_dir=runs_dir, expect_fail=True
-    )
-    assert "error: --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
+    def parse_error(*argv):  # the SystemExit message is what the command line prints (as the CLI run below shows)
+        monkeypatch.setattr("sys.argv", ["rlhf_reward_model.py", "--runs-dir", str(runs_dir), *argv])
+        with pytest.raises(SystemExit) as err:
+            rm.parse_args()
+        return str(err.value.code)
+
+    assert parse_error("--eval-only", "--checkpoint", str(tmp_path / "nope")).startswith("error: --checkpoint")
+    assert parse_error("--eval-only").startswith("error: --eval-only needs --checkpoint")
+    assert parse_error("--n-center-samples", "0").startswith("error: --n-center-samples must be >= 1")
+    with pytest.raises(SystemExit) as err:  # a local path that does not exist: main's build_lm, before any work
+        rm.build_lm(rm.Args(model_name_or_path=str(tmp_path / "missing")), "cpu")
+    assert str(err.value.code).startswith("error: --model-name-or-path")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline, a hub id that is not cached: one line, no traceback
     proc = run_script(
         "rlhf_reward_model",
@@ -276,10 +304,6 @@ def test_bad_input_gives_clear_error(runs_dir, tmp_path, monkeypatch):
         expect_fail=True,
     )
     assert "error: could not load --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_script("rlhf_reward_model", "--eval-only", runs_dir=runs_dir, expect_fail=True)
-    assert "error: --eval-only needs --checkpoint" in proc.stderr
-    proc = run_script("rlhf_reward_model", "--n-center-samples", "0", runs_dir=runs_dir, expect_fail=True)
-    assert "error: --n-center-samples must be >= 1" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, gloo_threads, load_script, run_script, scalar_steps, subprocess_env
+from conftest import ROOT, gloo_threads, load_script, run_in_process, run_script, scalar_steps, subprocess_env
 from safetensors.torch import save_file
 
 M = load_script("rlhf_ppo_kl")
@@ -52,6 +52,17 @@ def one_line_error(proc) -> str:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
     return lines[0]
+
+
+def parse_error(monkeypatch, *argv: str) -> str:
+    """The one-line error parse_args stops with: a SystemExit message, which the command line prints as it is (the
+    subprocess of test_runs_dir_that_is_a_file_is_a_one_line_error shows that route: one line on stderr)."""
+    monkeypatch.setattr("sys.argv", ["rlhf_ppo_kl.py", *argv])
+    with pytest.raises(SystemExit) as err:
+        M.parse_args()
+    message = str(err.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -190,10 +201,12 @@ def test_torchrun_two_processes_end_to_end_writes_exactly_one_run_dir(runs_dir):
 # ---------------------------------------------------------------------------------------------------------------
 # resume: SIGKILL / SIGINT after a checkpoint, then --resume, ends bit-identical to the uninterrupted run
 # ---------------------------------------------------------------------------------------------------------------
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     runs = tmp_path_factory.mktemp("uninterrupted")
-    summary = run_script("rlhf_ppo_kl", *RESUME_RUN, runs_dir=runs, timeout=240)
+    summary = run_in_process(M, runs, *RESUME_RUN)  # the resumed subprocess runs must end bit-identical to it
     return summary, Path(summary["run_dir"])
 
 
@@ -235,7 +248,9 @@ def assert_same_final_metrics(run_dir: Path, uninterrupted) -> None:
     assert not (run_dir / M.TRAIN_STATE).exists()  # a finished run has nothing to resume
 
 
-def test_sigkill_then_resume_ends_bit_identical_and_truncated_checkpoints(runs_dir, tmp_path, uninterrupted):
+def test_sigkill_then_resume_ends_bit_identical_and_truncated_checkpoints(
+    runs_dir, tmp_path, uninterrupted, monkeypatch
+):
     run_dir, proc = start_and_stop_after_first_ppo_checkpoint(runs_dir, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL
     latest = checkpoint_header(run_dir)
@@ -248,7 +263,7 @@ def test_sigkill_then_resume_ends_bit_identical_and_truncated_checkpoints(runs_d
     shutil.copytree(run_dir, broken)
     weights = broken / M.TRAIN_STATE
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    error = one_line_error(run([sys.executable, SCRIPT, "--resume", str(broken)], expect_fail=True))
+    error = parse_error(monkeypatch, "--resume", str(broken))
     assert "cannot read checkpoint" in error and str(weights) in error
     # a kill during the next save leaves a half-written temporary file: ignored, the checkpoint before loads
     half = run_dir / f".tmp_{M.TRAIN_STATE}"
@@ -269,28 +284,23 @@ def test_sigint_writes_a_checkpoint_then_resume_ends_bit_identical(runs_dir, uni
     assert_same_final_metrics(run_dir, uninterrupted)
 
 
-def test_resume_refuses_a_finished_run_another_scripts_run_and_changed_flags(tmp_path, uninterrupted):
+def test_resume_refuses_a_finished_run_another_scripts_run_and_changed_flags(tmp_path, uninterrupted, monkeypatch):
     _, finished = uninterrupted
-    error = one_line_error(run([sys.executable, SCRIPT, "--resume", str(finished)], expect_fail=True))
-    assert "finished" in error
+    assert "finished" in parse_error(monkeypatch, "--resume", str(finished))
     # another script's run (its own checkpoint naming it), and a run dir with no checkpoint at all
     other = tmp_path / "other_run"
     other.mkdir()
     save_file({}, str(other / M.TRAIN_STATE), metadata={"script": "rlhf_reward_model", "state": "{}"})
-    error = one_line_error(run([sys.executable, SCRIPT, "--resume", str(other)], expect_fail=True))
-    assert "rlhf_reward_model" in error
+    assert "rlhf_reward_model" in parse_error(monkeypatch, "--resume", str(other))
     empty = tmp_path / "empty_run"
     empty.mkdir()
-    assert "cannot read checkpoint" in one_line_error(
-        run([sys.executable, SCRIPT, "--resume", str(empty)], expect_fail=True)
-    )
+    assert "cannot read checkpoint" in parse_error(monkeypatch, "--resume", str(empty))
     # a flag that changes the run (here, on a copy of a finished run made resumable: no summary, a checkpoint)
     unfinished = tmp_path / "unfinished"
     shutil.copytree(finished, unfinished)
     (unfinished / "summary.json").unlink()
     M.save_train_state(unfinished, {"args": json.loads((unfinished / "args.json").read_text())})
-    error = one_line_error(run([sys.executable, SCRIPT, "--resume", str(unfinished), "--seed", "7"], expect_fail=True))
-    assert "--seed 7" in error
+    assert "--seed 7" in parse_error(monkeypatch, "--resume", str(unfinished), "--seed", "7")
 
 
 def test_runs_dir_that_is_a_file_is_a_one_line_error(tmp_path):

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import ROOT, gloo_threads, load_script, run_script, scalar_steps, subprocess_env
+from conftest import ROOT, gloo_threads, load_script, run_in_process, run_script, scalar_steps, subprocess_env
 from safetensors.torch import safe_open, save_file
 
 from envs import preference
@@ -186,7 +186,7 @@ def torchrun(runs_dir: Path, *args: str, nproc: int = 2) -> subprocess.Completed
 def one_and_two_ranks(tmp_path_factory):
     """The same run (global batch, seed) in one process and under torchrun with 2 processes."""
     runs = tmp_path_factory.mktemp("dp")
-    one = run_script("rlhf_reward_model", *DP_ARGS, runs_dir=runs / "one", timeout=TIMEOUT)
+    one = run_in_process(rm, runs / "one", *DP_ARGS)
     proc = torchrun(runs / "two", *DP_ARGS)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return one, proc, runs / "two"
@@ -223,7 +223,7 @@ def test_two_ranks_reach_one_rank_heldout_accuracy(one_and_two_ranks):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     runs = tmp_path_factory.mktemp("uninterrupted")
-    return run_script("rlhf_reward_model", *RESUME_ARGS, runs_dir=runs, timeout=TIMEOUT)
+    return run_in_process(rm, runs, *RESUME_ARGS)  # the resumed subprocess runs must end bit-identical to it
 
 
 def start_and_interrupt(runs: Path, sig: int, phase: str) -> tuple[subprocess.Popen, Path, str]:
@@ -342,27 +342,38 @@ def one_line_error(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def test_resuming_a_finished_run_is_a_one_line_error(uninterrupted):
-    assert "finished" in one_line_error(resume(Path(uninterrupted["run_dir"])))
+def parse_error(monkeypatch, *argv: str) -> str:
+    """The one-line error parse_args stops with: a SystemExit message, which the command line prints as it is (the
+    subprocess of test_runs_dir_that_is_a_file_is_a_one_line_error shows that route: one line on stderr)."""
+    monkeypatch.setattr("sys.argv", ["rlhf_reward_model.py", *argv])
+    with pytest.raises(SystemExit) as err:
+        rm.parse_args()
+    message = str(err.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
 
 
-def test_resuming_another_scripts_run_is_a_one_line_error(killed_run, tmp_path):
+def test_resuming_a_finished_run_is_a_one_line_error(uninterrupted, monkeypatch):
+    assert "finished" in parse_error(monkeypatch, "--resume", uninterrupted["run_dir"])
+
+
+def test_resuming_another_scripts_run_is_a_one_line_error(killed_run, tmp_path, monkeypatch):
     run_dir = Path(shutil.copytree(killed_run, tmp_path / "other"))
     with safe_open(str(run_dir / rm.TRAIN_STATE), "pt") as file:
         tensors, meta = {key: file.get_tensor(key) for key in file.keys()}, file.metadata()
     save_file(tensors, str(run_dir / rm.TRAIN_STATE), metadata={**meta, "script": "rlhf_ppo_kl"})
-    assert "is a run of rlhf_ppo_kl" in one_line_error(resume(run_dir))
+    assert "is a run of rlhf_ppo_kl" in parse_error(monkeypatch, "--resume", str(run_dir))
 
 
-def test_resuming_with_a_different_algorithm_arg_is_a_one_line_error(killed_run):
-    assert "--learning-rate" in one_line_error(resume(killed_run, "--learning-rate", "0.5"))
+def test_resuming_with_a_different_algorithm_arg_is_a_one_line_error(killed_run, monkeypatch):
+    assert "--learning-rate" in parse_error(monkeypatch, "--resume", str(killed_run), "--learning-rate", "0.5")
 
 
-def test_truncated_checkpoint_is_refused_in_one_line(killed_run, tmp_path):
+def test_truncated_checkpoint_is_refused_in_one_line(killed_run, tmp_path, monkeypatch):
     run_dir = Path(shutil.copytree(killed_run, tmp_path / "truncated"))
     state_file = run_dir / rm.TRAIN_STATE
     state_file.write_bytes(state_file.read_bytes()[: state_file.stat().st_size // 2])
-    message = one_line_error(resume(run_dir))
+    message = parse_error(monkeypatch, "--resume", str(run_dir))
     assert "cannot read checkpoint" in message and rm.TRAIN_STATE in message
 
 

@@ -1,6 +1,7 @@
 """Tests of algos/ssm_vae_q.py: KL, ELBO, masks, double-Q target, Markov counts, smoke runs, TwoDoors learning."""
 
 import json
+import sys
 from pathlib import Path
 
 import gymnasium as gym
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import spaces_env
 import torch
-from conftest import load_script, run_script
+from conftest import load_script, run_in_process, run_script
 
 m = load_script("ssm_vae_q")
 
@@ -134,7 +135,7 @@ def test_eval_seeds_disjoint_across_training_seeds():
 
 
 @pytest.mark.parametrize("env_id", spaces_env.MODULE_IDS)
-def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
+def test_structured_observation_spaces_are_flattened(runs_dir, monkeypatch, env_id):
     env, raw = m.make_vector_env(env_id, {}, 1), gym.make(env_id)
     obs, raw_obs = env.reset(seed=0)[0][0], raw.reset(seed=0)[0]
     for _ in range(3):
@@ -142,7 +143,7 @@ def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
         np.testing.assert_array_equal(obs, spaces_env.expected_flat(raw_obs))
         obs, raw_obs = env.step(np.array([0]))[0][0], raw.step(0)[0]
     tiny = "--total-timesteps 200 --learning-starts 100 --num-envs 2 --eval-episodes 2 --deter-size 8 --hidden-size 8"
-    s = run_script("ssm_vae_q", "--env-id", env_id, *tiny.split(), runs_dir=runs_dir, timeout=120)
+    s = run_in_process(m, runs_dir, "--env-id", env_id, *tiny.split())
     assert 0.0 <= s["metrics"]["eval/episodic_return"] <= spaces_env.EPISODE_LENGTH
 
 
@@ -180,7 +181,7 @@ def test_replay_transitions_never_cross_episodes():
     assert batch["obs"].shape == (3, 4, 2) and batch["is_first"].shape == (3, 4)
 
 
-def test_smoke_run_eval_only_and_errors(runs_dir):
+def test_smoke_run_eval_only_and_errors(runs_dir, monkeypatch):
     tiny = "--total-timesteps 400 --learning-starts 200 --num-envs 4 --eval-episodes 5 --log-every 5 --deter-size 16"
     s = run_script("ssm_vae_q", *tiny.split(), "--hidden-size", "16", runs_dir=runs_dir, timeout=120)
     for key in ("eval/episodic_return", "eval/one_step_obs_error", "model/p_pass_retry_same_door"):
@@ -206,7 +207,9 @@ def test_smoke_run_eval_only_and_errors(runs_dir):
     assert e["metrics"]["model/p_pass_retry_same_door"] == pytest.approx(
         s["metrics"]["model/p_pass_retry_same_door"], abs=0.1
     )
-    # clear errors
+    # clear errors: those of parse_args (main's first call; it makes the env once) in-process, as the SystemExit
+    # message that Python prints as that one line on stderr, exit 1; a checkpoint that does not fit (found in main,
+    # after parse_args) end to end
     bad = [
         ["--env-id", "seqrl/NoSuchEnv-v0"],
         ["--env-id", "Pendulum-v1"],  # continuous actions
@@ -218,41 +221,51 @@ def test_smoke_run_eval_only_and_errors(runs_dir):
         ["--eval-only"],
         ["--eval-only", "--checkpoint", str(runs_dir / "missing")],
     ]
-    bare = runs_dir / "bare"  # weights without their args.json: the env comes from the flags, and its sizes differ
-    bare.mkdir()
-    (bare / "model.safetensors").write_bytes((run_dir / "model.safetensors").read_bytes())
-    bad.append(["--eval-only", "--checkpoint", str(bare / "model.safetensors"), "--env-id", "seqrl/TMaze-v0"])
     corrupt = runs_dir / "corrupt.safetensors"
     corrupt.write_bytes(b"not a safetensors file")
     bad.append(["--eval-only", "--checkpoint", str(corrupt)])
     for args in bad:
-        proc = run_script("ssm_vae_q", *args, runs_dir=runs_dir, expect_fail=True)
-        assert "error:" in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr[-500:])
+        assert parse_error(monkeypatch, runs_dir, *args).startswith("error: "), args
+    bare = runs_dir / "bare"  # weights without their args.json: the env comes from the flags, and its sizes differ
+    bare.mkdir()
+    (bare / "model.safetensors").write_bytes((run_dir / "model.safetensors").read_bytes())
+    args = ["--eval-only", "--checkpoint", str(bare / "model.safetensors"), "--env-id", "seqrl/TMaze-v0"]
+    proc = run_script("ssm_vae_q", *args, runs_dir=runs_dir, expect_fail=True)
+    assert "error: checkpoint does not fit" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-500:]
 
 
-def test_keep_best_saves_and_reports_the_kept_networks(runs_dir):
+def parse_error(monkeypatch, runs_dir, *args: str) -> str:
+    """The one-line SystemExit message of parse_args on the command line ARGS (what the script prints, exit 1)."""
+    monkeypatch.setattr(sys, "argv", ["ssm_vae_q.py", "--runs-dir", str(runs_dir), *args])
+    with pytest.raises(SystemExit) as exc:
+        m.parse_args()
+    error = str(exc.value.code)
+    assert "\n" not in error, error
+    return error
+
+
+def test_keep_best_saves_and_reports_the_kept_networks(runs_dir, monkeypatch):
     tiny = ["--env-id", "seqrl/TMaze-v0", "--env-kwargs", '{"corridor_length": 2}'] + (
         "--total-timesteps 400 --learning-starts 200 --num-envs 4 --eval-episodes 6 --deter-size 16 --hidden-size 16"
         " --select-frequency 200 --select-episodes 4 --keep-best"
     ).split()
-    s = run_script("ssm_vae_q", *tiny, runs_dir=runs_dir, timeout=120)
+    s = run_in_process(m, runs_dir, *tiny)  # in-process: test_smoke_run_eval_only_and_errors runs commands
     metrics = s["metrics"]
     assert metrics["select/best_global_step"] in (200.0, 400.0)  # evaluations at 200 and 400 env steps
     assert {"eval/last_network_episodic_return", "eval/last_network_success_rate"} <= set(metrics)
     # --eval-only takes the env (TMaze, corridor 2, not the default TwoDoors) and the architecture from args.json
-    e = run_script("ssm_vae_q", "--eval-only", "--checkpoint", s["run_dir"], "--eval-episodes", "6", runs_dir=runs_dir)
+    e = run_in_process(m, runs_dir, "--eval-only", "--checkpoint", s["run_dir"], "--eval-episodes", "6")
     assert e["args"]["env_id"] == "seqrl/TMaze-v0" and e["args"]["env_kwargs"] == '{"corridor_length": 2}'
     assert e["metrics"]["eval/success_rate"] == metrics["eval/success_rate"]  # the kept networks are the saved ones
     assert e["metrics"]["eval/one_step_obs_error"] == pytest.approx(metrics["eval/one_step_obs_error"])
     if metrics["select/best_global_step"] == 400.0:  # the kept networks are the last ones: the same evaluation
         assert metrics["eval/last_network_one_step_obs_error"] == metrics["eval/one_step_obs_error"]
-    proc = run_script("ssm_vae_q", "--keep-best", runs_dir=runs_dir, expect_fail=True)
-    assert "--keep-best needs --select-frequency" in proc.stderr and "Traceback" not in proc.stderr
+    assert parse_error(monkeypatch, runs_dir, "--keep-best") == "error: --keep-best needs --select-frequency > 0"
 
 
-def test_smoke_run_continuous_obs_skips_markov(runs_dir):
+def test_smoke_run_continuous_obs_skips_markov(runs_dir, monkeypatch):
     tiny = "--total-timesteps 300 --learning-starts 100 --num-envs 2 --eval-episodes 2 --deter-size 16 --hidden-size 16"
-    s = run_script("ssm_vae_q", "--env-id", "seqrl/MaskedCartPole-v0", *tiny.split(), runs_dir=runs_dir, timeout=120)
+    s = run_in_process(m, runs_dir, "--env-id", "seqrl/MaskedCartPole-v0", *tiny.split())
     assert s["metrics"]["eval/episodic_return"] > 0
     assert not any(k.startswith("model/markov") for k in s["metrics"])
 
