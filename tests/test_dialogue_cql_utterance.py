@@ -4,10 +4,11 @@ smoke runs (built-in tiny GPT-2 and real-architecture checkpoints) and clear err
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_script, run_script
+from conftest import load_script, run_in_process, run_script
 
 import envs.guess_image as G
 from envs.tokenizer import build_tokenizer
@@ -271,6 +272,11 @@ TINY = [  # a few seconds: 200 dialogues, 1 BC epoch, 4 critic steps, 2 candidat
 ]
 
 
+def run_main(*argv: str, runs_dir: Path) -> dict:
+    """The script's main() in this process (conftest.run_in_process): for tests not about the command line."""
+    return run_in_process(m, runs_dir, *argv)
+
+
 def test_smoke_run_and_eval_only(runs_dir):
     tiny = TINY
     summary = run_script("dialogue_cql_utterance", *tiny, runs_dir=runs_dir, timeout=300)
@@ -302,9 +308,7 @@ def test_smoke_run_and_eval_only(runs_dir):
     assert mt["timestep/action_space_log10"] == pytest.approx(12 * math.log10(111))
     run_dir = runs_dir / summary["run_name"]
     assert (run_dir / "critic.safetensors").exists() and (run_dir / "bc_lm" / "config.json").exists()
-    again = run_script(
-        "dialogue_cql_utterance", *tiny, "--eval-only", "--checkpoint", str(run_dir), runs_dir=runs_dir, timeout=300
-    )
+    again = run_main(*tiny, "--eval-only", "--checkpoint", str(run_dir), runs_dir=runs_dir)  # the CLI ran above
     assert again["run_name"] != summary["run_name"]
     # same weights, same eval seed, same sampling seed -> the same evaluation
     assert again["metrics"]["eval/episodic_return"] == pytest.approx(mt["eval/episodic_return"])
@@ -348,13 +352,15 @@ def test_bad_input_clear_error_cli(runs_dir):
     assert "does not exist" in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
 
 
-def test_corrupt_dataset_clear_error(runs_dir, tmp_path):
+def test_corrupt_dataset_clear_error(tmp_path, monkeypatch):
+    """A --dataset-path that is not JSONL fails in the parse_args of the command line above, here in this process."""
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"turns": [{"agent": "is it red ?"}]}) + "\n{not json\n")
-    proc = run_script(
-        "dialogue_cql_utterance", "--dataset-path", str(path), runs_dir=runs_dir, expect_fail=True, timeout=120
-    )
-    assert "not a GuessTheImage JSONL dataset" in proc.stderr and "Traceback" not in proc.stderr
+    monkeypatch.setattr("sys.argv", ["dialogue_cql_utterance.py", "--dataset-path", str(path)])
+    with pytest.raises(SystemExit) as err:
+        m.parse_args()
+    message = str(err.value.code)  # what the command line prints: SystemExit(str) prints its message, no traceback
+    assert message.startswith("error: ") and "not a GuessTheImage JSONL dataset" in message and "\n" not in message
 
 
 # ----------------------------------------------------------------------------------------------------- real models
@@ -385,8 +391,9 @@ def test_real_checkpoint_end_to_end(hf_checkpoint, runs_dir):
     from transformers import AutoTokenizer
 
     original_tok = AutoTokenizer.from_pretrained(hf_checkpoint)
-    args = [*TINY, "--bc-epochs", "8", "--model-name-or-path", str(hf_checkpoint)]
-    summary = run_script("dialogue_cql_utterance", *args, runs_dir=runs_dir, timeout=300)
+    # one acting temperature: the choice among several on validation episodes is the smoke test's (model-agnostic)
+    args = [*TINY, "--bc-epochs", "8", "--act-temperatures", "1.0", "--model-name-or-path", str(hf_checkpoint)]
+    summary = run_main(*args, runs_dir=runs_dir)  # in this process (the smoke test runs the command line)
     mt = summary["metrics"]
     assert mt["model/bc_nll_end"] < mt["model/bc_nll_start"] - 1.0, mt  # it trains (from ~ln 400 = 6)
     check_evaluation_bookkeeping(mt)
@@ -399,13 +406,16 @@ def test_real_checkpoint_end_to_end(hf_checkpoint, runs_dir):
     critic.load_state_dict(load_file(run_dir / "critic.safetensors"))
     assert tok.eos_token_id == original_tok.eos_token_id and tok.sep_token_id == len(original_tok)
     assert critic.embed.num_embeddings == len(tok) and critic.embed.padding_idx == tok.pad_token_id
-    again = run_script("dialogue_cql_utterance", *args, "--eval-only", "--checkpoint", str(run_dir), runs_dir=runs_dir)
+    again = run_main(*args, "--eval-only", "--checkpoint", str(run_dir), runs_dir=runs_dir)
     assert again["metrics"]["eval/episodic_return"] == pytest.approx(mt["eval/episodic_return"])
 
 
 def test_missing_model_is_a_one_line_error(runs_dir, monkeypatch, tmp_path):
+    """A hub id that is not in the local cache (offline), on the command line: a one-line error (--dataset-size 1: the
+    data comes first). A missing local dir fails in the same build_proposer, checked in this process."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: a hub id that is not in the local cache
-    for missing in ("seqrl-tests/no-such-model", str(tmp_path / "no_such_dir")):
-        args = ("--model-name-or-path", missing)
-        proc = run_script("dialogue_cql_utterance", *args, runs_dir=runs_dir, expect_fail=True)
-        assert "error: could not load --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
+    args = ("--model-name-or-path", "seqrl-tests/no-such-model", "--dataset-size", "1")
+    proc = run_script("dialogue_cql_utterance", *args, runs_dir=runs_dir, expect_fail=True)
+    assert "error: could not load --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
+    with pytest.raises(SystemExit, match="error: could not load --model-name-or-path"):
+        m.build_proposer(m.Args(model_name_or_path=str(tmp_path / "no_such_dir")))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import load_script, run_script
+from conftest import load_script, run_in_process, run_script
 
 import envs.guess_image as G
 from envs.tokenizer import build_tokenizer
@@ -36,6 +36,22 @@ TINY = (  # 300 dialogues, 1-layer 32-wide model, 16 dialogues a step, 36 + 18 e
     "4",
 )
 SMOKE = (*TINY, "--num-steps", "20")  # a few seconds
+
+
+def run_main(*argv: str, runs_dir: Path) -> dict:
+    """The script's main() in this process (conftest.run_in_process): for tests not about the command line."""
+    return run_in_process(M, runs_dir, *argv)
+
+
+def parse_error(monkeypatch, *argv: str) -> str:
+    """The one-line error M.parse_args() exits with for ARGV: what the command line prints (SystemExit(str) prints
+    its message, no traceback), checked before any work."""
+    monkeypatch.setattr("sys.argv", ["ilql_per_token.py", *argv])
+    with pytest.raises(SystemExit) as err:
+        M.parse_args()
+    message = str(err.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
 
 
 def hand_dialogue():
@@ -361,8 +377,7 @@ def test_smoke_run_writes_summary_and_checkpoint_reloads(runs_dir):
     assert m["timestep/rl_steps_per_dialogue_max"] == max(agent_tokens)
     assert m["timestep/vocab_size"] == len(tok) and m["timestep/actions_per_step"] == len(tok) - 4  # 4 specials
     run_dir = summary["run_dir"]
-    again = run_script(
-        "ilql_per_token",
+    again = run_main(  # in this process: the command line ran above
         "--eval-only",
         "--checkpoint",
         run_dir,
@@ -401,30 +416,27 @@ def check_evaluation_bookkeeping(m: dict, betas) -> None:
 
 
 def test_bc_only_filtered_mode_runs(runs_dir):
-    summary = run_script("ilql_per_token", *SMOKE, "--bc-only", "--filter-top-frac", "0.2", runs_dir=runs_dir)
+    summary = run_main(*SMOKE, "--bc-only", "--filter-top-frac", "0.2", runs_dir=runs_dir)  # in this process
     assert summary["args"]["n_train_dialogues"] == 60 and summary["args"]["betas"] == [0.0]
     assert summary["metrics"]["eval/best_beta"] == 0.0
 
 
-def test_bad_input_gives_one_line_errors(runs_dir, tmp_path):
+def test_bad_input_gives_one_line_errors(runs_dir, tmp_path, monkeypatch):
+    """The command line prints the one-line error of a bad --dataset-path, no traceback; the other bad inputs fail in
+    the same parse_args, checked in this process."""
     proc = run_script(
         "ilql_per_token", "--dataset-path", str(tmp_path / "nope.jsonl"), runs_dir=runs_dir, expect_fail=True
     )
     assert "error: --dataset-path" in proc.stderr and "Traceback" not in proc.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"turns": [{"agent": "is it big ?"}]}) + "\n")
-    proc = run_script("ilql_per_token", "--dataset-path", str(bad), runs_dir=runs_dir, expect_fail=True)
-    assert "is not a GuessTheImage JSONL dataset" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_script(
-        "ilql_per_token", "--eval-only", "--checkpoint", str(tmp_path), runs_dir=runs_dir, expect_fail=True
-    )
-    assert "error: --checkpoint" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_script("ilql_per_token", "--filter-top-frac", "0", runs_dir=runs_dir, expect_fail=True)
-    assert "error: --filter-top-frac" in proc.stderr
+    assert "is not a GuessTheImage JSONL dataset" in parse_error(monkeypatch, "--dataset-path", str(bad))
+    assert "error: --checkpoint" in parse_error(monkeypatch, "--eval-only", "--checkpoint", str(tmp_path))
+    assert "error: --filter-top-frac" in parse_error(monkeypatch, "--filter-top-frac", "0")
     no_secret = tmp_path / "no_secret.jsonl"
     no_secret.write_text(json.dumps({"turns": [{"agent": "is it big ?", "reply": "yes , it is big .", "reward": 0}]}))
-    proc = run_script("ilql_per_token", "--dataset-path", str(no_secret), runs_dir=runs_dir, expect_fail=True)
-    assert "--belief-coef > 0 needs the logged secret_id" in proc.stderr and "Traceback" not in proc.stderr
+    message = parse_error(monkeypatch, "--dataset-path", str(no_secret))
+    assert "--belief-coef > 0 needs the logged secret_id" in message
 
 
 @pytest.mark.parametrize(
@@ -451,10 +463,7 @@ def test_bad_input_gives_one_line_errors(runs_dir, tmp_path):
 )
 def test_parse_args_rejects_bad_values(argv, message, monkeypatch, tmp_path):
     """Every bad value is a one-line error before any work (the CLI path of these checks is the one above)."""
-    monkeypatch.setattr("sys.argv", ["ilql_per_token.py", "--runs-dir", str(tmp_path), *argv])
-    with pytest.raises(SystemExit) as err:
-        M.parse_args()
-    assert str(err.value.code).startswith("error: ") and message in str(err.value.code)
+    assert message in parse_error(monkeypatch, "--runs-dir", str(tmp_path), *argv)
 
 
 @pytest.mark.slow
@@ -541,7 +550,7 @@ def test_real_checkpoint_end_to_end(hf_checkpoint, runs_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     original_tok = AutoTokenizer.from_pretrained(hf_checkpoint)
-    summary = run_script("ilql_per_token", *HF_RUN, "--model-name-or-path", str(hf_checkpoint), runs_dir=runs_dir)
+    summary = run_main(*HF_RUN, "--model-name-or-path", str(hf_checkpoint), runs_dir=runs_dir)  # in this process
     m = summary["metrics"]
     assert m["model/final_lm_loss"] < m["model/first_lm_loss"] - 1.0, m  # it trains (from ~ln 400 = 6)
     check_evaluation_bookkeeping(m, betas=(0.0, 4.0))
@@ -572,8 +581,13 @@ def test_real_checkpoint_end_to_end(hf_checkpoint, runs_dir):
 
 
 def test_missing_model_is_a_one_line_error(runs_dir, monkeypatch, tmp_path):
+    """A hub id that is not in the local cache (offline), on the command line: a one-line error, no run dir (the model
+    is loaded before the run starts; --dataset-size 1: the data comes first). A missing local dir fails in the same
+    build_model, checked in this process."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: a hub id that is not in the local cache
-    for missing in ("seqrl-tests/no-such-model", str(tmp_path / "no_such_dir")):
-        proc = run_script("ilql_per_token", "--model-name-or-path", missing, runs_dir=runs_dir, expect_fail=True)
-        assert "error: could not load --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
+    args = ("--model-name-or-path", "seqrl-tests/no-such-model", "--dataset-size", "1")
+    proc = run_script("ilql_per_token", *args, runs_dir=runs_dir, expect_fail=True)
+    assert "error: could not load --model-name-or-path" in proc.stderr and "Traceback" not in proc.stderr
     assert not runs_dir.exists() or not any(runs_dir.iterdir())  # no run dir for a run that never started
+    with pytest.raises(SystemExit, match="error: could not load --model-name-or-path"):
+        M.build_model(M.Args(model_name_or_path=str(tmp_path / "no_such_dir")), torch.device("cpu"))

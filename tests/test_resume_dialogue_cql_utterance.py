@@ -8,11 +8,12 @@ ends with the same metrics, bit for bit, as the same run uninterrupted; so does 
 import json
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import replace
 
 import pytest
-from conftest import ROOT, load_script, run_script, script_command, start_script, subprocess_env
+from conftest import ROOT, load_script, script_command, start_script, subprocess_env
 from safetensors.torch import save_file
 
 cql = load_script("dialogue_cql_utterance")
@@ -31,11 +32,15 @@ def start_run(runs_dir, log_path) -> subprocess.Popen:
     return start_script("dialogue_cql_utterance", log_path, "--runs-dir", str(runs_dir), *TINY, *SAVE_EVERY)
 
 
-def wait_for_checkpoint(proc: subprocess.Popen, runs_dir, phases: tuple[str, ...]):
-    """The run dir once its train_state.safetensors is one of `phases`; the run must still be going."""
+def wait_for_checkpoint(proc: subprocess.Popen, runs_dir, phases: tuple[str, ...], after=None):
+    """The run dir once its train_state.safetensors is one of `phases` (and, with `after` the os.stat of an earlier
+    checkpoint, a file saved since); the run must still be going."""
     deadline = time.time() + TIMEOUT
     while time.time() < deadline:
         for checkpoint in runs_dir.glob(f"*/{cql.TRAIN_STATE}"):
+            saved = checkpoint.stat()
+            if after and (saved.st_ino, saved.st_mtime_ns) == (after.st_ino, after.st_mtime_ns):
+                continue
             if cql.read_train_state(checkpoint.parent)["phase"] in phases:
                 return checkpoint.parent
         assert proc.poll() is None, f"the run ended before a checkpoint of {phases}"
@@ -56,25 +61,65 @@ def resume(run_dir, *args: str, expect_fail: bool = False):
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def resume_error(run_dir) -> str:
+    """The one-line error that `--resume RUN_DIR` exits with, from the script's resume_args in this process (the same
+    SystemExit(str) the command line prints, no traceback; resume() checks that path)."""
+    with pytest.raises(SystemExit) as err:
+        cql.resume_args(cql.Args(resume=str(run_dir)))
+    message = str(err.value.code)
+    assert "\n" not in message, message
+    return message
+
+
+def run_main(*argv: str, runs_dir) -> dict:
+    """`python algos/dialogue_cql_utterance.py --runs-dir RUNS_DIR ARGV...` run in this process (cql.main(), no
+    interpreter start nor import of torch and transformers, which a run pays seconds for): the run's summary.json.
+    main() sets torch's thread count and, while it trains, the Ctrl-C / SIGTERM handlers: both are put back."""
+    import torch
+
+    threads, argv_before = torch.get_num_threads(), sys.argv
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    sys.argv = [f"{cql.SCRIPT}.py", "--runs-dir", str(runs_dir), *argv]
+    try:
+        cql.main()
+    finally:
+        sys.argv = argv_before
+        torch.set_num_threads(threads)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    (run_dir,) = runs_dir.iterdir()
+    return json.loads((run_dir / "summary.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The tiny run without checkpoints and with all of them: identical metrics (saving never draws a random number),
-    and the checkpoint is gone once the run has finished."""
+    and the checkpoint is gone once the run has finished. Both run in this process (they are not about the command
+    line or signals); the interrupted runs below are subprocesses and must end with these metrics, bit for bit."""
     runs_dir = tmp_path_factory.mktemp("uninterrupted")
-    plain = run_script("dialogue_cql_utterance", *TINY, "--save-every", "0", runs_dir=runs_dir / "off", timeout=TIMEOUT)
-    saving = run_script("dialogue_cql_utterance", *TINY, *SAVE_EVERY, runs_dir=runs_dir / "on", timeout=TIMEOUT)
+    plain = run_main(*TINY, "--save-every", "0", runs_dir=runs_dir / "off")
+    saving = run_main(*TINY, *SAVE_EVERY, runs_dir=runs_dir / "on")
     assert saving["metrics"] == plain["metrics"]
     assert not (runs_dir / "on" / saving["run_name"] / cql.TRAIN_STATE).exists()
     return plain
 
 
-@pytest.mark.parametrize("phases", [("bc", "candidates"), ("critic",)])
-def test_sigkill_after_a_checkpoint_then_resume_matches_uninterrupted(uninterrupted, tmp_path, phases):
+def test_sigkill_after_a_checkpoint_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
+    """kill -9 after the checkpoint of the BC or the candidate phase, --resume; kill -9 that resumed run after a
+    checkpoint of the critic phase, --resume again: the run ends bit-identical to the uninterrupted one, in its run
+    dir. (One run serves both kills: each resume starts from a checkpoint of its phase, as a fresh run's would.)"""
     runs_dir = tmp_path / "runs"
     proc = start_run(runs_dir, tmp_path / "log.txt")
-    run_dir = wait_for_checkpoint(proc, runs_dir, phases)
+    run_dir = wait_for_checkpoint(proc, runs_dir, ("bc", "candidates"))
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
+    assert not (run_dir / "summary.json").exists()
+    killed = (run_dir / cql.TRAIN_STATE).stat()  # the checkpoint the kill left (a later save replaces the file)
+    proc = start_script("dialogue_cql_utterance", tmp_path / "resumed.txt", "--resume", str(run_dir))
+    wait_for_checkpoint(proc, runs_dir, ("critic",), after=killed)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert f"resumed {run_dir}: " in (tmp_path / "resumed.txt").read_text()
     assert not (run_dir / "summary.json").exists()
     summary = resume(run_dir)
     assert summary["metrics"] == uninterrupted["metrics"]  # bit-identical
@@ -93,12 +138,13 @@ def test_sigint_truncated_checkpoint_and_refusals(uninterrupted, tmp_path):
     assert last_line.startswith("SIGINT: checkpoint saved in ") and f"--resume {run_dir}" in last_line
     assert cql.read_train_state(run_dir)["phase"] != "bc" and not (run_dir / "summary.json").exists()  # a later one
 
-    # changed arguments are refused; a checkpoint truncated half-way is a one-line error naming it
+    # changed arguments are refused (the command line: a one-line error); a checkpoint truncated half-way is a
+    # one-line error naming it
     assert "--critic-steps 61 differs from the run's 60" in resume(run_dir, "--critic-steps", "61", expect_fail=True)
     checkpoint = run_dir / cql.TRAIN_STATE
     content = checkpoint.read_bytes()
     checkpoint.write_bytes(content[: len(content) // 2])
-    assert resume(run_dir, expect_fail=True).startswith(f"error: cannot read checkpoint {checkpoint}")
+    assert resume_error(run_dir).startswith(f"error: cannot read checkpoint {checkpoint}")
     # a kill during the next save leaves its temporary file beside the previous, complete checkpoint
     checkpoint.write_bytes(content)
     (run_dir / f".tmp_{cql.TRAIN_STATE}").write_bytes(content[:100])
@@ -107,7 +153,7 @@ def test_sigint_truncated_checkpoint_and_refusals(uninterrupted, tmp_path):
     assert not checkpoint.exists()
 
     # a finished run, another script's run, a dir without checkpoint: one-line errors
-    finished = resume(run_dir, expect_fail=True)
+    finished = resume_error(run_dir)
     assert finished == f"error: run {run_dir} has finished (summary.json exists); there is nothing to resume"
     foreign = tmp_path / "foreign"
     foreign.mkdir()
@@ -116,8 +162,7 @@ def test_sigint_truncated_checkpoint_and_refusals(uninterrupted, tmp_path):
         (foreign, "is a run of r2d2_rnnstate.py, not of dialogue_cql_utterance.py"),
         (tmp_path, "cannot read checkpoint"),
     ):
-        with pytest.raises(SystemExit, match=message):
-            cql.resume_args(cql.Args(resume=str(run)))
+        assert message in resume_error(run)
 
 
 def test_checkpoint_round_trip_is_exact(tmp_path):

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, gloo_threads, load_script, run_script, subprocess_env
+from conftest import ROOT, gloo_threads, load_script, subprocess_env
 from safetensors.torch import load_file, save_file
-from test_ilql_per_token import TINY, check_evaluation_bookkeeping
+from test_ilql_per_token import TINY, check_evaluation_bookkeeping, run_main
 
 import envs.guess_image as G
 
@@ -106,7 +106,7 @@ def test_torchrun_two_processes_stop_resume_and_write_one_run_dir(tmp_path):
     checkpoint holding both ranks' RNG states; a resume on another number of processes is refused; the resumed 2
     processes split the β sweep, agree on the β, and only rank 0 writes."""
     runs = tmp_path / "runs"
-    proc = torchrun(runs, *RESUMABLE, "--num-steps", "60")
+    proc = torchrun(runs, *RESUMABLE, "--num-steps", "60", "--eval-episodes", "6", "--val-episodes", "6")
     run_dir = wait_for_first_checkpoint(runs, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -115,7 +115,9 @@ def test_torchrun_two_processes_stop_resume_and_write_one_run_dir(tmp_path):
     state = M.read_train_state(run_dir)
     assert state["step"] < 60 and len(state["rngs"]) == 2  # rank 1 reseeds its torch RNG (dropout): its own state
     assert not torch.equal(state["rngs"][0]["torch"], state["rngs"][1]["torch"])
-    assert resume(run_dir, expect_fail=True) == f"error: --resume {run_dir} ran on 2 processes, not 1"
+    with pytest.raises(SystemExit) as err:  # what `--resume` in one process exits with (resume() checks that path)
+        M.start_run(M.resume_args(M.Args(resume=str(run_dir)))[0])
+    assert str(err.value.code) == f"error: --resume {run_dir} ran on 2 processes, not 1"
     proc = subprocess.run(
         [*TORCHRUN, SCRIPT, "--resume", str(run_dir)], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True
     )
@@ -157,6 +159,16 @@ def wait_for_first_checkpoint(runs: Path, proc: subprocess.Popen, timeout: float
     raise AssertionError("no checkpoint appeared")
 
 
+def resume_error(run_dir: Path, **given) -> str:
+    """The one-line error that `--resume RUN_DIR` (with the arguments `given`) exits with, from the script's
+    resume_args in this process: the SystemExit(str) the command line prints (resume() checks that path)."""
+    with pytest.raises(SystemExit) as err:
+        M.resume_args(M.Args(resume=str(run_dir), **given))
+    message = str(err.value.code)
+    assert "\n" not in message, message
+    return message
+
+
 def resume(run_dir: Path, *extra: str, expect_fail: bool = False):
     cmd = [sys.executable, SCRIPT, "--resume", str(run_dir), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
@@ -170,44 +182,60 @@ def resume(run_dir: Path, *extra: str, expect_fail: bool = False):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    return run_script("ilql_per_token", *RESUMABLE, runs_dir=tmp_path_factory.mktemp("runs"), timeout=300)
+    """The run without interruption, in this process (it is not about the command line or signals)."""
+    return run_main(*RESUMABLE, runs_dir=tmp_path_factory.mktemp("runs"))
 
 
-def test_sigkill_then_resume_ends_with_the_uninterrupted_metrics(uninterrupted, tmp_path):
-    """Issue 17: kill -9 after the first checkpoint; a truncated checkpoint is a one-line error; a save killed half
-    way (its temporary file left beside the checkpoint) leaves the previous one, and --resume ends bit-identical."""
+def wait_for_a_later_checkpoint(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> int:
+    """The step of run_dir's checkpoint once it is later than `step`; the run must still be going."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        saved = M.read_train_state(run_dir)["step"]
+        if saved > step:
+            return saved
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    proc.kill()
+    raise AssertionError(f"no checkpoint after step {step} appeared")
+
+
+def test_sigkill_then_sigint_then_resume_ends_with_the_uninterrupted_metrics(uninterrupted, tmp_path):
+    """Issue 17, one run stopped twice: kill -9 after the first checkpoint; a truncated checkpoint is a one-line error;
+    a save killed half way (its temporary file left beside the checkpoint) leaves the previous one, which --resume
+    continues; Ctrl-C after a later checkpoint of that resumed run writes the checkpoint of the interrupted step and
+    exits with STOP_EXIT_CODE; --resume (the run's own arguments repeated) ends bit-identical to the uninterrupted
+    run. (One run serves both stops: each --resume starts from a checkpoint, as that of a run stopped once would.)"""
     runs = tmp_path / "runs"
     proc = start_run(runs)
     run_dir = wait_for_first_checkpoint(runs, proc)
     proc.kill()
     proc.communicate(timeout=60)
     checkpoint = run_dir / M.TRAIN_STATE
-    assert M.read_train_state(run_dir)["step"] < 120 and not (run_dir / "summary.json").exists()  # killed in training
+    killed_at = M.read_train_state(run_dir)["step"]
+    assert killed_at < 120 and not (run_dir / "summary.json").exists()  # killed in training
     complete = checkpoint.read_bytes()
     checkpoint.write_bytes(complete[: len(complete) // 2])
     assert resume(run_dir, expect_fail=True).startswith(f"error: cannot read checkpoint {checkpoint}")
     checkpoint.write_bytes(complete)
     (run_dir / f".tmp_{M.TRAIN_STATE}").write_bytes(complete[: len(complete) // 3])  # a save killed half way
-    resumed = resume(run_dir)
-    assert resumed["metrics"] == uninterrupted["metrics"]  # bit-identical on CPU
-    assert not checkpoint.exists()  # a finished run keeps no checkpoint
-    assert "has finished" in resume(run_dir, expect_fail=True)
 
-
-def test_sigint_writes_a_checkpoint_and_resume_ends_with_the_uninterrupted_metrics(uninterrupted, tmp_path):
-    runs = tmp_path / "runs"
-    proc = start_run(runs)
-    run_dir = wait_for_first_checkpoint(runs, proc)
+    # the resumed run, stopped by Ctrl-C once it has saved a checkpoint of its own
+    cmd = [sys.executable, SCRIPT, "--resume", str(run_dir)]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    wait_for_a_later_checkpoint(run_dir, killed_at, proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == M.STOP_EXIT_CODE and "Traceback" not in err, err
     assert f"--resume {run_dir}" in err and "SIGINT" in err
     step = M.read_train_state(run_dir)["step"]
-    assert step < 120 and f"step {step} of 120" in err  # the checkpoint of the interrupted step
-    err = resume(run_dir, "--seed", "7", expect_fail=True)  # a resumed run keeps its arguments
-    assert "--seed 7 differs" in err
+    assert killed_at < step < 120 and f"step {step} of 120" in err  # the checkpoint of the interrupted step
+    assert "--seed 7 differs" in resume_error(run_dir, seed=7)  # a resumed run keeps its arguments
     resumed = resume(run_dir, *RESUMABLE)  # repeating the run's own arguments is fine
-    assert resumed["metrics"] == uninterrupted["metrics"]
+    assert resumed["metrics"] == uninterrupted["metrics"]  # bit-identical on CPU
+    assert not checkpoint.exists()  # a finished run keeps no checkpoint
+    assert "has finished" in resume_error(run_dir)
 
 
 def test_resume_refuses_other_scripts_and_bad_dirs(tmp_path):
