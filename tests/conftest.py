@@ -127,6 +127,17 @@ def run_in_process(module, runs_dir, *args: str) -> dict:
     return summary
 
 
+def parse_error(monkeypatch, module, *argv: str) -> str:
+    """The one-line error `module.parse_args()` stops with for ARGV, before any work: a SystemExit message, which the
+    command line prints as it is (each script's tests keep one subprocess that shows that route)."""
+    monkeypatch.setattr(sys, "argv", [f"{module.SCRIPT}.py", *argv])
+    with pytest.raises(SystemExit) as err:
+        module.parse_args()
+    message = str(err.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
 @pytest.fixture
 def runs_dir(tmp_path):
     return tmp_path / "runs"

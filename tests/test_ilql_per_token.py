@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import load_script, run_in_process, run_script
+from conftest import load_script, parse_error, run_in_process, run_script
 
 import envs.guess_image as G
 from envs.tokenizer import build_tokenizer
@@ -41,17 +41,6 @@ SMOKE = (*TINY, "--num-steps", "20")  # a few seconds
 def run_main(*argv: str, runs_dir: Path) -> dict:
     """The script's main() in this process (conftest.run_in_process): for tests not about the command line."""
     return run_in_process(M, runs_dir, *argv)
-
-
-def parse_error(monkeypatch, *argv: str) -> str:
-    """The one-line error M.parse_args() exits with for ARGV: what the command line prints (SystemExit(str) prints
-    its message, no traceback), checked before any work."""
-    monkeypatch.setattr("sys.argv", ["ilql_per_token.py", *argv])
-    with pytest.raises(SystemExit) as err:
-        M.parse_args()
-    message = str(err.value.code)
-    assert message.startswith("error: ") and "\n" not in message, message
-    return message
 
 
 def hand_dialogue():
@@ -430,12 +419,12 @@ def test_bad_input_gives_one_line_errors(runs_dir, tmp_path, monkeypatch):
     assert "error: --dataset-path" in proc.stderr and "Traceback" not in proc.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"turns": [{"agent": "is it big ?"}]}) + "\n")
-    assert "is not a GuessTheImage JSONL dataset" in parse_error(monkeypatch, "--dataset-path", str(bad))
-    assert "error: --checkpoint" in parse_error(monkeypatch, "--eval-only", "--checkpoint", str(tmp_path))
-    assert "error: --filter-top-frac" in parse_error(monkeypatch, "--filter-top-frac", "0")
+    assert "is not a GuessTheImage JSONL dataset" in parse_error(monkeypatch, M, "--dataset-path", str(bad))
+    assert "error: --checkpoint" in parse_error(monkeypatch, M, "--eval-only", "--checkpoint", str(tmp_path))
+    assert "error: --filter-top-frac" in parse_error(monkeypatch, M, "--filter-top-frac", "0")
     no_secret = tmp_path / "no_secret.jsonl"
     no_secret.write_text(json.dumps({"turns": [{"agent": "is it big ?", "reply": "yes , it is big .", "reward": 0}]}))
-    message = parse_error(monkeypatch, "--dataset-path", str(no_secret))
+    message = parse_error(monkeypatch, M, "--dataset-path", str(no_secret))
     assert "--belief-coef > 0 needs the logged secret_id" in message
 
 
@@ -463,7 +452,7 @@ def test_bad_input_gives_one_line_errors(runs_dir, tmp_path, monkeypatch):
 )
 def test_parse_args_rejects_bad_values(argv, message, monkeypatch, tmp_path):
     """Every bad value is a one-line error before any work (the CLI path of these checks is the one above)."""
-    assert message in parse_error(monkeypatch, "--runs-dir", str(tmp_path), *argv)
+    assert message in parse_error(monkeypatch, M, "--runs-dir", str(tmp_path), *argv)
 
 
 @pytest.mark.slow

@@ -22,7 +22,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, gloo_threads, load_script, run_in_process, run_script, scalar_steps, subprocess_env
+from conftest import (
+    ROOT,
+    gloo_threads,
+    load_script,
+    parse_error,
+    run_in_process,
+    run_script,
+    scalar_steps,
+    subprocess_env,
+)
 from safetensors.torch import save_file
 
 M = load_script("rlhf_ppo_kl")
@@ -52,17 +61,6 @@ def one_line_error(proc) -> str:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
     return lines[0]
-
-
-def parse_error(monkeypatch, *argv: str) -> str:
-    """The one-line error parse_args stops with: a SystemExit message, which the command line prints as it is (the
-    subprocess of test_runs_dir_that_is_a_file_is_a_one_line_error shows that route: one line on stderr)."""
-    monkeypatch.setattr("sys.argv", ["rlhf_ppo_kl.py", *argv])
-    with pytest.raises(SystemExit) as err:
-        M.parse_args()
-    message = str(err.value.code)
-    assert message.startswith("error: ") and "\n" not in message, message
-    return message
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -263,7 +261,7 @@ def test_sigkill_then_resume_ends_bit_identical_and_truncated_checkpoints(
     shutil.copytree(run_dir, broken)
     weights = broken / M.TRAIN_STATE
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    error = parse_error(monkeypatch, "--resume", str(broken))
+    error = parse_error(monkeypatch, M, "--resume", str(broken))
     assert "cannot read checkpoint" in error and str(weights) in error
     # a kill during the next save leaves a half-written temporary file: ignored, the checkpoint before loads
     half = run_dir / f".tmp_{M.TRAIN_STATE}"
@@ -286,21 +284,21 @@ def test_sigint_writes_a_checkpoint_then_resume_ends_bit_identical(runs_dir, uni
 
 def test_resume_refuses_a_finished_run_another_scripts_run_and_changed_flags(tmp_path, uninterrupted, monkeypatch):
     _, finished = uninterrupted
-    assert "finished" in parse_error(monkeypatch, "--resume", str(finished))
+    assert "finished" in parse_error(monkeypatch, M, "--resume", str(finished))
     # another script's run (its own checkpoint naming it), and a run dir with no checkpoint at all
     other = tmp_path / "other_run"
     other.mkdir()
     save_file({}, str(other / M.TRAIN_STATE), metadata={"script": "rlhf_reward_model", "state": "{}"})
-    assert "rlhf_reward_model" in parse_error(monkeypatch, "--resume", str(other))
+    assert "rlhf_reward_model" in parse_error(monkeypatch, M, "--resume", str(other))
     empty = tmp_path / "empty_run"
     empty.mkdir()
-    assert "cannot read checkpoint" in parse_error(monkeypatch, "--resume", str(empty))
+    assert "cannot read checkpoint" in parse_error(monkeypatch, M, "--resume", str(empty))
     # a flag that changes the run (here, on a copy of a finished run made resumable: no summary, a checkpoint)
     unfinished = tmp_path / "unfinished"
     shutil.copytree(finished, unfinished)
     (unfinished / "summary.json").unlink()
     M.save_train_state(unfinished, {"args": json.loads((unfinished / "args.json").read_text())})
-    assert "--seed 7" in parse_error(monkeypatch, "--resume", str(unfinished), "--seed", "7")
+    assert "--seed 7" in parse_error(monkeypatch, M, "--resume", str(unfinished), "--seed", "7")
 
 
 def test_runs_dir_that_is_a_file_is_a_one_line_error(tmp_path):

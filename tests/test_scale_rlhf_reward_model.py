@@ -21,7 +21,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import ROOT, gloo_threads, load_script, run_in_process, run_script, scalar_steps, subprocess_env
+from conftest import (
+    ROOT,
+    gloo_threads,
+    load_script,
+    parse_error,
+    run_in_process,
+    run_script,
+    scalar_steps,
+    subprocess_env,
+)
 from safetensors.torch import safe_open, save_file
 
 from envs import preference
@@ -342,19 +351,8 @@ def one_line_error(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def parse_error(monkeypatch, *argv: str) -> str:
-    """The one-line error parse_args stops with: a SystemExit message, which the command line prints as it is (the
-    subprocess of test_runs_dir_that_is_a_file_is_a_one_line_error shows that route: one line on stderr)."""
-    monkeypatch.setattr("sys.argv", ["rlhf_reward_model.py", *argv])
-    with pytest.raises(SystemExit) as err:
-        rm.parse_args()
-    message = str(err.value.code)
-    assert message.startswith("error: ") and "\n" not in message, message
-    return message
-
-
 def test_resuming_a_finished_run_is_a_one_line_error(uninterrupted, monkeypatch):
-    assert "finished" in parse_error(monkeypatch, "--resume", uninterrupted["run_dir"])
+    assert "finished" in parse_error(monkeypatch, rm, "--resume", uninterrupted["run_dir"])
 
 
 def test_resuming_another_scripts_run_is_a_one_line_error(killed_run, tmp_path, monkeypatch):
@@ -362,18 +360,18 @@ def test_resuming_another_scripts_run_is_a_one_line_error(killed_run, tmp_path, 
     with safe_open(str(run_dir / rm.TRAIN_STATE), "pt") as file:
         tensors, meta = {key: file.get_tensor(key) for key in file.keys()}, file.metadata()
     save_file(tensors, str(run_dir / rm.TRAIN_STATE), metadata={**meta, "script": "rlhf_ppo_kl"})
-    assert "is a run of rlhf_ppo_kl" in parse_error(monkeypatch, "--resume", str(run_dir))
+    assert "is a run of rlhf_ppo_kl" in parse_error(monkeypatch, rm, "--resume", str(run_dir))
 
 
 def test_resuming_with_a_different_algorithm_arg_is_a_one_line_error(killed_run, monkeypatch):
-    assert "--learning-rate" in parse_error(monkeypatch, "--resume", str(killed_run), "--learning-rate", "0.5")
+    assert "--learning-rate" in parse_error(monkeypatch, rm, "--resume", str(killed_run), "--learning-rate", "0.5")
 
 
 def test_truncated_checkpoint_is_refused_in_one_line(killed_run, tmp_path, monkeypatch):
     run_dir = Path(shutil.copytree(killed_run, tmp_path / "truncated"))
     state_file = run_dir / rm.TRAIN_STATE
     state_file.write_bytes(state_file.read_bytes()[: state_file.stat().st_size // 2])
-    message = parse_error(monkeypatch, "--resume", str(run_dir))
+    message = parse_error(monkeypatch, rm, "--resume", str(run_dir))
     assert "cannot read checkpoint" in message and rm.TRAIN_STATE in message
 
 
