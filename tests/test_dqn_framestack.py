@@ -17,7 +17,7 @@ dqn = load_script("dqn_framestack")
 TMAZE_STARTS = {(0.0, 1.0, 1.0), (1.0, 1.0, 0.0)}  # the two cue observations of TMaze, seen only at t = 0
 
 
-def eval_only(monkeypatch, run_dir, runs_dir, episodes=4):
+def eval_only(run_dir, runs_dir, episodes=4):
     """The summary of `--eval-only` on a saved run (its env and architecture come from its args.json), in-process
     (test_smoke_tmaze_and_eval_only_roundtrip runs it as a command)."""
     return run_in_process(dqn, runs_dir, "--eval-only", "--checkpoint", run_dir, "--eval-episodes", str(episodes))
@@ -316,7 +316,7 @@ def test_eval_only_restores_the_architecture_from_args_json(runs_dir, monkeypatc
         "4",
     ]
     summary = run_in_process(dqn, runs_dir, *arch, *TINY)
-    again = eval_only(monkeypatch, summary["run_dir"], runs_dir, episodes=4)
+    again = eval_only(summary["run_dir"], runs_dir, episodes=4)
     restored = again["args"]
     assert (restored["scale_obs"], restored["frame_stack"], restored["hidden_size"]) == (False, 2, 32)
     assert restored["difference_scale"] == 10.0
@@ -330,7 +330,7 @@ def test_eval_only_of_a_run_saved_before_difference_scale_reads_the_raw_stack(ru
     saved = json.loads(args_file.read_text())
     del saved["difference_scale"]
     args_file.write_text(json.dumps(saved))
-    again = eval_only(monkeypatch, summary["run_dir"], runs_dir, episodes=4)
+    again = eval_only(summary["run_dir"], runs_dir, episodes=4)
     assert again["args"]["difference_scale"] == 0.0
     assert again["metrics"] == summary["metrics"]
 
@@ -354,7 +354,7 @@ def test_keep_best_saves_and_reports_the_kept_network(runs_dir, monkeypatch):
     metrics = summary["metrics"]
     assert metrics["select/best_global_step"] in (200.0, 400.0)  # evaluations at 200 and 400 env steps
     assert {"eval/last_network_episodic_return", "eval/last_network_success_rate"} <= set(metrics)
-    again = eval_only(monkeypatch, summary["run_dir"], runs_dir, episodes=8)
+    again = eval_only(summary["run_dir"], runs_dir, episodes=8)
     assert again["metrics"]["eval/episodic_return"] == metrics["eval/episodic_return"]  # the kept one is saved
     if metrics["select/best_global_step"] == 400.0:  # the kept network is the last one: same evaluation
         assert metrics["eval/last_network_episodic_return"] == metrics["eval/episodic_return"]
@@ -381,7 +381,7 @@ def test_eval_seeds_disjoint_across_training_seeds():
 
 
 @pytest.mark.parametrize("env_id", spaces_env.MODULE_IDS)
-def test_structured_observation_spaces_are_flattened(runs_dir, monkeypatch, env_id):
+def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
     env, raw = dqn.make_env(env_id, {}, scale_obs=True)(), gym.make(env_id)
     obs, raw_obs = env.reset(seed=0)[0], raw.reset(seed=0)[0]
     for _ in range(3):  # one-hot codes and Box parts within [-1, 1]: scaling leaves them unchanged
@@ -392,7 +392,7 @@ def test_structured_observation_spaces_are_flattened(runs_dir, monkeypatch, env_
     assert 0.0 <= summary["metrics"]["eval/episodic_return"] <= spaces_env.EPISODE_LENGTH
 
 
-def test_smoke_three_state_line_reports_failure_rate(runs_dir, monkeypatch):
+def test_smoke_three_state_line_reports_failure_rate(runs_dir):
     args = ["--env-id", "seqrl/ThreeStateLine-v0", "--frame-stack", "1", *TINY, "--double-q"]
     summary = run_in_process(dqn, runs_dir, *args)
     metrics = summary["metrics"]

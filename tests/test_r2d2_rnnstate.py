@@ -311,7 +311,7 @@ def test_smoke_run_and_eval_only_round_trip(runs_dir):
 
 
 @pytest.mark.parametrize("anneal", [False, True])
-def test_anneal_lr_decays_the_learning_rate_linearly_to_zero(runs_dir, monkeypatch, anneal):
+def test_anneal_lr_decays_the_learning_rate_linearly_to_zero(runs_dir, anneal):
     """`--anneal-lr` (issue 28): the rate of each update is learning_rate * (1 - global_step / total_timesteps), as
     logged in charts/learning_rate; off (the default), the constant rate."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -328,7 +328,7 @@ def test_anneal_lr_decays_the_learning_rate_linearly_to_zero(runs_dir, monkeypat
 
 
 @pytest.mark.parametrize("state_init", ["stored", "zero"])
-def test_main_loop_delta_q_without_learning(runs_dir, monkeypatch, state_init):
+def test_main_loop_delta_q_without_learning(runs_dir, state_init):
     """With a learning rate of 0 the network never changes, so stored states are exact: Delta-Q is 0 with the stored
     state (with or without burn-in) and positive with the zero state (sequences that start mid-episode)."""
     summary = run_in_process(
@@ -373,7 +373,7 @@ def test_scale_obs_divides_masked_cartpole_by_its_bounds_and_is_off_by_default()
 
 
 @pytest.mark.parametrize("env_id", spaces_env.MODULE_IDS)
-def test_structured_observation_spaces_are_flattened(runs_dir, monkeypatch, env_id):
+def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
     env = r2d2.make_flat_env(env_id, {})
     raw = gym.make(env_id)
     obs, _ = env.reset(seed=0)
@@ -407,7 +407,7 @@ def test_structured_observation_spaces_are_flattened(runs_dir, monkeypatch, env_
     assert 0.0 <= summary["metrics"]["eval/episodic_return"] <= spaces_env.EPISODE_LENGTH
 
 
-def test_keep_best_saves_and_reports_the_kept_network(runs_dir, monkeypatch):
+def test_keep_best_saves_and_reports_the_kept_network(runs_dir):
     # in-process (test_smoke_run_and_eval_only_round_trip runs the commands)
     summary = run_in_process(r2d2, runs_dir, *TINY, "--select-frequency", "800", "--keep-best")
     metrics = summary["metrics"]

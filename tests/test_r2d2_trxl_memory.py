@@ -454,7 +454,7 @@ SMOKE = ["--total-timesteps", "1200", "--learning-starts", "400", *TINY[4:]]
 
 
 @pytest.mark.parametrize("memory", ["stored", "zero", "window", "episode", "exact"])
-def test_smoke_run_and_eval_only_round_trip(runs_dir, monkeypatch, memory):
+def test_smoke_run_and_eval_only_round_trip(runs_dir, memory):
     # the stored mode (the default) as commands; the other modes in-process (the same main, no interpreter start)
     run = functools.partial(run_script, "r2d2_trxl_memory", runs_dir=runs_dir, timeout=120)
     if memory != "stored":
@@ -472,7 +472,7 @@ def test_smoke_run_and_eval_only_round_trip(runs_dir, monkeypatch, memory):
 
 
 @pytest.mark.parametrize("env_id", spaces_env.MODULE_IDS)
-def test_structured_observation_spaces_are_flattened(runs_dir, monkeypatch, env_id):
+def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
     env = trxl.make_flat_env(env_id, {})
     raw = gym.make(env_id)
     obs, _ = env.reset(seed=0)
@@ -510,7 +510,7 @@ def test_structured_observation_spaces_are_flattened(runs_dir, monkeypatch, env_
 
 
 @pytest.mark.parametrize("store_layer0", ["--store-layer0", "--no-store-layer0"])
-def test_learning_rate_zero_stored_memory_is_exact_in_the_main_loop(runs_dir, monkeypatch, store_layer0):
+def test_learning_rate_zero_stored_memory_is_exact_in_the_main_loop(runs_dir, store_layer0):
     """With a learning rate of 0 the network never changes: the stored memory is exact (Delta-Q 0), with layer 0
     stored or recomputed; the empty one is not (TMaze episodes are longer than a sequence when the agent wanders)."""
     args = (*TINY, "--learning-rate", "0", store_layer0)

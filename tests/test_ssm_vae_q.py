@@ -135,7 +135,7 @@ def test_eval_seeds_disjoint_across_training_seeds():
 
 
 @pytest.mark.parametrize("env_id", spaces_env.MODULE_IDS)
-def test_structured_observation_spaces_are_flattened(runs_dir, monkeypatch, env_id):
+def test_structured_observation_spaces_are_flattened(runs_dir, env_id):
     env, raw = m.make_vector_env(env_id, {}, 1), gym.make(env_id)
     obs, raw_obs = env.reset(seed=0)[0][0], raw.reset(seed=0)[0]
     for _ in range(3):
@@ -263,7 +263,7 @@ def test_keep_best_saves_and_reports_the_kept_networks(runs_dir, monkeypatch):
     assert parse_error(monkeypatch, runs_dir, "--keep-best") == "error: --keep-best needs --select-frequency > 0"
 
 
-def test_smoke_run_continuous_obs_skips_markov(runs_dir, monkeypatch):
+def test_smoke_run_continuous_obs_skips_markov(runs_dir):
     tiny = "--total-timesteps 300 --learning-starts 100 --num-envs 2 --eval-episodes 2 --deter-size 16 --hidden-size 16"
     s = run_in_process(m, runs_dir, "--env-id", "seqrl/MaskedCartPole-v0", *tiny.split())
     assert s["metrics"]["eval/episodic_return"] > 0
