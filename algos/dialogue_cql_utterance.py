@@ -681,6 +681,8 @@ def evaluate(policy, n_episodes: int, seed: int) -> dict:
         "normalized_score": G.normalized_score(res["mean_return"]),
         # fraction of the agent's turns the answerer understood (one of the 26 valid utterances)
         "valid_utterance_rate": sum(t["reply"] != G.NOT_UNDERSTOOD for t in turns) / max(len(turns), 1),
+        # where the points go: outcome shares and wasted turns per dialogue (G.failure_kinds)
+        **{f"outcome/{k}": v for k, v in G.failure_kinds(res["dialogues"]).items()},
     }
 
 

@@ -274,22 +274,25 @@ def belief_loss(belief_logits: torch.Tensor, secret: torch.Tensor, real: torch.T
 
 
 def ilql_losses(out: dict, batch: dict, args) -> dict:
-    """All ILQL losses of one minibatch. out: logits/q1/q2/tq1/tq2 (B, L, V), v (B, L); batch: input_ids (B, L),
-    action_mask/rewards/dones/next_idx (B, L-1). Means are over action tokens only. Under torchrun the batch is one
-    rank's shard and carries the GLOBAL minibatch's counts (n_actions, n_lm, n_real; `make_minibatch`): every loss
-    is then this shard's share of the global mean, and the sum over ranks is the one-process value."""
+    """All ILQL losses of one minibatch. out: logits (B, L, V), v (B, L), and q1/q2/tq1/tq2 (N, V) at the N action
+    positions (`forward_all(..., q_at=batch["q_at"])`, row-major order); batch: input_ids (B, L), action_mask/
+    rewards/dones/next_idx (B, L-1). Means are over action tokens only. Under torchrun the batch is one rank's shard
+    and carries the GLOBAL minibatch's counts (n_actions, n_lm, n_real; `make_minibatch`): every loss is then this
+    shard's share of the global mean, and the sum over ranks is the one-process value."""
     actions = batch["input_ids"][:, 1:]  # (B, L-1): the token written from state i
     mask = batch["action_mask"].float()  # (B, L-1)
     n = batch.get("n_actions", mask.sum()).clamp(min=1.0)
+    acted = batch["action_mask"].bool()
+    a = actions[acted]  # (N,): the data's action tokens
 
-    def at_actions(values):  # (B, L, V) -> (B, L-1): value of the data token
-        return values[:, :-1].gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+    def at_actions(values):  # (N, V) -> (N,): value of the data token
+        return values.gather(-1, a.unsqueeze(-1)).squeeze(-1)
 
-    y = q_targets(batch["rewards"], batch["dones"], out["v"], batch["next_idx"], args.gamma)  # (B, L-1)
-    loss_q = sum(((at_actions(out[k]) - y).pow(2) * mask).sum() / n for k in ("q1", "q2"))
-    target_q = torch.minimum(at_actions(out["tq1"]), at_actions(out["tq2"])).detach()  # (B, L-1)
-    loss_v = (expectile_loss(target_q - out["v"][:, :-1], args.expectile) * mask).sum() / n
-    loss_cql = sum((token_cql_penalty(out[k][:, :-1], actions) * mask).sum() / n for k in ("q1", "q2"))
+    y = q_targets(batch["rewards"], batch["dones"], out["v"], batch["next_idx"], args.gamma)[acted]  # (N,)
+    loss_q = sum((at_actions(out[k]) - y).pow(2).sum() / n for k in ("q1", "q2"))
+    target_q = torch.minimum(at_actions(out["tq1"]), at_actions(out["tq2"])).detach()  # (N,)
+    loss_v = expectile_loss(target_q - out["v"][:, :-1][acted], args.expectile).sum() / n
+    loss_cql = sum(token_cql_penalty(out[k], a).sum() / n for k in ("q1", "q2"))
     token_ce = F.cross_entropy(out["logits"][:, :-1].transpose(1, 2), actions, reduction="none")  # (B, L-1)
     loss_bc = (token_ce * mask).sum() / n  # BC: the agent's tokens only
     loss_belief = torch.zeros((), device=mask.device)
@@ -314,8 +317,8 @@ def ilql_losses(out: dict, batch: dict, args) -> dict:
         "bc": loss_bc,
         "lm": loss_lm,
         "belief": loss_belief,
-        "q_data_mean": (target_q * mask).sum() / n,
-        "v_mean": (out["v"][:, :-1].detach() * mask).sum() / n,
+        "q_data_mean": target_q.sum() / n,
+        "v_mean": out["v"][:, :-1][acted].detach().sum() / n,
     }
 
 
@@ -377,7 +380,7 @@ class MinibatchSampler:
 
 def make_minibatch(data: dict, idx: torch.Tensor, shard: torch.Tensor, device) -> dict:
     """The minibatch of dialogues `shard` (the one place a batch is formed), trimmed to its longest dialogue:
-    input_ids / attention_mask (B, L); action_mask / rewards / dones / next_idx / lm_mask (B, L-1); secret (B,);
+    input_ids / attention_mask / q_at (B, L); action_mask / rewards / dones / next_idx / lm_mask (B, L-1); secret (B,);
     and the token counts of the whole minibatch `idx` (n_actions, n_lm, n_real), the denominators of the loss means
     (`ilql_losses`). In one process `shard` is `idx`; under torchrun it is this rank's part of it, whose losses are
     then its share of the global means (their sum over ranks is the one-process value)."""
@@ -390,6 +393,7 @@ def make_minibatch(data: dict, idx: torch.Tensor, shard: torch.Tensor, device) -
     }
     attention_mask = (torch.arange(width)[None, :] < data["lengths"][shard][:, None]).long().to(device)
     batch["lm_mask"] = attention_mask[:, 1:].float()  # (B, L-1): the next token is real (not padding)
+    batch["q_at"] = F.pad(batch["action_mask"], (0, 1))  # (B, L): where the Q heads run (the action positions)
     batch["attention_mask"], batch["secret"] = attention_mask, data["secret"][shard].to(device)  # (B, L), (B,)
     batch.update({k: v.float().to(device) for k, v in counts.items()})  # () each
     return batch
@@ -471,12 +475,15 @@ class ILQLHeads(nn.Module):
         self.v = mlp_head(hidden_size, 1)
         self.belief = nn.Linear(hidden_size, G.N_OBJECTS)  # training-only auxiliary (belief_loss)
 
-    def forward(self, hidden: torch.Tensor) -> dict:  # hidden (B, L, d)
+    def forward(self, hidden: torch.Tensor, q_at: torch.Tensor | None = None) -> dict:  # hidden (B, L, d)
+        """V and belief at every position; Q1, Q2 and the targets (B, L, V), or (N, V) at the N positions where
+        the bool mask q_at (B, L) is set (training: the action positions, about a third of the tokens)."""
+        hidden_q = hidden if q_at is None else hidden[q_at]
         with torch.no_grad():
-            tq1, tq2 = self.target_q1(hidden), self.target_q2(hidden)  # (B, L, V) each
+            tq1, tq2 = self.target_q1(hidden_q), self.target_q2(hidden_q)
         return {
-            "q1": self.q1(hidden),
-            "q2": self.q2(hidden),
+            "q1": self.q1(hidden_q),
+            "q2": self.q2(hidden_q),
             "tq1": tq1,
             "tq2": tq2,
             "v": self.v(hidden)[..., 0],
@@ -489,10 +496,13 @@ class ILQLHeads(nn.Module):
         polyak_update(self.target_q2, self.q2, tau)
 
 
-def forward_all(lm, heads: ILQLHeads, input_ids, attention_mask, position_ids=None, cache=None, last_only=False):
+def forward_all(
+    lm, heads: ILQLHeads, input_ids, attention_mask, position_ids=None, cache=None, last_only=False, q_at=None
+):
     """One backbone pass: LM logits and Q/V heads ((B, T, ...), or (B, 1, ...) at the last position only with
-    `last_only`, as decoding needs) and the KV cache (used only when decoding, i.e. when position_ids are given).
-    The backbone (`lm.base_model`) returns the final-norm hidden state; the LM head and the ILQL heads read it."""
+    `last_only`, as decoding needs; the Q heads (N, V) at q_at's positions when given, as training needs) and the KV
+    cache (used only when decoding, i.e. when position_ids are given). The backbone (`lm.base_model`) returns the
+    final-norm hidden state; the LM head and the ILQL heads read it."""
     decoding = position_ids is not None
     out = lm.base_model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=decoding, cache=cache
@@ -500,7 +510,7 @@ def forward_all(lm, heads: ILQLHeads, input_ids, attention_mask, position_ids=No
     hidden = out.last_hidden_state  # (B, T, d), after the final layer norm
     if last_only:
         hidden = hidden[:, -1:]  # (B, 1, d)
-    return {"logits": lm.get_output_embeddings()(hidden), **heads(hidden), "cache": out.get("cache")}
+    return {"logits": lm.get_output_embeddings()(hidden), **heads(hidden, q_at), "cache": out.get("cache")}
 
 
 def add_dialogue_tokens(tokenizer, lm) -> list[str]:
@@ -746,8 +756,8 @@ def main():
         # 1. a minibatch of logged dialogues (torchrun: this rank's shard, with the global minibatch's token counts)
         idx = sampler.draw()
         batch = make_minibatch(data, idx, run.shard(idx), run.device)
-        # 2. one forward pass: LM logits, Q1/Q2, their targets and V at every position; all ILQL losses
-        out = forward(batch["input_ids"], batch["attention_mask"])
+        # 2. one forward pass: LM logits and V at every position, Q1/Q2 and their targets at the actions; all losses
+        out = forward(batch["input_ids"], batch["attention_mask"], q_at=batch["q_at"])
         losses = ilql_losses(out, batch, args)
         # 3. gradient step, then the Polyak update of the target Q heads
         optimizer.zero_grad(set_to_none=True)
@@ -817,7 +827,9 @@ def sweep_betas(lm, heads, tokenizer, betas, args, device) -> dict:
         val_res = G.evaluate_policy(agent, n_episodes=args.val_episodes, seed=args.val_seed)
         agent = ILQLAgent(lm, heads, tokenizer, beta, args.top_k, args.greedy, args.seed + 1, device)
         test_res = G.evaluate_policy(agent, n_episodes=args.eval_episodes, seed=args.eval_seed, return_dialogues=True)
-        test_res["valid_utterance_rate"] = valid_utterance_rate(test_res.pop("dialogues"))
+        dialogues = test_res.pop("dialogues")
+        test_res["valid_utterance_rate"] = valid_utterance_rate(dialogues)
+        test_res["outcomes"] = G.failure_kinds(dialogues)  # where the points go
         results[beta] = (val_res, test_res)
         print(
             f"β={beta:g}: val return {val_res['mean_return']:.3f} | test return {test_res['mean_return']:.3f} "
@@ -852,6 +864,7 @@ def beta_metrics(results: dict, betas) -> dict:
                 key + "normalized_score": G.normalized_score(res["mean_return"]),
                 key + "valid_utterance_rate": res["valid_utterance_rate"],
             }
+            | {f"{key}outcome/{k}": v for k, v in res["outcomes"].items()}
         )
     metrics["eval/best_beta"] = float(best_beta)
     return metrics
@@ -1025,7 +1038,7 @@ class Run:
             return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
 
         self.ddp.register_comm_hook(None, sum_hook)
-        return lambda *inputs: self.ddp(*inputs)  # (end_training lets DDP go: it holds the process group)
+        return self.ddp  # (end_training lets DDP go: it holds the process group)
 
     def global_sum(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place (x itself in one process)."""

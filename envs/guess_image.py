@@ -573,6 +573,37 @@ def dataset_stats(dialogues: Sequence[dict]) -> dict:
     return {**summarize(list(dialogues)), "per_policy": {k: summarize(v) for k, v in sorted(by_policy.items())}}
 
 
+def failure_kinds(dialogues: Sequence[dict]) -> dict:
+    """Where the points go: each dialogue's outcome, and per-dialogue counts of wasted turns (answer noise 0).
+
+    Outcomes (fractions summing to 1): `success`; `wrong_excluded` (guessed an object the answers had ruled out);
+    `wrong_k_left` for k = 2, 3 (k >= 3), a consistent but premature guess with k objects left; `out_of_turns`.
+    Turns: `redundant` (a valid question whose answer the history already implied), `malformed` (an utterance the
+    answerer did not understand) and `informative` questions per dialogue. The optimal questioner has success 1,
+    0 redundant, 0 malformed and 13/3 informative questions."""
+    counts = dict.fromkeys(
+        ("success", "wrong_excluded", "wrong_2_left", "wrong_3_left", "out_of_turns", "redundant", "malformed"), 0
+    )
+    counts["informative"] = 0
+    for d in dialogues:
+        history, outcome = [], "out_of_turns"
+        for turn in _pairs(d):
+            mask, action = consistent_mask(history), UTTERANCE_IDS.get(turn[0])
+            if action is None:
+                counts["malformed"] += 1
+            elif action < N_QUESTIONS:
+                counts["informative" if action in _informative(mask) else "redundant"] += 1
+            elif turn[1] == CORRECT:
+                outcome = "success"
+            elif mask >> (action - N_QUESTIONS) & 1:
+                outcome = f"wrong_{min(mask.bit_count(), 3)}_left"
+            else:
+                outcome = "wrong_excluded"
+            history.append(turn)
+        counts[outcome] += 1
+    return {k: v / max(len(dialogues), 1) for k, v in counts.items()}
+
+
 def write_dataset(
     path: str | Path,
     n: int,

@@ -349,3 +349,31 @@ def test_token_layout_uses_the_model_tokenizers_own_special_tokens():
         agent_ids = ids[out["turn_starts"][k] : out["turn_ends"][k]]
         assert tok.decode(agent_ids, skip_special_tokens=True) == turn["agent"]
     assert G.tokenize_prompt(turns[:1], tok) == ids[: out["turn_starts"][1]]
+
+
+def test_failure_kinds_sorts_every_dialogue_and_counts_wasted_turns():
+    def dialogue(secret, utterances):
+        turns = []
+        for u in utterances:
+            shown, reply, reward, _, _ = G.respond(secret, u)
+            turns.append({"agent": shown, "reply": reply, "reward": reward})
+        return {"turns": turns}
+
+    red_circle = G.OBJECTS.index(("big", "red", "circle"))
+    dialogues = [
+        dialogue(red_circle, ["is it big ?", "is it big ?", "hello", "is it red ?", "is it a circle ?",
+                              "it is the big red circle ."]),  # success; 1 redundant, 1 malformed, 3 informative
+        dialogue(red_circle, ["is it small ?", "it is the small red circle ."]),  # guessed an excluded object
+        dialogue(red_circle, ["is it big ?", "is it red ?", "is it a square ?", "it is the big red triangle ."]),
+        dialogue(red_circle, ["it is the big blue square ."]),  # 18 left
+        dialogue(red_circle, ["is it big ?"] * G.MAX_TURNS),  # out of turns, 7 redundant
+    ]
+    kinds = G.failure_kinds(dialogues)
+    for k in ("success", "wrong_excluded", "wrong_2_left", "wrong_3_left", "out_of_turns"):
+        assert kinds[k] == pytest.approx(0.2), k
+    assert kinds["redundant"] == pytest.approx(8 / 5) and kinds["malformed"] == pytest.approx(1 / 5)
+    assert kinds["informative"] == pytest.approx((3 + 1 + 3 + 0 + 1) / 5)
+    optimal = G.evaluate_policy(G.OptimalPolicy(), n_episodes=180, return_dialogues=True)["dialogues"]
+    assert G.failure_kinds(optimal) | {"informative": 0} == dict.fromkeys(kinds, 0.0) | {"success": 1.0}
+    hasty = G.evaluate_policy(G.HastyPolicy(), n_episodes=180, return_dialogues=True)["dialogues"]
+    assert G.failure_kinds(hasty)["wrong_2_left"] > 0.1 and G.failure_kinds(hasty)["redundant"] == 0.0
