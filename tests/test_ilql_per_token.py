@@ -160,8 +160,8 @@ def test_belief_loss_matches_hand_computation_and_enters_the_total():
 def test_lm_loss_covers_answerer_tokens_and_bc_only_agent_tokens():
     torch.manual_seed(0)
     b, length, vocab = 2, 6, 5
-    out = {k: torch.randn(b, length, vocab) for k in ("logits", "q1", "q2", "tq1", "tq2")}
-    out["v"] = torch.randn(b, length)
+    out = {"logits": torch.randn(b, length, vocab), "v": torch.randn(b, length)}
+    out |= {k: torch.randn(5, vocab) for k in ("q1", "q2", "tq1", "tq2")}  # at the 5 action positions
     batch = {
         "input_ids": torch.randint(0, vocab, (b, length)),
         "action_mask": torch.tensor([[1, 1, 0, 0, 1], [0, 1, 1, 0, 0]], dtype=torch.bool),  # agent tokens

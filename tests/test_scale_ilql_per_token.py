@@ -45,7 +45,7 @@ def shard_losses_and_grads(lm, heads, data, args, rank=0, world_size=1):
     backward(): the gradients are in the parameters' .grad."""
     idx = torch.tensor(GRAD_IDX)
     batch = M.make_minibatch(data, idx, idx.tensor_split(world_size)[rank], torch.device("cpu"))
-    out = M.forward_all(lm, heads, batch["input_ids"], batch["attention_mask"])
+    out = M.forward_all(lm, heads, batch["input_ids"], batch["attention_mask"], q_at=batch["q_at"])
     losses = M.ilql_losses(out, batch, args)
     losses["loss"].backward()
     return {k: float(v.detach()) for k, v in losses.items()}
@@ -267,7 +267,7 @@ if __name__ == "__main__":  # under torchrun: the 2 ranks of test_allreduced_gra
     forward = run.data_parallel(M.forward_all, lm, heads)  # what main() trains through
     idx = torch.tensor(GRAD_IDX)
     batch = M.make_minibatch(data, idx, run.shard(idx), torch.device("cpu"))
-    losses = M.ilql_losses(forward(batch["input_ids"], batch["attention_mask"]), batch, args)
+    losses = M.ilql_losses(forward(batch["input_ids"], batch["attention_mask"], q_at=batch["q_at"]), batch, args)
     losses["loss"].backward()
     summed = run.global_sum(torch.tensor([float(v.detach()) for v in losses.values()], dtype=torch.float64))
     losses = dict(zip(losses, summed.tolist(), strict=True))
