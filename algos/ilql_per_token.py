@@ -36,6 +36,9 @@ Implementation details:
      the CQL term, not a BC filter, keeps them on the data's support.
  14. torchrun: each rank trains on its shard of the global minibatch; token sums are divided by the global counts
      and DDP sums the gradients (`run.data_parallel`). `--resume` continues exactly (RUN MANAGEMENT).
+ 15. α = 0.02, a fifth of trlx's: where the data mostly guesses (hasty, two objects left) a larger CQL term pushes
+     the rarer informative question down, and the policy guesses too early; a smaller one lets asking be
+     overestimated (redundant questions). `eval/outcome/*` (G.failure_kinds) shows which of the two a run has.
 
 References: [1] Snell et al. 2022, Offline RL for Natural Language Generation with Implicit Language Q Learning
   (code Sea-Snell/Implicit-Language-Q-Learning). [2] CarperAI/trlx, modeling_ilql.py. [3] Kostrikov et al. 2021, IQL.
@@ -150,8 +153,8 @@ class Args:
     """per-token discount γ (Snell's per-token default; the task return is undiscounted)"""
     expectile: float = 0.7
     """expectile κ of the V regression (IQL's τ; trlx default; 0.5 = SARSA-like mean, -> 1 = max over data tokens)"""
-    cql_alpha: float = 0.1
-    """α, weight of the per-token CQL (cross-entropy of Q-as-logits) term (trlx cql_scale)"""
+    cql_alpha: float = 0.02
+    """α, weight of the per-token CQL (cross-entropy of Q-as-logits) term (trlx cql_scale 0.1; detail 15)"""
     bc_weight: float = 1.0
     """weight of the BC cross-entropy on the LM head (trlx awac_scale with awac β = 0)"""
     lm_all_tokens: bool = True
