@@ -437,28 +437,27 @@ DEFAULT_MIXTURE: dict[str, float] = {"hasty": 0.4, "thorough": 0.4, "noisy": 0.1
 # ---------------------------------------------------------------------------------------------------------------
 # Exact optimal value
 # ---------------------------------------------------------------------------------------------------------------
-def optimal_value(max_turns: int = MAX_TURNS, question_cost: float = QUESTION_COST) -> float:
-    """Bayes-optimal expected return (answer_noise=0), by dynamic programming over beliefs: with a uniform prior
-    and truthful answers the belief is uniform over the consistent set S, so
+@cache
+def belief_value(mask: int, turns_left: int, question_cost: float = QUESTION_COST) -> float:
+    """Bayes-optimal expected return from a belief state (answer_noise=0): with a uniform prior and truthful answers
+    the belief is uniform over the consistent set S (bitmask `mask`, `consistent_mask(history)`), so
     V(S, t) = max(1/|S| [best guess], max_q -c + P(yes) V(S & q, t-1) + P(no) V(S - q, t-1)), V(S, 0) = 0."""
+    if turns_left == 0:
+        return 0.0
+    n = mask.bit_count()
+    best = 1.0 / n  # guess any consistent object
+    for k in _informative(mask):
+        q = QUESTIONS[k][1]
+        n_yes = (mask & q).bit_count()
+        yes = belief_value(mask & q, turns_left - 1, question_cost)
+        no = belief_value(mask & ~q, turns_left - 1, question_cost)
+        best = max(best, -question_cost + (n_yes * yes + (n - n_yes) * no) / n)
+    return best
 
-    @cache
-    def value(mask: int, turns_left: int) -> float:
-        if turns_left == 0:
-            return 0.0
-        n = mask.bit_count()
-        best = 1.0 / n  # guess any consistent object
-        for k in _informative(mask):
-            q = QUESTIONS[k][1]
-            n_yes = (mask & q).bit_count()
-            v = (
-                -question_cost
-                + (n_yes * value(mask & q, turns_left - 1) + (n - n_yes) * value(mask & ~q, turns_left - 1)) / n
-            )
-            best = max(best, v)
-        return best
 
-    return value(ALL_MASK, max_turns)
+def optimal_value(max_turns: int = MAX_TURNS, question_cost: float = QUESTION_COST) -> float:
+    """The optimal questioner's expected return from the start: `belief_value(ALL_MASK, max_turns)`."""
+    return belief_value(ALL_MASK, max_turns, question_cost)
 
 
 OPTIMAL_MEAN_QUESTIONS = 1 + 5 / 3 + 5 / 3  # size: 1 question; each 3-valued attribute: 1/3 * 1 + 2/3 * 2

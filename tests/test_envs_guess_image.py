@@ -159,6 +159,10 @@ def test_optimal_value_exact():
     assert G.optimal_value(max_turns=1) == pytest.approx(1 / 18)  # one turn: guess blind
     assert G.optimal_value(max_turns=2) == pytest.approx(2 / 18 - C)
     assert G.optimal_value(max_turns=3) == pytest.approx(4 / 18 - 2 * C)
+    # from a belief state: one object left -> guess it; two left -> ask once if a turn is left for the guess
+    two_left = 0b11  # OBJECTS[0], OBJECTS[1] differ in shape only
+    assert G.belief_value(0b1, 1) == 1.0 and G.belief_value(two_left, 1) == 0.5
+    assert G.belief_value(two_left, 2) == pytest.approx(1 - C)
 
 
 def test_optimal_policy_measured_matches_stated_value():
