@@ -365,8 +365,10 @@ def test_failure_kinds_sorts_every_dialogue_and_counts_wasted_turns():
 
     red_circle = G.OBJECTS.index(("big", "red", "circle"))
     dialogues = [
-        dialogue(red_circle, ["is it big ?", "is it big ?", "hello", "is it red ?", "is it a circle ?",
-                              "it is the big red circle ."]),  # success; 1 redundant, 1 malformed, 3 informative
+        dialogue(
+            red_circle,
+            ["is it big ?", "is it big ?", "hello", "is it red ?", "is it a circle ?", "it is the big red circle ."],
+        ),  # success; 1 redundant, 1 malformed, 3 informative
         dialogue(red_circle, ["is it small ?", "it is the small red circle ."]),  # guessed an excluded object
         dialogue(red_circle, ["is it big ?", "is it red ?", "is it a square ?", "it is the big red triangle ."]),
         dialogue(red_circle, ["it is the big blue square ."]),  # 18 left
