@@ -1041,7 +1041,7 @@ class Run:
             return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
 
         self.ddp.register_comm_hook(None, sum_hook)
-        return self.ddp  # (end_training lets DDP go: it holds the process group)
+        return lambda *inputs, **kwargs: self.ddp(*inputs, **kwargs)  # (end_training lets DDP go: it holds the group)
 
     def global_sum(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place (x itself in one process)."""
