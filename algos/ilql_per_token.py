@@ -283,9 +283,8 @@ def ilql_losses(out: dict, batch: dict, args) -> dict:
     and carries the GLOBAL minibatch's counts (n_actions, n_lm, n_real; `make_minibatch`): every loss is then this
     shard's share of the global mean, and the sum over ranks is the one-process value."""
     actions = batch["input_ids"][:, 1:]  # (B, L-1): the token written from state i
-    mask = batch["action_mask"].float()  # (B, L-1)
-    n = batch.get("n_actions", mask.sum()).clamp(min=1.0)
-    acted = batch["action_mask"].bool()
+    acted = batch["action_mask"].bool()  # (B, L-1)
+    n = batch.get("n_actions", acted.sum().float()).clamp(min=1.0)
     a = actions[acted]  # (N,): the data's action tokens
 
     def at_actions(values):  # (N, V) -> (N,): value of the data token
@@ -297,8 +296,8 @@ def ilql_losses(out: dict, batch: dict, args) -> dict:
     loss_v = expectile_loss(target_q - out["v"][:, :-1][acted], args.expectile).sum() / n
     loss_cql = sum(token_cql_penalty(out[k], a).sum() / n for k in ("q1", "q2"))
     token_ce = F.cross_entropy(out["logits"][:, :-1].transpose(1, 2), actions, reduction="none")  # (B, L-1)
-    loss_bc = (token_ce * mask).sum() / n  # BC: the agent's tokens only
-    loss_belief = torch.zeros((), device=mask.device)
+    loss_bc = token_ce[acted].sum() / n  # BC: the agent's tokens only
+    loss_belief = torch.zeros((), device=acted.device)
     if "secret" in batch and args.belief_coef > 0:  # auxiliary: the belief from every prefix
         loss_belief = belief_loss(out["belief"], batch["secret"], batch["attention_mask"], batch.get("n_real"))
     lm_mask = batch.get("lm_mask")  # (B, L-1): every real next token (agent + answerer), if given

@@ -580,10 +580,8 @@ def failure_kinds(dialogues: Sequence[dict]) -> dict:
     Turns: `redundant` (a valid question whose answer the history already implied), `malformed` (an utterance the
     answerer did not understand) and `informative` questions per dialogue. The optimal questioner has success 1,
     0 redundant, 0 malformed and 13/3 informative questions."""
-    counts = dict.fromkeys(
-        ("success", "wrong_excluded", "wrong_2_left", "wrong_3_left", "out_of_turns", "redundant", "malformed"), 0
-    )
-    counts["informative"] = 0
+    outcomes = ("success", "wrong_excluded", "wrong_2_left", "wrong_3_left", "out_of_turns")
+    counts = dict.fromkeys((*outcomes, "redundant", "malformed", "informative"), 0)
     for d in dialogues:
         history, outcome = [], "out_of_turns"
         for turn in _pairs(d):
