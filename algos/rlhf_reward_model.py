@@ -957,7 +957,6 @@ def read_train_state(run_dir: Path) -> dict:
         if meta["script"] != SCRIPT:
             raise SystemExit(f"error: {run_dir} is a run of {meta['script']}.py, not of {SCRIPT}.py")
         leaves, tree, numpy = json.loads(meta["rest"]), pytree.treespec_loads(meta["tree"]), json.loads(meta["numpy"])
-    # RuntimeError: the file was replaced while it was read (a run still writing its checkpoints)
     except (SafetensorError, OSError, KeyError, TypeError, ValueError, RuntimeError) as err:
         raise SystemExit(f"error: cannot read checkpoint {run_dir / TRAIN_STATE}: {err}") from None
     leaves = [tensors[str(i)].numpy() if i in numpy else tensors.get(str(i), leaf) for i, leaf in enumerate(leaves)]
