@@ -680,7 +680,7 @@ class TrainState:
 
 
 def seed_everything(seed: int) -> None:
-    """python's, numpy's and torch's global RNGs from `seed`: at the start, and again at STEP 4 (details 12)."""
+    """python's, numpy's and torch's global RNGs from `seed` (at the start of a run, and where a phase restarts)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

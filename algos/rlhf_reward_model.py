@@ -33,12 +33,16 @@ Implementation details:
   9. Checkpoints (`--save-every`, Ctrl-C) and `--resume` continue a run exactly (RUN_DIR/train_state.safetensors).
  10. `--learning-rate 1e-3`, not 3e-3: the larger rate makes the reward step forget the SFT fact table. LP-FT
      (`--head-only-fraction`: the head first, on the frozen backbone) is off by default (docs/tuning.md).
+ 11. An ensemble (`--ensemble-size`): member m repeats steps 2-4 from seed --seed + 1000 m on the same data, and the
+     reward is the members' mean, normalized as one. A single model's accuracy moves by several points with its
+     initialization (mostly its SFT backbone's), so independent backbones are averaged, not heads on one [4].
 
 References:
   [1] Christiano et al. 2017, Deep RL from human preferences. [2] Ziegler et al. 2019, Fine-tuning LMs from human
   preferences (K-way softmax, reward normalization). [3] Ouyang et al. 2022, InstructGPT (all C(K,2) pairs per batch
-  element). [4] Eisenstein et al. 2023, Helping or herding? (reward centering). [5] huggingface/trl `RewardTrainer`
-  (margin, center_rewards_coefficient). [6] Kumar et al. 2022, Fine-tuning can distort pretrained features (LP-FT).
+  element). [4] Eisenstein et al. 2023, Helping or herding? (reward centering, pretrain ensembles). [5]
+  huggingface/trl `RewardTrainer` (margin, center_rewards_coefficient). [6] Kumar et al. 2022, Fine-tuning can
+  distort pretrained features (LP-FT).
 Details, measurements, usage (torchrun, --resume, real models): docs/rlhf_reward_model.md.
 Reproduce: python algos/rlhf_reward_model.py --seed 1
 """
@@ -53,7 +57,7 @@ import re
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -84,6 +88,7 @@ LOG_EVERY = 20  # reward-model updates between logged training scalars
 N_POSITIONS = 64  # tiny GPT-2 context: prompt (<= 9 tokens) + completion (<= 16 tokens) fits with room
 CALIBRATION_BINS = 10  # equal-width bins of σ(Δr) for the calibration table / error
 SCORE_BATCH = 512  # sequences per no-grad scoring forward pass
+MEMBER_SEED_STRIDE = 1000  # ensemble member m is initialized and ordered from --seed + MEMBER_SEED_STRIDE * m
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "gpt2", "EleutherAI/pythia-70m": a name from_pretrained fetches
 PROBES = (  # off-distribution completions of the lecture prompt: does the proxy reward repetition? (gold says no)
     preference.Completion("paris paris paris paris", ended=True),
@@ -149,7 +154,7 @@ class Args:
     """demonstrations per SFT minibatch"""
 
     # preference data (envs/preference.py)
-    n_train_prompts: int = 3000
+    n_train_prompts: int = 12000
     """ranked comparisons to train on (each: K completions of one training prompt)"""
     k: int = 4
     """completions ranked per prompt (K); each ranking gives C(K,2) pairs"""
@@ -171,7 +176,7 @@ class Args:
     """margin m in -log σ(r_c - r_r - m)"""
     center_coef: float = 0.0
     """reward-centering coefficient λ_c on (sum of an element's rewards)^2"""
-    epochs: int = 8
+    epochs: int = 2
     """passes over the preference data"""
     head_only_fraction: float = 0.0
     """the first fraction of the updates train only the new `score` head on the frozen SFT backbone, then everything
@@ -185,6 +190,9 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
+    ensemble_size: int = 2
+    """independent reward models on the same data, each with its own initialization and order (SFT backbone
+    included; seeds --seed + 1000 m); the reward is their mean, a "pretrain ensemble" [4] (details 11)"""
     val_prompts: int = 0
     """extra ranked comparisons of training prompts (another labeler seed), never trained on: their loss and pair
     accuracy after every epoch (`val/loss`, `val/accuracy`: does the model overfit the labels' noise?); 0 = none"""
@@ -291,7 +299,10 @@ def reward_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
 
     Runs the backbone and the `score` head explicitly so the pooled index is ours (`last_non_pad_index`); it
     equals `model(input_ids, attention_mask).logits[:, 0]` of the saved `AutoModelForSequenceClassification`.
+    A `RewardEnsemble`: the mean of its members' rewards (details 11).
     """
+    if isinstance(model, RewardEnsemble):
+        return torch.stack([reward_forward(m, input_ids, attention_mask) for m in model]).mean(0)
     hidden = model.base_model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
     ).last_hidden_state  # (B, L, H)
@@ -309,8 +320,20 @@ def score_texts(model, tokenizer, prompts, completions, device) -> np.ndarray:
     return torch.cat(out).double().numpy() if out else np.zeros(0)
 
 
+class RewardEnsemble(nn.ModuleList):
+    """Reward models whose reward is the mean of theirs (`reward_forward`), each saved as its own model; `config` is
+    the first member's (all share the ensemble's normalization, `fold_normalization`)."""
+
+    @property
+    def config(self):
+        return self[0].config
+
+
 def fold_normalization(model, mean: float, std: float) -> str:
-    """Make the model output (r - mean) / std: scale the head, put the shift into a bias (see details 5)."""
+    """Make the model output (r - mean) / std: scale the head, put the shift into a bias (see details 5); an
+    ensemble: every member, so that the mean of theirs is normalized."""
+    if isinstance(model, RewardEnsemble):
+        return [fold_normalization(m, mean, std) for m in model][0]
     head = model.score
     c = -mean / std  # the shift every (scaled) score needs
     with torch.no_grad():
@@ -437,6 +460,8 @@ class TrainState:
     global_step: int = 0  # reward: updates done
     n_seen: int = 0  # reward: sequences trained on (for SPS)
     loss: float = float("nan")  # reward: the last global minibatch's loss
+    member: int = 0  # the ensemble member being trained (details 11)
+    finished: list = field(default_factory=list)  # the state_dicts of the members trained before it
 
 
 def group_ids(tokenizer, data: list[dict], args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -485,9 +510,9 @@ def gradient_step(state: TrainState, loss: torch.Tensor, run, max_grad_norm: flo
 
 # not rlhf_ppo_kl.py's `supervised_fine_tune`: this one also predicts the prompt (the reward model's input) and is
 # sharded over ranks and checkpointed
-def fine_tune_backbone(lm, tokenizer, args, run) -> float | None:
+def fine_tune_backbone(lm, tokenizer, args, run, member: int, first: int, finished: list) -> float | None:
     """STEP 2: causal-LM training on demonstrations, in place; returns the last epoch's NLL (None: a resumed run that
-    is past this phase).
+    is past this phase). `first`: the member's first update in the run's count (SFT and reward of every member).
 
     The input is the reward model's exact input format (`encode`: prompt + completion + EOS if it ended, right
     padded), so predicting "paris" after "what is the capital of france ?" teaches the backbone the fact table.
@@ -501,8 +526,8 @@ def fine_tune_backbone(lm, tokenizer, args, run) -> float | None:
     num_updates = args.sft_epochs * steps_per_epoch
     optimizer = torch.optim.AdamW(lm.parameters(), lr=args.sft_learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / num_updates)
-    state = TrainState("sft", lm, optimizer, scheduler)  # the start, or the --resume checkpoint's place
-    if run.restore(state) > num_updates:  # a checkpoint of the reward phase: SFT is over
+    state = TrainState("sft", lm, optimizer, scheduler, member=member, finished=finished)  # or the checkpoint's place
+    if run.restore(state) > first + num_updates:  # a checkpoint of this member's reward phase: SFT is over
         return None
     lm.train()
     minibatch_loss = run.data_parallel(sft_minibatch_loss, lm)  # torchrun: through DDP (details 8)
@@ -521,19 +546,17 @@ def fine_tune_backbone(lm, tokenizer, args, run) -> float | None:
             nll = run.global_sum(torch.tensor([loss.item()], dtype=torch.float64, device=device)).item()  # global
             state.next_start = start + args.sft_batch_size
             state.sft_total, state.sft_count = state.sft_total + nll * len(mb), state.sft_count + len(mb)
-            run.end_step(epoch * steps_per_epoch + start // args.sft_batch_size + 1, state)
+            run.end_step(first + epoch * steps_per_epoch + start // args.sft_batch_size + 1, state)
         epoch_nll = state.sft_total / state.sft_count
-        run.log(epoch, {"losses/sft_nll": epoch_nll})
+        run.log(first + (epoch + 1) * steps_per_epoch, {"losses/sft_nll": epoch_nll})
         if run.rank == 0:
-            print(f"[sft] epoch {epoch + 1}/{args.sft_epochs}: nll {epoch_nll:.4f}")
+            print(f"[sft] member {member}, epoch {epoch + 1}/{args.sft_epochs}: nll {epoch_nll:.4f}")
     return epoch_nll
 
 
 def main():
     args = parse_args()
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    seed_everything(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.set_num_threads(args.threads)
     run = start_run(args)  # torchrun, device, run dir (or the resumed one), tensorboard, Ctrl-C handling
@@ -542,8 +565,10 @@ def main():
     heldout = preference.make_preference_dataset(
         args.eval_episodes, args.k, data_seed(args) + 10_000, args.temperature, args.flip_prob, split="heldout"
     )
-    if args.eval_only:  # a saved reward model: evaluate it on the Bradley-Terry scale, nothing else
-        model, tokenizer = run.load_pretrained(args.checkpoint, "classifier")
+    if args.eval_only:  # a saved reward model (a run dir: all its members): on the Bradley-Terry scale, nothing else
+        paths = sorted(Path(args.checkpoint).glob("reward_model_*")) or [args.checkpoint]
+        members = [run.load_pretrained(str(path), "classifier") for path in paths]
+        model, tokenizer = RewardEnsemble(m for m, _ in members), members[0][1]
         scale = float(getattr(model.config, "seqrl_reward_std", 1.0))
         metrics, report = evaluate(model, tokenizer, heldout, args, device, scale=scale)
         run.log(0, {**metrics, "eval/report": report})
@@ -563,74 +588,84 @@ def main():
         if args.val_prompts > 0
         else []
     )
-    lm, tokenizer = build_lm(args, device)
-    # 2. supervised fine-tuning on demonstrations; the reward model starts from the SFT model's backbone
-    sft_updates = args.sft_epochs * ((args.sft_examples + args.sft_batch_size - 1) // args.sft_batch_size)
-    sft_nll = fine_tune_backbone(lm, tokenizer, args, run) if args.sft_epochs > 0 else None
-    if sft_nll is not None:  # (None also when a resumed run is past SFT)
-        if run.rank == 0:
-            print(f"SFT: {args.sft_examples} demos x {args.sft_epochs} epochs ({time.time() - start_time:.0f}s)")
-    model = reward_model_from(lm, tokenizer, device)
-    del lm
-    minibatch_loss = run.data_parallel(reward_minibatch_loss, model)  # torchrun: through DDP (details 8)
-    # 3. the comparisons as token ids: one group of G sequences per example, best first
-    ids, mask = group_ids(tokenizer, data, args)  # (N, G, L)
-    val_ids, val_mask = group_ids(tokenizer, val_data, args) if val_data else (None, None)  # (V, G, L)
-    n_examples, group = ids.shape[0], ids.shape[1]
-    steps_per_epoch = (n_examples + args.batch_size - 1) // args.batch_size
-    num_updates = args.epochs * steps_per_epoch
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / num_updates)
-    if run.rank == 0:
-        print(f"{n_examples} training examples of {group} sequences, {num_updates} updates, device {device}")
-    state = TrainState("reward", model, optimizer, scheduler, sft_nll=sft_nll)  # or the --resume checkpoint's place
-    run.restore(state)
+    # 2-4 for each member of the ensemble: its own initialization and minibatch order, the same data (details 11)
+    ensemble, finished = RewardEnsemble(), run.checkpoint["finished"] if run.checkpoint else []  # --resume: done ones
+    for member in range(args.ensemble_size):
+        seed_everything(args.seed + MEMBER_SEED_STRIDE * member)  # member 0: exactly the run of one model
+        lm, tokenizer = build_lm(args, device)
+        # 3. the comparisons as token ids: one group of G sequences per example, best first
+        ids, mask = group_ids(tokenizer, data, args)  # (N, G, L)
+        val_ids, val_mask = group_ids(tokenizer, val_data, args) if val_data else (None, None)  # (V, G, L)
+        n_examples, group = ids.shape[0], ids.shape[1]
+        steps_per_epoch = (n_examples + args.batch_size - 1) // args.batch_size
+        num_updates = args.epochs * steps_per_epoch
+        sft_updates = args.sft_epochs * ((args.sft_examples + args.sft_batch_size - 1) // args.sft_batch_size)
+        first = member * (sft_updates + num_updates)  # the member's first update in the run's count
+        if member < len(finished):  # a resumed run: this member was done before its checkpoint
+            ensemble.append(reward_model_from(lm, tokenizer, device))
+            ensemble[-1].load_state_dict(finished[member])
+            continue
+        # 2. supervised fine-tuning on demonstrations; the reward model starts from the SFT model's backbone
+        sft_nll = fine_tune_backbone(lm, tokenizer, args, run, member, first, finished) if args.sft_epochs else None
+        model = reward_model_from(lm, tokenizer, device)
+        del lm
+        minibatch_loss = run.data_parallel(reward_minibatch_loss, model)  # torchrun: through DDP (details 8)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s, n=num_updates: 1.0 - s / n)
+        state = TrainState("reward", model, optimizer, scheduler, sft_nll=sft_nll, member=member, finished=finished)
+        run.restore(state)  # or the --resume checkpoint's place
 
-    # 4. fit r_psi by maximum likelihood of the preferences
-    val = {}  # the last epoch's validation metrics (--val-prompts)
-    for epoch in range(state.epoch, args.epochs):
-        model.train()
-        if epoch > state.epoch or state.perm is None:  # a new epoch: a new order
-            state.epoch, state.next_start, state.perm = epoch, 0, torch.randperm(n_examples)
-        for start in range(state.next_start, n_examples, args.batch_size):
-            mb = state.perm[start : start + args.batch_size]  # the global minibatch (details 8)
-            width = int(mask[mb].sum(-1).max())  # right padding: drop its all-pad columns
-            part = run.shard(mb)  # this rank's share of it
-            head_only = state.global_step < args.head_only_fraction * num_updates  # LP-FT: the backbone frozen first
-            model.base_model.requires_grad_(not head_only)  # frozen: no gradient, AdamW skips it
-            loss, rewards = minibatch_loss(ids[part, :, :width].to(device), mask[part, :, :width].to(device), args)
-            loss = loss * (len(part) / len(mb))  # weighted by its share of the global minibatch (details 8)
-            gradient_step(state, loss, run, args.max_grad_norm)
-            # the global minibatch's loss and how often it scores the top-ranked completion above the second
-            stats = torch.tensor([loss.item(), (rewards[:, 0] > rewards[:, 1]).sum().item()], dtype=torch.float64)
-            loss_value, n_correct = run.global_sum(stats.to(device)).tolist()
-            step = state.global_step + 1
-            state.next_start, state.global_step, state.loss = start + args.batch_size, step, loss_value
-            state.n_seen += len(mb) * group
-            if step % LOG_EVERY == 0 or step == num_updates:
-                sps = state.n_seen / (time.time() - start_time)
-                run.log(
-                    step,
-                    {
-                        "losses/loss": loss_value,
-                        "losses/accuracy_top2": n_correct / len(mb),
-                        "charts/learning_rate": scheduler.get_last_lr()[0],
-                        "charts/SPS": sps,
-                    },
+        # 4. fit r_psi by maximum likelihood of the preferences
+        for epoch in range(state.epoch, args.epochs):
+            model.train()
+            if epoch > state.epoch or state.perm is None:  # a new epoch: a new order
+                state.epoch, state.next_start, state.perm = epoch, 0, torch.randperm(n_examples)
+            for start in range(state.next_start, n_examples, args.batch_size):
+                mb = state.perm[start : start + args.batch_size]  # the global minibatch (details 8)
+                width = int(mask[mb].sum(-1).max())  # right padding: drop its all-pad columns
+                part = run.shard(mb)  # this rank's share of it
+                head_only = state.global_step < args.head_only_fraction * num_updates  # LP-FT: backbone frozen first
+                model.base_model.requires_grad_(not head_only)  # frozen: no gradient, AdamW skips it
+                loss, rewards = minibatch_loss(ids[part, :, :width].to(device), mask[part, :, :width].to(device), args)
+                loss = loss * (len(part) / len(mb))  # weighted by its share of the global minibatch (details 8)
+                gradient_step(state, loss, run, args.max_grad_norm)
+                # the global minibatch's loss and how often it scores the top-ranked completion above the second
+                stats = torch.tensor([loss.item(), (rewards[:, 0] > rewards[:, 1]).sum().item()], dtype=torch.float64)
+                loss_value, n_correct = run.global_sum(stats.to(device)).tolist()
+                step = state.global_step + 1
+                state.next_start, state.global_step, state.loss = start + args.batch_size, step, loss_value
+                state.n_seen += len(mb) * group
+                if step % LOG_EVERY == 0 or step == num_updates:
+                    sps = (member * args.epochs * n_examples * group + state.n_seen) / (time.time() - start_time)
+                    run.log(
+                        first + sft_updates + step,
+                        {
+                            "losses/loss": loss_value,
+                            "losses/accuracy_top2": n_correct / len(mb),
+                            "charts/learning_rate": scheduler.get_last_lr()[0],
+                            "charts/SPS": sps,
+                        },
+                    )
+                run.end_step(first + sft_updates + step, state)  # a checkpoint when due or stopped
+            if run.rank == 0:  # --val-prompts: the validation comparisons' loss and pair accuracy of this epoch's model
+                val = validation_metrics(model, val_ids, val_mask, args, device) if val_data else {}
+                run.log(first + sft_updates + state.global_step, val)
+                shown = "".join(f"  {k} {v:.4f}" for k, v in val.items())
+                print(
+                    f"member {member}, epoch {epoch + 1}/{args.epochs}: loss {state.loss:.4f}{shown}",
+                    f"({time.time() - start_time:.0f}s)",
                 )
-            run.end_step(sft_updates + step, state)  # a checkpoint when due or stopped
-        if run.rank == 0:  # --val-prompts: the validation comparisons' loss and pair accuracy with this epoch's weights
-            val = validation_metrics(model, val_ids, val_mask, args, device) if val_data else {}
-            run.log(epoch, val)
-            shown = "".join(f"  {k} {v:.4f}" for k, v in val.items())
-            print(f"epoch {epoch + 1}/{args.epochs}: loss {state.loss:.4f}{shown}  ({time.time() - start_time:.0f}s)")
+        ensemble.append(model.eval())
+        finished.append(model.state_dict())  # every later checkpoint holds it
     run.end_training()  # Ctrl-C stops at once again; under torchrun, rank 0 alone goes on (details 8)
+    model, step = ensemble, args.ensemble_size * (sft_updates + num_updates)
 
     # 5. evaluate on the Bradley-Terry scale (calibration is not invariant to the normalization)
     metrics, report = evaluate(model, tokenizer, heldout, args, device)
-    if state.sft_nll is not None:
+    if state.sft_nll is not None:  # the last member's
         metrics["model/sft_nll"] = state.sft_nll
-    metrics.update(val)  # the last epoch's validation loss and accuracy (--val-prompts)
+    if val_data:  # the validation comparisons' loss and pair accuracy of the ensemble (--val-prompts)
+        metrics.update(validation_metrics(model, val_ids, val_mask, args, device))
     # 6. normalize to mean 0 / std 1 on SFT demonstrations, folded into the saved weights
     demos = preference.make_sft_dataset(args.n_norm_samples, seed=data_seed(args) + 20_000)
     raw = score_texts(model, tokenizer, [d[0] for d in demos], [d[1] for d in demos], device)
@@ -645,10 +680,13 @@ def main():
     score_metrics, score_report = lecture_scores(model, tokenizer, device)  # now on the normalized scale
     metrics.update(score_metrics)
     report = score_report + report[report.index("\n\ncalibration") :]
-    run.log(state.global_step, {**metrics, "eval/report": report})
+    run.log(step, {**metrics, "eval/report": report})
     print(report)
-    # 7. save the model (loadable with AutoModelForSequenceClassification.from_pretrained) and summary.json
-    run.finish(metrics, {"reward_model": (model, tokenizer)}, samples=state.n_seen)
+    # 7. save each member (loadable with AutoModelForSequenceClassification.from_pretrained) and summary.json
+    names = ["reward_model"] if len(model) == 1 else [f"reward_model_{m}" for m in range(len(model))]
+    run.finish(
+        metrics, {n: (m, tokenizer) for n, m in zip(names, model, strict=True)}, samples=state.n_seen * len(model)
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -702,6 +740,13 @@ def evaluate(model, tokenizer, heldout, args, device, scale: float = 1.0) -> tup
     return metrics, report
 
 
+def seed_everything(seed: int) -> None:
+    """python's, numpy's and torch's global RNGs from `seed` (at the start of a run, and where a phase restarts)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def data_seed(args) -> int:
     """The seed of the data (--data-seed, else --seed): comparisons, labels, demonstrations, held-out pairs."""
     return args.seed if args.data_seed is None else args.data_seed
@@ -738,7 +783,7 @@ DIST_TIMEOUT = timedelta(minutes=10)  # a rank waiting this long in a collective
 AT_LEAST = [  # (least value, Args fields): each a one-line error naming the flag
     (0, "seed data_seed save_every sft_epochs val_prompts sft_learning_rate learning_rate weight_decay center_coef"),
     (1, "threads sft_examples sft_batch_size n_train_prompts eval_episodes epochs batch_size n_center_samples"),
-    (1, "n_layer n_embd n_head"),
+    (1, "n_layer n_embd n_head ensemble_size"),
     (2, "k n_norm_samples"),
 ]
 
@@ -790,7 +835,7 @@ class Run:
         self.run_dir, purge = Path(args.resume or "."), None
         if self.checkpoint:  # tensorboard drops what the stopped run logged after its checkpoint (SFT: per epoch)
             saved, self.start_time = self.checkpoint, self.start_time - self.checkpoint["elapsed_s"]
-            purge = saved["epoch"] if saved["phase"] == "sft" else max(saved["global_step"] + 1, args.sft_epochs)
+            purge = saved["update"] + (saved["phase"] == "reward")  # SFT logs an epoch after its last checkpoint
         name = f"{TASK_ID}__{args.exp_name}__{args.seed}__{int(time.time())}"
         for suffix in range(0 if self.checkpoint or self.rank else 10**6):  # a new dir (mkdir is atomic): -1, -2, ...
             self.run_dir = Path(args.runs_dir) / (f"{name}-{suffix}" if suffix else name)
@@ -854,8 +899,8 @@ class Run:
 
     def restore(self, state: TrainState) -> int:
         """--resume: the updates done (SFT and reward counted together); the checkpoint loaded into `state` (its fields,
-        as state_dicts where they have one, and this rank's RNGs) if it was written in state.phase. Otherwise 0."""
-        if self.checkpoint and self.checkpoint["phase"] == state.phase:
+        as state_dicts where they have one, and this rank's RNGs) if it was written in state.phase of state.member."""
+        if self.checkpoint and (self.checkpoint["phase"], self.checkpoint["member"]) == (state.phase, state.member):
             for f in dataclasses.fields(state):
                 value, saved = getattr(state, f.name), self.checkpoint[f.name]
                 value.load_state_dict(saved) if hasattr(value, "load_state_dict") else setattr(state, f.name, saved)

@@ -13,10 +13,11 @@ from envs.preference import Completion
 
 rm = load_script("rlhf_reward_model")
 BAYES_GAP = 0.05  # the slow test's line = benchmark.sh's rlhf_rm claim: at most this far below the Bayes accuracy
-TINY = tuple(
+TINY_ENSEMBLE = tuple(  # the default ensemble of 2 members
     "--n-train-prompts 48 --epochs 1 --eval-episodes 16 --n-norm-samples 64 --n-center-samples 8 --sft-epochs 1 "
     "--sft-examples 64".split()
 )
+TINY = (*TINY_ENSEMBLE, "--ensemble-size", "1")  # one reward model, saved as RUN_DIR/reward_model
 
 
 def test_bradley_terry_loss_is_the_nll_by_hand():
@@ -98,7 +99,7 @@ def test_sft_trains_the_lm_and_the_reward_model_gets_its_backbone(tmp_path):
     before = {k: v.clone() for k, v in lm.base_model.state_dict().items()}
     run = rm.start_run(args)
     try:
-        nll = rm.fine_tune_backbone(lm, tok, args, run)
+        nll = rm.fine_tune_backbone(lm, tok, args, run, member=0, first=0, finished=[])
     finally:
         rm.restore_signal_handlers(run.stop)
     assert math.isfinite(nll) and nll < math.log(len(tok))  # below the uniform guess after 4 updates
@@ -166,11 +167,11 @@ def test_prompt_baselines_remove_a_per_prompt_offset(monkeypatch):
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-    """One tiny pairwise run (margin 0.1) with validation comparisons: the smoke and validation tests share it."""
+    """One tiny pairwise run (margin 0.1) with validation comparisons and the default ensemble of two: the smoke,
+    validation and ensemble tests share it."""
     runs = tmp_path_factory.mktemp("smoke")
-    summary = run_script(
-        "rlhf_reward_model", *TINY, "--loss", "pairwise", "--margin", "0.1", "--val-prompts", "16", runs_dir=runs
-    )
+    argv = ("--loss", "pairwise", "--margin", "0.1", "--val-prompts", "16")
+    summary = run_script("rlhf_reward_model", *TINY_ENSEMBLE, *argv, runs_dir=runs)
     return summary, runs
 
 
@@ -194,11 +195,34 @@ def test_smoke_run_and_eval_only(smoke_run):
     assert m["model/reward_mean_normalized"] == pytest.approx(0.0, abs=1e-3)
     assert m["model/reward_std_normalized"] == pytest.approx(1.0, abs=1e-3)
     run_dir = summary["run_dir"]
-    again = run_in_process(rm, runs_dir, *TINY, "--eval-only", "--checkpoint", run_dir)
+    again = run_in_process(rm, runs_dir, *TINY, "--eval-only", "--checkpoint", run_dir)  # both members
     # same model, same held-out set -> same accuracy and correlation (calibration rescaled by the stored std)
     keys = ("eval/preference_accuracy", "eval/spearman_gold", "eval/calibration_error", "eval/spearman_gold_centered")
     for key in keys:
         assert again["metrics"][key] == pytest.approx(m[key], abs=1e-4)
+
+
+def test_ensemble_members_are_single_runs_with_their_own_seeds_and_their_mean_is_normalized(smoke_run, tmp_path):
+    """Member m trains as the one-model run of seed --seed + 1000 m on the same data; the saved members' mean reward
+    is normalized on the SFT demonstrations (each member alone is not)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    summary, _ = smoke_run
+    argv = ("--loss", "pairwise", "--margin", "0.1", "--val-prompts", "16")
+    single = [run_in_process(rm, tmp_path, *TINY, *argv, "--seed", str(seed), "--data-seed", "1") for seed in (1, 1001)]
+    load = AutoModelForSequenceClassification.from_pretrained
+    members = [load(Path(summary["run_dir"]) / f"reward_model_{m}") for m in range(2)]
+    alone = [load(Path(s["run_dir"]) / "reward_model") for s in single]
+    key = "transformer.h.1.attn.c_attn.weight"  # trained, and untouched by the normalization (ln_f, score)
+    for member, one in zip(members, alone, strict=True):
+        assert torch.equal(member.state_dict()[key], one.state_dict()[key])
+    assert not torch.equal(members[0].state_dict()[key], members[1].state_dict()[key])
+    demos = preference.make_sft_dataset(64, seed=1 + 20_000)
+    tok = AutoTokenizer.from_pretrained(Path(summary["run_dir"]) / "reward_model_0")
+    scores = [rm.score_texts(m, tok, [d[0] for d in demos], [d[1] for d in demos], "cpu") for m in members]
+    mean = np.mean(scores, axis=0)
+    assert abs(mean.mean()) < 1e-4 and abs(mean.std() - 1) < 1e-4
+    assert abs(scores[0].std() - 1) > 1e-3  # a member alone is on the ensemble's scale, not normalized itself
 
 
 def test_smoke_validation_comparisons(smoke_run):

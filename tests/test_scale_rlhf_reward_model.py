@@ -46,8 +46,9 @@ DP_ARGS = tuple(
     "--sft-batch-size 32 --eval-episodes 64 --n-norm-samples 64 --n-center-samples 8 --seed 3 --save-every 10".split()
 )
 ACC_TOL = 0.02  # |held-out accuracy 2 ranks - 1 rank| over 64 x 6 = 384 held-out pairs (~8 pairs); see the test
-# Checkpointed every 2 updates: 80 SFT updates, then 36 reward-model updates, so the first checkpoint (update 2) and
-# the first reward-phase one (update 82) come long before the end: the signals land in the middle of the run.
+# Checkpointed every 2 updates: per member of the default ensemble of two, 80 SFT updates, then 36 reward-model
+# updates (member 1 from update 116), so the first checkpoint (update 2), the first reward-phase one (update 82) and
+# member 1's first (update 118) come long before the end: the signals land in the middle of the run.
 RESUME_ARGS = tuple(
     "--n-train-prompts 96 --epochs 6 --batch-size 16 --sft-epochs 10 --sft-examples 128 "
     "--sft-batch-size 16 --eval-episodes 16 --n-norm-samples 64 --n-center-samples 8 --save-every 2 "
@@ -207,11 +208,11 @@ def test_torchrun_two_processes_writes_exactly_one_run_dir(one_and_two_ranks):
     assert len(run_dirs) == 1, run_dirs  # only rank 0 made a run dir
     summary = json.loads((run_dirs[0] / "summary.json").read_text())
     assert summary["script"] == "rlhf_reward_model" and summary["run_dir"] == str(run_dirs[0])
-    assert (run_dirs[0] / "reward_model" / "config.json").exists()
+    assert all((run_dirs[0] / f"reward_model_{m}" / "config.json").exists() for m in range(2))  # the default 2
     assert len(list(run_dirs[0].glob("events.out.tfevents.*"))) == 1  # one tensorboard writer
     # checkpoints every 10 updates, by rank 0 only, and none left once the run has finished (nothing to resume)
     assert not [p for p in run_dirs[0].iterdir() if "train_state" in p.name]
-    assert proc.stdout.count("training examples of") == 1  # rank 0 alone prints
+    assert proc.stdout.count("member 1, epoch 2/2") == 1  # rank 0 alone prints
 
 
 def test_two_ranks_reach_one_rank_heldout_accuracy(one_and_two_ranks):
@@ -235,9 +236,9 @@ def uninterrupted(tmp_path_factory):
     return run_in_process(rm, runs, *RESUME_ARGS)  # the resumed subprocess runs must end bit-identical to it
 
 
-def start_and_interrupt(runs: Path, sig: int, phase: str) -> tuple[subprocess.Popen, Path, str]:
-    """Start a run, wait for its first checkpoint of `phase`, send `sig`; returns the ended process, its run dir
-    and its output."""
+def start_and_interrupt(runs: Path, sig: int, phase: str, member: int = 0) -> tuple[subprocess.Popen, Path, str]:
+    """Start a run, wait for its first checkpoint of `phase` of ensemble member `member`, send `sig`; returns the
+    ended process, its run dir and its output."""
     cmd = [sys.executable, SCRIPT, "--runs-dir", str(runs), *RESUME_ARGS]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -245,7 +246,7 @@ def start_and_interrupt(runs: Path, sig: int, phase: str) -> tuple[subprocess.Po
     deadline = time.time() + TIMEOUT
     while True:
         found = list(runs.glob(f"*/{rm.TRAIN_STATE}"))  # renamed into place: always a complete file
-        if found and checkpoint_phase(found[0].parent) == phase:
+        if found and checkpoint_phase(found[0].parent) == (phase, member):
             break
         assert proc.poll() is None, f"the run ended before its first {phase} checkpoint:\n{proc.stdout.read()}"
         assert time.time() < deadline, "no checkpoint in time"
@@ -265,8 +266,9 @@ def checkpoint_header(run_dir: Path) -> dict:
     raise AssertionError(f"cannot read the checkpoint in {run_dir}")
 
 
-def checkpoint_phase(run_dir: Path) -> str:
-    return checkpoint_header(run_dir)["phase"]
+def checkpoint_phase(run_dir: Path) -> tuple[str, int]:
+    header = checkpoint_header(run_dir)
+    return header["phase"], header["member"]
 
 
 def resume(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -304,7 +306,19 @@ def test_sigterm_saves_a_checkpoint_and_resume_ends_with_the_uninterrupted_metri
     latest = checkpoint_header(run_dir)
     assert latest["phase"] == "reward" and 80 < latest["update"] < 116, latest  # inside the reward-model phase
     assert not (run_dir / "summary.json").exists()
-    assert scalar_steps(run_dir, "losses/sft_nll") == list(range(10))  # on disk: the writer was closed
+    assert scalar_steps(run_dir, "losses/sft_nll") == list(range(8, 81, 8))  # on disk: the writer was closed
+    done = resume(run_dir)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["metrics"] == uninterrupted["metrics"]
+
+
+def test_a_stop_in_the_second_member_resumes_with_the_first_from_the_checkpoint(uninterrupted, tmp_path):
+    """Stopped in member 1's SFT: member 0 (done) comes back from the checkpoint, member 1 continues where it was."""
+    proc, run_dir, out = start_and_interrupt(tmp_path / "runs", signal.SIGTERM, "sft", member=1)
+    assert proc.returncode == 130, out
+    latest = checkpoint_header(run_dir)
+    assert latest["member"] == 1 and 116 < latest["update"] < 196 and len(latest["finished"]) == 1, latest["update"]
     done = resume(run_dir)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
