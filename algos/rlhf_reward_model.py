@@ -556,9 +556,9 @@ def fine_tune_backbone(lm, tokenizer, args, run, member: int, first: int, finish
 
 def main():
     args = parse_args()
+    torch.set_num_threads(args.threads)
     seed_everything(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.set_num_threads(args.threads)
     run = start_run(args)  # torchrun, device, run dir (or the resumed one), tensorboard, Ctrl-C handling
     device, start_time = run.device, run.start_time
     # held-out comparisons: K completions of held-out prompts, ranked by the same labeler (other seed)
