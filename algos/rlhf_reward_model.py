@@ -593,13 +593,12 @@ def main():
     for member in range(args.ensemble_size):
         seed_everything(args.seed + MEMBER_SEED_STRIDE * member)  # member 0: exactly the run of one model
         lm, tokenizer = build_lm(args, device)
-        # 3. the comparisons as token ids: one group of G sequences per example, best first
-        ids, mask = group_ids(tokenizer, data, args)  # (N, G, L)
-        val_ids, val_mask = group_ids(tokenizer, val_data, args) if val_data else (None, None)  # (V, G, L)
-        n_examples, group = ids.shape[0], ids.shape[1]
-        steps_per_epoch = (n_examples + args.batch_size - 1) // args.batch_size
-        num_updates = args.epochs * steps_per_epoch
-        sft_updates = args.sft_epochs * ((args.sft_examples + args.sft_batch_size - 1) // args.sft_batch_size)
+        if member == 0:  # 3. the comparisons as token ids (one tokenizer for all): groups of G sequences, best first
+            ids, mask = group_ids(tokenizer, data, args)  # (N, G, L)
+            val_ids, val_mask = group_ids(tokenizer, val_data, args) if val_data else (None, None)  # (V, G, L)
+            n_examples, group = ids.shape[0], ids.shape[1]
+            num_updates = args.epochs * ((n_examples + args.batch_size - 1) // args.batch_size)
+            sft_updates = args.sft_epochs * ((args.sft_examples + args.sft_batch_size - 1) // args.sft_batch_size)
         first = member * (sft_updates + num_updates)  # the member's first update in the run's count
         if member < len(finished):  # a resumed run: this member was done before its checkpoint
             ensemble.append(reward_model_from(lm, tokenizer, device))
